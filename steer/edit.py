@@ -1,0 +1,106 @@
+"""Compiled edits: plain in-place tensor programs on a `[rows, hidden]` activation (GUIDE.md section 5).
+
+Every kind is written as `h += w * delta(h)`, where `delta` is the full edit and `w` a per-row weight (1 on
+rows the edit selects, 0 elsewhere), computed in float32 and cast back. Written so, one vectorised op serves a
+step that mixes prompt and generated rows, and an engine that only sees a sum of tensors (vLLM's
+`hidden + residual`) can compute `delta` on the sum and land it on one of them. Nothing here knows an engine.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from steer.schema import EditKind, Tokens
+
+
+@dataclass(frozen=True, eq=False)
+class Edit:
+    """One compiled edit. `basis` is float32 `[k, hidden]`: the raw vector for `add` and the centre for
+    `scale`; orthonormal rows for `ablate`; one unit row for `clamp` and `set`."""
+
+    kind: EditKind
+    scale: float
+    basis: Optional[torch.Tensor]
+    tokens: Tokens = Tokens.both
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    value: float = 0.0
+
+    @property
+    def is_noop(self) -> bool:
+        """True when the edit changes nothing, so an engine may skip it (the math is exact either way)."""
+        if self.kind == EditKind.scale:
+            return self.scale == 1.0
+        if self.kind == EditKind.clamp and self.lo is None and self.hi is None:
+            return True
+        return self.scale == 0.0
+
+    def direction(self) -> Optional[torch.Tensor]:
+        """Orthonormal `[k, hidden]` rows spanning what the edit acts on, for projection metrics."""
+        if self.basis is None:
+            return None
+        return self.basis if self.kind in (EditKind.ablate, EditKind.clamp, EditKind.set) else orthonormal(self.basis)
+
+    def delta(self, h: torch.Tensor) -> torch.Tensor:
+        """The change the edit makes to float32 rows `h` (`[rows, hidden]`)."""
+        b = self.basis.to(h.device) if self.basis is not None else None
+        if self.kind == EditKind.add:
+            return (self.scale * b[0]).expand_as(h)
+        if self.kind == EditKind.ablate:
+            return -self.scale * (h @ b.T) @ b
+        if self.kind == EditKind.scale:
+            centre = b[0] if b is not None else 0.0
+            return (self.scale - 1.0) * (h - centre)
+        d = b[0]
+        p = h @ d
+        if self.kind == EditKind.clamp:
+            target = p.clamp(min=self.lo, max=self.hi)
+        else:  # set
+            target = torch.full_like(p, self.value)
+        return (self.scale * (target - p))[:, None] * d
+
+    def apply_(self, h: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
+        """Edit `h` (`[rows, hidden]`, any float dtype) in place; `weight` (`[rows]`) scales each row's edit."""
+        x = h.float()
+        d = self.delta(x)
+        if weight is not None:
+            d = d * weight.to(device=h.device, dtype=torch.float32)[:, None]
+        h.copy_((x + d).to(h.dtype))
+
+    def row_weight(self, is_prompt: torch.Tensor) -> Optional[torch.Tensor]:
+        """Per-row weights from a bool mask of prompt rows (None: every row)."""
+        if self.tokens == Tokens.both:
+            return None
+        return (is_prompt if self.tokens == Tokens.prompt else ~is_prompt).float()
+
+
+def orthonormal(vectors: torch.Tensor) -> torch.Tensor:
+    """Orthonormal rows spanning `vectors` (`[k, hidden]`), in their order (Gram-Schmidt via QR)."""
+    q, r = torch.linalg.qr(vectors.double().T)
+    keep = r.diagonal().abs() > 1e-8 * r.diagonal().abs().max()
+    # QR may flip signs; align each row with its source vector so a single direction keeps its sense.
+    q = q * torch.sign(r.diagonal())[None, :]
+    return q[:, keep].T.float().contiguous()
+
+
+def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], *, tokens: Tokens = Tokens.both,
+                 lo: Optional[float] = None, hi: Optional[float] = None, value: float = 0.0,
+                 field: str = "edit") -> Edit:
+    """Turn an edit's config and its float32 `[k, hidden]` vectors into an Edit, checking they fit the kind."""
+    from steer.errors import ConfigError
+
+    if kind != EditKind.scale and vectors is None:
+        raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} needs a vector")
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError(f"{field}.lo", f"clamp bounds are reversed: lo={lo} > hi={hi}")
+    if vectors is not None:
+        k = vectors.shape[0]
+        if kind in (EditKind.add, EditKind.clamp, EditKind.set, EditKind.scale) and k != 1:
+            raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} takes one vector [hidden], got {k} "
+                                                 "rows (only `ablate` takes a [k, hidden] subspace)")
+        if kind != EditKind.add and kind != EditKind.scale:
+            if float(vectors.norm(dim=-1).min()) == 0.0:
+                raise ConfigError(f"{field}.vector", "a direction of norm 0 has no direction")
+            vectors = orthonormal(vectors)
+    return Edit(kind, float(scale), vectors, tokens, lo, hi, value)

@@ -1,0 +1,116 @@
+"""The HF transformers engine: runs compiled edits at taps through forward hooks, on CPU or one GPU.
+
+It is the product's portable engine and the independent reference the vLLM engine is checked against, so it
+stays plain: one request at a time, a KV cache, and hooks that edit the tap's output in place. HF decoder
+layers return the summed residual stream, so a residual tap sees exactly the `h` of GUIDE.md section 5.
+"""
+
+import inspect
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from steer.model import ModelSpec
+from steer.plan import Plan
+from steer.schema import GenConf
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, spec: ModelSpec, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.spec = spec
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.source, revision=spec.revision, dtype=spec.dtype)
+        self.model.to(self.device).eval()
+        self._is_prompt: Optional[torch.Tensor] = None  # per row of the forward being run
+        # transformers 5.2x renamed `past_key_values` to `cache`; the GPU machine's 5.17 knows only the old name.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @contextmanager
+    def _hooks(self, plan: Optional[Plan], capture: Optional[Dict[str, List[torch.Tensor]]] = None) -> Iterator[None]:
+        """Install the plan's edits and, after them, captures of the tap values named in `capture`."""
+        handles = []
+        modules = dict(self.model.named_modules())
+        for path, edits in (plan.edits.items() if plan else []):
+            handles.append(modules[path].register_forward_hook(self._edit_hook(edits)))
+        for path, store in (capture or {}).items():
+            handles.append(modules[path].register_forward_hook(_capture_hook(store)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _edit_hook(self, edits):
+        def hook(module, args, output):
+            h = _primary(output)
+            rows = h.reshape(-1, h.shape[-1])  # a view: the edit lands in the module's output
+            for e in edits:
+                e.apply_(rows, e.row_weight(self._is_prompt))
+        return hook
+
+    @torch.no_grad()
+    def _forward(self, ids: List[int], is_prompt: bool | torch.Tensor, past=None, cache: bool = True):
+        x = torch.tensor([ids], device=self.device)
+        self._is_prompt = (torch.full((len(ids),), is_prompt, dtype=torch.bool) if isinstance(is_prompt, bool)
+                           else is_prompt).to(self.device)
+        return self.model(input_ids=x, use_cache=cache, **{self._cache_kw: past})
+
+    def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
+        """Continue one prompt with the plan's edits (None: unsteered); greedy when temperature is 0."""
+        rng = torch.Generator(device="cpu").manual_seed(seed)
+        out: List[int] = []
+        with self._hooks(plan):
+            res = self._forward(prompt_ids, True)
+            for _ in range(gen.max_new_tokens):
+                tok = _pick(res.logits[0, -1].float().cpu(), gen, rng)
+                if tok == self.tokenizer.eos_token_id:
+                    break
+                out.append(tok)
+                if len(out) == gen.max_new_tokens:
+                    break
+                res = self._forward([tok], False, getattr(res, self._cache_kw))
+        return out
+
+    @torch.no_grad()
+    def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
+              capture: Tuple[str, ...] = ()) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Teacher-force prompt + continuation in one pass (rows marked prompt/generated as in generation).
+        Returns float32 logits `[len, vocab]` and each captured tap's `[len, hidden]` value after its edits."""
+        store: Dict[str, List[torch.Tensor]] = {p: [] for p in capture}
+        mask = torch.tensor([True] * len(prompt_ids) + [False] * len(cont_ids))
+        with self._hooks(plan, store):
+            res = self._forward(list(prompt_ids) + list(cont_ids), mask, cache=False)
+        return res.logits[0].float().cpu(), {p: v[0].reshape(-1, v[0].shape[-1]).float().cpu() for p, v in store.items()}
+
+
+def _primary(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _capture_hook(store: List[torch.Tensor]):
+    def hook(module, args, output):
+        store.append(_primary(output).detach().clone())
+    return hook
+
+
+def _pick(logits: torch.Tensor, gen: GenConf, rng: torch.Generator) -> int:
+    if gen.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / gen.temperature, dim=-1)
+    if gen.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < gen.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=rng))

@@ -1,0 +1,41 @@
+"""Per-prompt and aggregate metrics of a steered run against its baseline."""
+
+from typing import Dict, List, Optional
+
+import torch
+
+
+def kl_mean(steered_logits: torch.Tensor, baseline_logits: torch.Tensor) -> float:
+    """Mean over rows of KL(steered || baseline) between next-token distributions (float32 logits)."""
+    ls, lb = torch.log_softmax(steered_logits.double(), -1), torch.log_softmax(baseline_logits.double(), -1)
+    return float((ls.exp() * (ls - lb)).sum(-1).mean())
+
+
+def tokens_changed(baseline: List[int], steered: List[int]) -> int:
+    """Positions where the two continuations differ (a position only one of them reaches counts)."""
+    n = max(len(baseline), len(steered))
+    return sum(1 for i in range(n) if i >= len(baseline) or i >= len(steered) or baseline[i] != steered[i])
+
+
+def projection(h: torch.Tensor, basis: torch.Tensor, rows: torch.Tensor) -> Optional[float]:
+    """Mean over the selected rows of |h . d| (of ||B h|| for a subspace B of orthonormal rows)."""
+    if not bool(rows.any()):
+        return None
+    return float((h[rows].double() @ basis.double().T).norm(dim=-1).mean())
+
+
+def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float]]:
+    """The run's metrics.json: means over prompts, the changed-token fraction over all positions."""
+    def mean(key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    positions = sum(max(r["baseline_tokens"], r["steered_tokens"]) for r in rows)
+    return {
+        "kl_mean": mean("kl"),
+        "tokens_changed_frac": sum(r["tokens_changed"] for r in rows) / positions if positions else 0.0,
+        "proj_baseline": mean("proj_baseline"),
+        "proj_steered": mean("proj_steered"),
+        "tokens_per_s": tokens_per_s,
+        "prompts": len(rows),
+    }

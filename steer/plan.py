@@ -1,0 +1,71 @@
+"""Config plus loaded vectors -> a Plan: the compiled edits of a run, grouped by tap, in config order.
+
+Vectors named by a file are loaded and checked here; a vector left to the default (no path) is asked of
+`default_vector(tap)`, which the caller backs with extraction (see steer.extract). Nothing here loads a model.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from steer import vector
+from steer.edit import Edit, compile_edit
+from steer.model import ModelSpec
+from steer.schema import EditConf, EditKind, SteerConf
+from steer.tap import Tap, resolve
+
+
+@dataclass
+class Plan:
+    """Compiled edits by tap path, each list in config order; `primary` is the config's first edit."""
+
+    taps: Dict[str, Tap] = field(default_factory=dict)
+    edits: Dict[str, List[Edit]] = field(default_factory=dict)
+    primary: Optional[Tuple[Tap, Edit]] = None
+
+    def add(self, tap: Tap, edit: Edit) -> None:
+        self.taps.setdefault(tap.path, tap)
+        self.edits.setdefault(tap.path, []).append(edit)
+        if self.primary is None:
+            self.primary = (tap, edit)
+
+    def active(self) -> "Plan":
+        """The same plan without edits that change nothing (so scale 0 runs no edit at all)."""
+        out = Plan(primary=self.primary)
+        for path, edits in self.edits.items():
+            for e in edits:
+                if not e.is_noop:
+                    out.taps.setdefault(path, self.taps[path])
+                    out.edits.setdefault(path, []).append(e)
+        return out
+
+
+def entries(cfg: SteerConf) -> List[Tuple[str, object, EditConf]]:
+    """Every (config field prefix, tap config, edit config) of a run, in config order."""
+    out = [("", cfg.tap, cfg.edit)]
+    out += [(f"extra_edits[{i}].", te.tap, te.edit) for i, te in enumerate(cfg.extra_edits)]
+    return out
+
+
+def needs_default_vector(e: EditConf) -> bool:
+    return e.vector.path is None and e.kind != EditKind.scale
+
+
+def build(cfg: SteerConf, spec: ModelSpec, default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
+    """Resolve taps, load and check vectors, compile edits. With `default_vector` None, only files are read
+    (the early validation pass): edits that need an extracted vector are checked for everything else."""
+    plan = Plan()
+    for prefix, tap_conf, e in entries(cfg):
+        tap = resolve(tap_conf, spec, f"{prefix}tap")
+        if e.vector.path is not None:
+            vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector")
+        elif needs_default_vector(e) and default_vector is not None:
+            vecs = vector.check(default_vector(tap), spec.hidden, f"default vector at {tap.name}")
+        elif needs_default_vector(e):
+            vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction while validating
+        else:
+            vecs = None
+        plan.add(tap, compile_edit(e.kind, e.scale, vecs, tokens=e.tokens, lo=e.lo, hi=e.hi, value=e.value,
+                                   field=f"{prefix}edit"))
+    return plan

@@ -1,0 +1,132 @@
+"""The typed config schema. Hydra merges every YAML file onto these dataclasses, so an unknown key, a wrong
+type or an unknown edit kind fails at composition, before anything is loaded."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class EditKind(str, Enum):
+    add = "add"
+    ablate = "ablate"
+    clamp = "clamp"
+    set = "set"
+    scale = "scale"
+
+
+class Tokens(str, Enum):
+    """Which rows of the residual stream an edit touches: rows fed a prompt token, a generated token, or both."""
+
+    both = "both"
+    prompt = "prompt"
+    generated = "generated"
+
+
+class Task(str, Enum):
+    steer = "steer"
+    extract = "extract"
+
+
+@dataclass
+class TinyConf:
+    """Shape and recipe of the embedded model; it is written once per distinct recipe and cached."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    intermediate: int = 512
+    vocab: int = 512
+    max_positions: int = 512
+    seed: int = 0
+    train_steps: int = 120
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+    # "tiny": the embedded model (built here); otherwise a local directory or a Hugging Face hub id.
+    source: str = "tiny"
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    tiny: TinyConf = field(default_factory=TinyConf)
+
+
+@dataclass
+class TapConf:
+    """Where an edit runs. `layer`: residual stream after that decoder layer. `path`: any module's output."""
+
+    layer: Optional[int] = None
+    path: Optional[str] = None
+
+
+@dataclass
+class VectorConf:
+    # null path: the direction is extracted from the built-in contrastive prompts at this tap (cached).
+    path: Optional[str] = None
+    key: str = "direction"
+
+
+@dataclass
+class EditConf:
+    kind: EditKind = EditKind.add
+    scale: float = 1.0
+    vector: VectorConf = field(default_factory=VectorConf)
+    tokens: Tokens = Tokens.both
+    lo: Optional[float] = None  # clamp bounds on the projection; null is unbounded
+    hi: Optional[float] = None
+    value: float = 0.0  # set: the projection to move to
+
+
+@dataclass
+class TapEditConf:
+    tap: TapConf = field(default_factory=TapConf)
+    edit: EditConf = field(default_factory=EditConf)
+
+
+@dataclass
+class PromptsConf:
+    steer: List[str] = MISSING
+    positive: List[str] = MISSING
+    negative: List[str] = MISSING
+
+
+@dataclass
+class GenConf:
+    max_new_tokens: int = 24
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class ExtractConf:
+    position: str = "mean"  # "mean" over the prompt's tokens or the "last" token
+    out: Optional[str] = None  # null: vector.safetensors in the run dir
+    key: str = "direction"
+    normalize: bool = False
+
+
+@dataclass
+class SteerConf:
+    task: Task = Task.steer
+    engine: str = "hf"
+    model: ModelConf = MISSING
+    tap: TapConf = MISSING
+    edit: EditConf = MISSING
+    # More edits, applied after `edit` in this order (several on one tap compose in order).
+    extra_edits: List[TapEditConf] = field(default_factory=list)
+    prompts: PromptsConf = MISSING
+    gen: GenConf = field(default_factory=GenConf)
+    extract: ExtractConf = field(default_factory=ExtractConf)
+    cache_dir: str = MISSING
+    device: str = "cpu"
+    progress: bool = True
+
+
+def register() -> None:
+    """Register the schema under the name conf/config.yaml puts first in its defaults list."""
+    ConfigStore.instance().store(name="steer_schema", node=SteerConf)

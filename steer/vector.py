@@ -1,0 +1,79 @@
+"""Steering vectors on disk: safetensors files whose metadata says where a vector came from.
+
+A vector is `[hidden]` (one direction) or `[k, hidden]` (a subspace). Everything is checked here, against the
+model's hidden size, before any engine starts.
+"""
+
+import datetime
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from steer.errors import ConfigError
+
+
+def save(path: str | Path, tensors: Dict[str, torch.Tensor], *, model: str, tap: str, method: str,
+         extra: Optional[Dict[str, str]] = None) -> Path:
+    """Write `tensors` to `path` atomically, with metadata (model, tap, method, date, hidden)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hidden = {t.shape[-1] for t in tensors.values()}
+    meta = {
+        "model": model,
+        "tap": tap,
+        "method": method,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hidden": ",".join(str(h) for h in sorted(hidden)),
+        **(extra or {}),
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def metadata(path: str | Path) -> Dict[str, str]:
+    """The metadata stored with a vector file ({} if it has none)."""
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector") -> torch.Tensor:
+    """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist")
+    try:
+        f = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise ConfigError(f"{field}.path", f"{str(path)!r} is not a readable safetensors file ({e})") from e
+    with f:
+        keys = sorted(f.keys())
+        if key not in keys:
+            raise ConfigError(f"{field}.key", f"key {key!r} is not in {str(path)!r}; keys present: {keys}")
+        v = f.get_tensor(key)
+    return check(v, hidden, f"{field} ({path}:{key})")
+
+
+def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
+    """Validate a vector's dtype, shape and values against the model; return it as float32 `[k, hidden]`."""
+    if not v.is_floating_point():
+        raise ConfigError(where, f"dtype {v.dtype} is not a floating-point type")
+    if v.dim() not in (1, 2) or v.shape[-1] != hidden or v.numel() == 0:
+        raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: expected [{hidden}] or "
+                                 f"[k, {hidden}] (the model's hidden size is {hidden}, the vector's {v.shape[-1] if v.dim() else 'none'})")
+    bad = ~torch.isfinite(v)
+    if bad.any():
+        kinds = sorted({"nan" if x else "inf" for x in torch.isnan(v[bad]).tolist()})
+        raise ConfigError(where, f"{int(bad.sum())} entries are {'/'.join(kinds)}; a vector must be finite")
+    return v.float().reshape(-1, hidden)
