@@ -7,6 +7,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
 from steer import schema
 from steer.errors import ConfigError
@@ -18,13 +19,13 @@ schema.register()
 def app(cfg: DictConfig) -> None:
     from steer import run  # heavy imports (torch, transformers) after Hydra has parsed the command line
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     conf = OmegaConf.to_object(cfg)
     try:
         run.main(conf, out_dir, console)
     except ConfigError as e:
-        console.print(f"[bold red]error[/] {e}", markup=True, highlight=False)
+        console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
 
 

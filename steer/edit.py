@@ -55,7 +55,7 @@ class Edit:
         d = b[0]
         p = h @ d
         if self.kind == EditKind.clamp:
-            target = p.clamp(min=self.lo, max=self.hi)
+            target = p if self.lo is None and self.hi is None else p.clamp(min=self.lo, max=self.hi)
         else:  # set
             target = torch.full_like(p, self.value)
         return (self.scale * (target - p))[:, None] * d
@@ -75,13 +75,18 @@ class Edit:
         return (is_prompt if self.tokens == Tokens.prompt else ~is_prompt).float()
 
 
-def orthonormal(vectors: torch.Tensor) -> torch.Tensor:
-    """Orthonormal rows spanning `vectors` (`[k, hidden]`), in their order (Gram-Schmidt via QR)."""
-    q, r = torch.linalg.qr(vectors.double().T)
-    keep = r.diagonal().abs() > 1e-8 * r.diagonal().abs().max()
-    # QR may flip signs; align each row with its source vector so a single direction keeps its sense.
-    q = q * torch.sign(r.diagonal())[None, :]
-    return q[:, keep].T.float().contiguous()
+def orthonormal(vectors: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
+    """Orthonormal rows spanning `vectors` (`[k, hidden]`), in their order, each keeping its source's sense;
+    a row (numerically) in the span of those before it is dropped. Gram-Schmidt, twice, in float64."""
+    kept = []
+    for v in vectors.double():
+        u = v.clone()
+        for _ in range(2):
+            for q in kept:
+                u -= (u @ q) * q
+        if u.norm() > rtol * v.norm():
+            kept.append(u / u.norm())
+    return torch.stack(kept).float()
 
 
 def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], *, tokens: Tokens = Tokens.both,

@@ -1,5 +1,6 @@
 """Taps: named locations whose output an edit rewrites. `layer: i` is the residual stream after decoder
-layer i; `path` is any module's output, by its dotted name in the transformers module tree."""
+layer i; `path` is any module's output, by its dotted name in the transformers module tree. A `path` is the
+more specific of the two and wins when both are set (so `tap.path=...` works on top of a `tap=layerN` group)."""
 
 from dataclasses import dataclass
 
@@ -17,10 +18,9 @@ class Tap:
 
 def resolve(conf: TapConf, spec: ModelSpec, field: str = "tap") -> Tap:
     """Turn a tap config into a module path, checking it against the model's module tree."""
-    if (conf.layer is None) == (conf.path is None):
-        raise ConfigError(field, "set exactly one of `layer` (decoder layer index) or `path` (module path); "
-                                 f"got layer={conf.layer}, path={conf.path!r}")
-    if conf.layer is not None:
+    if conf.layer is None and conf.path is None:
+        raise ConfigError(field, "names no location: set `layer` (decoder layer index) or `path` (module path)")
+    if conf.path is None:
         if not 0 <= conf.layer < spec.layers:
             raise ConfigError(f"{field}.layer", f"layer {conf.layer} is out of range: {spec.name} has "
                                                 f"{spec.layers} decoder layers (0..{spec.layers - 1})")

@@ -1,0 +1,91 @@
+"""`python -m steer` end to end on the tiny model, in a subprocess, as a user runs it."""
+
+import csv
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_cli
+
+
+def run_dirs(cwd):
+    return sorted(p.parent for p in (cwd / "outputs").rglob(".hydra") if p.is_dir())
+
+
+def ok(res):
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_default_run(tmp_path, cache_dir):
+    ok(run_cli([], tmp_path, cache_dir))
+    [d] = run_dirs(tmp_path)
+    rows = [json.loads(l) for l in (d / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
+    m = json.loads((d / "metrics.json").read_text())
+    assert set(m) >= {"kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s"}
+    assert m["kl_mean"] > 0 and m["proj_steered"] > m["proj_baseline"]  # add 4 * joy raises the projection
+    assert (d / ".hydra" / "config.yaml").exists() and (d / "steer.log").exists()
+
+
+def test_ablate_removes_the_direction(tmp_path, cache_dir):
+    ok(run_cli(["model=tiny", "tap=layer1", "edit=ablate"], tmp_path, cache_dir))
+    [d] = run_dirs(tmp_path)
+    m = json.loads((d / "metrics.json").read_text())
+    assert m["proj_steered"] <= 1e-3 * m["proj_baseline"]
+
+
+def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
+    res = ok(run_cli(["-m", "edit=add", "edit.scale=0,4"], tmp_path, cache_dir))
+    [summary] = list((tmp_path / "outputs").rglob("summary.csv"))
+    rows = list(csv.DictReader(summary.open()))
+    assert [r["edit.scale"] for r in rows] == ["0", "4"]
+    assert float(rows[0]["kl_mean"]) == 0.0 and float(rows[0]["tokens_changed_frac"]) == 0.0
+    assert float(rows[1]["kl_mean"]) > 0.0 and float(rows[1]["tokens_changed_frac"]) > 0.0
+    zero = [json.loads(l) for l in (summary.parent / "0" / "results.jsonl").read_text().splitlines()]
+    assert all(r["steered"] == r["baseline"] for r in zero)
+    assert "summary:" in res.stdout
+
+
+def test_extract_then_steer_with_the_file(tmp_path, cache_dir):
+    out = tmp_path / "joy.safetensors"
+    ok(run_cli(["task=extract", "tap=layer2", f"extract.out={out}", "extract.key=joy"], tmp_path, cache_dir))
+    ok(run_cli(["edit=ablate", "tap=layer2", f"edit.vector.path={out}", "edit.vector.key=joy",
+                "edit.tokens=generated", "gen.max_new_tokens=4"], tmp_path, cache_dir))
+    m = json.loads(next((tmp_path / "outputs").rglob("metrics.json")).read_text())
+    assert m["proj_steered"] <= 1e-3 * m["proj_baseline"]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vectors")
+    save_file({"direction": torch.randn(128)}, str(d / "small.safetensors"))
+    v = torch.randn(256)
+    v[7] = float("nan")
+    save_file({"direction": v}, str(d / "nan.safetensors"))
+    save_file({"a": torch.randn(256), "b": torch.randn(256)}, str(d / "ab.safetensors"))
+    return d
+
+
+BAD = [
+    (["edit.vector.path={d}/missing.safetensors"], "edit.vector.path: vector file"),
+    (["edit.vector.path={d}/ab.safetensors", "edit.vector.key=c"], "keys present: ['a', 'b']"),
+    (["edit.vector.path={d}/small.safetensors"], "the model's hidden size is 256, the vector's 128"),
+    (["edit.vector.path={d}/nan.safetensors"], "entries are nan"),
+    (["tap.layer=12"], "tap.layer: layer 12 is out of range: tiny has 4 decoder layers"),
+    (["tap.path=model.layers.1.mpl"], "tap.path: 'model.layers.1.mpl' names no module"),
+    (["edit.kind=steer"], "Invalid value 'steer', expected one of [add, ablate, clamp, set, scale]"),
+    (["edit.scale=big"], "Value 'big' of type 'str' could not be converted to Float"),
+    (["engine=nope"], "engine: unknown engine 'nope'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[a[0].split("=")[0] + str(i) for i, (a, _) in enumerate(BAD)])
+def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message):
+    res = run_cli([a.format(d=bad_files) for a in args], tmp_path, cache_dir)
+    assert res.returncode != 0
+    assert message in res.stderr + res.stdout
+    assert "Loading weights" not in res.stderr  # failed before any model loaded
+    assert not list(tmp_path.rglob("results.jsonl")) and not list(tmp_path.rglob("metrics.json"))

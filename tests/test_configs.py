@@ -1,0 +1,50 @@
+"""Every committed config composes against the schema, and the schema rejects what it should."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from conftest import CONF, compose
+from steer.schema import EditKind, SteerConf
+
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_default_composes():
+    cfg = compose()
+    assert isinstance(cfg, SteerConf)
+    assert cfg.model.name == "tiny" and cfg.tap.layer == 1 and cfg.edit.kind == EditKind.add
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_every_group_option_composes(group, option):
+    assert isinstance(compose(f"{group}={option}"), SteerConf)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes(name):
+    cfg = compose(f"+experiment={name}")
+    assert isinstance(cfg, SteerConf)
+
+
+def test_experiment_extra_edits():
+    cfg = compose("+experiment=joy_two_taps")
+    assert cfg.extra_edits[0].tap.layer == 2 and cfg.extra_edits[0].edit.kind == EditKind.clamp
+
+
+def test_issue_commands_compose():
+    assert compose("model=tiny", "tap=layer1", "edit=ablate").edit.kind == EditKind.ablate
+    assert compose("edit=add", "edit.scale=4").edit.scale == 4.0
+    assert compose("tap.layer=2").tap.layer == 2
+    assert compose("model=llama").model.source == "hub"
+
+
+@pytest.mark.parametrize("override", ["edit.scale=abc", "edit.kind=foo", "edit.bogus=1", "tap.layer=x",
+                                      "gen.max_new_tokens=1.5"])
+def test_bad_overrides_fail_at_composition(override):
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose(override)

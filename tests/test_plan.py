@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from conftest import compose
+from steer import vector
+from steer.errors import ConfigError
+from steer.plan import build
+from steer.schema import EditKind
+
+
+def test_edits_group_by_tap_in_config_order(tiny_spec, tmp_path):
+    p = vector.save(tmp_path / "v.safetensors", {"d": torch.randn(tiny_spec.hidden)}, model="t", tap="x", method="m")
+    cfg = compose("tap=layer1", "edit=add", f"edit.vector.path={p}", "edit.vector.key=d",
+                  f"+extra_edits=[{{tap: {{layer: 2}}, edit: {{kind: ablate, vector: {{path: '{p}', key: d}}}}}},"
+                  f"{{tap: {{layer: 1}}, edit: {{kind: scale, scale: 0.5}}}}]")
+    plan = build(cfg, tiny_spec)
+    assert list(plan.edits) == ["model.layers.1", "model.layers.2"]
+    assert [e.kind for e in plan.edits["model.layers.1"]] == [EditKind.add, EditKind.scale]
+    assert plan.primary[0].name == "layer1" and plan.primary[1].kind == EditKind.add
+
+
+def test_active_drops_noops(tiny_spec):
+    cfg = compose("edit=add", "edit.scale=0")
+    plan = build(cfg, tiny_spec)
+    assert plan.edits and not plan.active().edits
+    assert plan.active().primary is plan.primary
+
+
+def test_default_vector_is_asked_per_tap(tiny_spec):
+    cfg = compose("edit=ablate", "tap=layer2")
+    asked = []
+    build(cfg, tiny_spec, default_vector=lambda tap: asked.append(tap.name) or torch.randn(tiny_spec.hidden))
+    assert asked == ["layer2"]
+
+
+def test_errors_name_the_extra_edit(tiny_spec):
+    cfg = compose("+extra_edits=[{tap: {layer: 9}, edit: {kind: add}}]")
+    with pytest.raises(ConfigError, match=r"extra_edits\[0\]\.tap\.layer: layer 9 is out of range"):
+        build(cfg, tiny_spec)

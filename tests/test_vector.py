@@ -1,0 +1,71 @@
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from steer import vector
+from steer.errors import ConfigError
+
+
+def test_save_load_roundtrip_with_metadata(tmp_path):
+    v = torch.randn(8)
+    p = vector.save(tmp_path / "v.safetensors", {"direction": v}, model="tiny", tap="layer1", method="manual")
+    meta = vector.metadata(p)
+    assert meta["model"] == "tiny" and meta["tap"] == "layer1" and meta["method"] == "manual"
+    assert meta["date"].startswith("20") and meta["hidden"] == "8"
+    out = vector.load(p, "direction", 8)
+    assert out.shape == (1, 8) and out.dtype == torch.float32
+    torch.testing.assert_close(out[0], v)
+    assert not list(tmp_path.glob(".v.safetensors.*"))  # no temporary left behind
+
+
+def test_subspace_and_half_precision(tmp_path):
+    p = tmp_path / "s.safetensors"
+    save_file({"basis": torch.randn(3, 8, dtype=torch.bfloat16)}, str(p))
+    out = vector.load(p, "basis", 8)
+    assert out.shape == (3, 8) and out.dtype == torch.float32
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist") as e:
+        vector.load(tmp_path / "nope.safetensors", "direction", 8)
+    assert e.value.field == "edit.vector.path"
+
+
+def test_not_safetensors(tmp_path):
+    p = tmp_path / "junk.safetensors"
+    p.write_text("not a safetensors file")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        vector.load(p, "direction", 8)
+
+
+def test_missing_key_lists_keys(tmp_path):
+    p = tmp_path / "v.safetensors"
+    save_file({"a": torch.randn(8), "b": torch.randn(8)}, str(p))
+    with pytest.raises(ConfigError, match=r"key 'c' is not in .*keys present: \['a', 'b'\]") as e:
+        vector.load(p, "c", 8)
+    assert e.value.field == "edit.vector.key"
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 7), (2, 2, 8), ()])
+def test_wrong_shape_names_both_sizes(tmp_path, shape):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": torch.randn(shape)}, str(p))
+    with pytest.raises(ConfigError, match="the model's hidden size is 8"):
+        vector.load(p, "d", 8)
+
+
+@pytest.mark.parametrize("bad,word", [(float("nan"), "nan"), (float("inf"), "inf")])
+def test_non_finite(tmp_path, bad, word):
+    v = torch.randn(8)
+    v[2] = bad
+    p = tmp_path / "v.safetensors"
+    save_file({"d": v}, str(p))
+    with pytest.raises(ConfigError, match=f"1 entries are {word}"):
+        vector.load(p, "d", 8)
+
+
+def test_integer_dtype(tmp_path):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": torch.arange(8)}, str(p))
+    with pytest.raises(ConfigError, match="not a floating-point type"):
+        vector.load(p, "d", 8)
