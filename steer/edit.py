@@ -6,7 +6,7 @@ step that mixes prompt and generated rows, and an engine that only sees a sum of
 `hidden + residual`) can compute `delta` on the sum and land it on one of them. Nothing here knows an engine.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -35,6 +35,16 @@ class Edit:
         if self.kind == EditKind.clamp and self.lo is None and self.hi is None:
             return True
         return self.scale == 0.0
+
+    @property
+    def strength(self) -> float:
+        """The factor `delta` is linear in: `scale`, or `scale - 1` for the `scale` kind."""
+        return self.scale - 1.0 if self.kind == EditKind.scale else self.scale
+
+    def unit(self) -> "Edit":
+        """The same edit at strength 1, so `delta(h) == strength * unit().delta(h)`; engines that batch
+        requests with different scales run the unit edit once with a per-row weight of `strength`."""
+        return replace(self, scale=2.0 if self.kind == EditKind.scale else 1.0)
 
     def direction(self) -> Optional[torch.Tensor]:
         """Orthonormal `[k, hidden]` rows spanning what the edit acts on, for projection metrics."""

@@ -163,3 +163,10 @@ def test_bad_edits(kind, vectors, field):
 def test_reversed_clamp_bounds(v):
     with pytest.raises(ConfigError, match="lo=1.0 > hi=0.0"):
         compile_edit(EditKind.clamp, 1.0, v, lo=1.0, hi=0.0)
+
+
+@pytest.mark.parametrize("kind,scale", [(EditKind.add, 3.0), (EditKind.ablate, 0.5), (EditKind.clamp, 2.0),
+                                        (EditKind.set, -1.0), (EditKind.scale, 0.25)])
+def test_delta_is_strength_times_unit_delta(h, v, kind, scale):
+    e = compile_edit(kind, scale, v, lo=-0.2, hi=0.3, value=1.5)
+    torch.testing.assert_close(e.delta(h), e.strength * e.unit().delta(h), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,155 @@
+"""VLLMInterleaver: an nnsight Interleaver whose handoff is recorded into breakable CUDA graphs at taps.
+
+What belongs here: the contract of ../shared/seed/interleaver.txt (taps, instrument, handle, replay, and what a
+request parked off the taps is told). What does not: vLLM's own API (recording.py), row bookkeeping (bank.py),
+the edit math (steer.edit). Compiled edit programs (program.py) are served at the same taps as nnsight traces,
+with one vectorised op per stage per step and no per-request Python.
+"""
+
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from nnsight.intervention.interleaver import Interleaver, OutOfOrderError
+
+from interleaver import recording
+from interleaver.bank import StepRows
+from interleaver.program import TapProgram
+
+_MODULE_SUFFIXES = ("input", "output", "skip")
+
+
+class VLLMInterleaver(Interleaver):
+    """An Interleaver that records its handoff into CUDA graphs at `taps`.
+
+    Attributes:
+        taps: full locations ("model.model.layers.3.output") a replayed step serves; empty on an eager engine,
+            where this class behaves exactly as its base.
+        programs: compiled edit programs by tap location, run at every visit of their tap.
+        step: the current step's rows (how many are real, who owns them, each stage's weights).
+    """
+
+    def __init__(self, taps: Iterable[str] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.taps = frozenset(taps)
+        self.programs: Dict[str, TapProgram] = {}
+        self.step = StepRows()
+
+    def instrument(self, envoy: Any) -> None:
+        """Route the module through this interleaver and, for taps on an operation inside its forward
+        (`{path}.source.{op}.output`), install the source-instrumented forward now, while the tree is built:
+        graph recording runs before any trace could ask for it. An op that does not exist is a load error."""
+        super().instrument(envoy)
+        prefix = f"{envoy.path}.source."
+        wanted = sorted({t[len(prefix):].rsplit(".", 1)[0] for t in self.taps if t.startswith(prefix)})
+        if not wanted:
+            return
+        names = list(envoy.source.names)  # building .source installs the instrumented forward
+        for op in wanted:
+            if op not in names:
+                raise ValueError(f"tap {prefix}{op}: {envoy.path}'s forward has no operation {op!r}; "
+                                 f"its operations are {names}")
+
+    def rows(self) -> Optional[int]:
+        """How many leading rows of a tap's value are real this step (the rest is graph padding): the step's
+        token count where a runner set it, else the batcher's total (nnsight's own runner keeps it there)."""
+        if self.step.num_tokens is not None:
+            return self.step.num_tokens
+        return getattr(self.batcher, "total", None)
+
+    def handle(self, provider: str, value: Any) -> Any:
+        if provider in self.taps:
+            rec = recording.recording()
+            if rec is not None:
+                live = _apply(value, recording.weak)
+                rec.add_eager(lambda: self.replay(provider, live))
+                return value
+            # An eager step (enforce_eager, or a prompt longer than any graph) is served exactly as a replay.
+            self.replay(provider, value)
+            return value
+        if self.taps and provider.rsplit(".", 1)[-1] in _MODULE_SUFFIXES:
+            # Not a tap: a replayed step never reaches it, so an eager step must not serve it either, or what a
+            # request sees would depend on whether its step happened to fit a graph.
+            return value
+        return super().handle(provider, value)
+
+    def replay(self, location: str, live: Any) -> None:
+        """Serve `location` from a replayed graph: trim to the step's rows (a view), run the compiled program,
+        hand off to parked traces, and land any replacement in place."""
+        n = self.rows()
+        if n is None:  # a warm-up or dummy run outside any step: nothing to serve
+            return
+        live = _apply(live, lambda t: t[:n] if t.dim() and t.shape[0] > n else t)
+        program = self.programs.get(location)
+        if program is not None:
+            program(live, self.step)
+        if self.interleaving and self.busy:
+            served = self._ready(location)
+            edited = super().handle(location, live)
+            try:
+                _copy_into(location, live, edited)
+            except ValueError as e:
+                if not (self.defer_exceptions and served):
+                    raise
+                # The engine's other requests go on: the error ends the request(s) whose block replaced it.
+                for mediator in served:
+                    mediator.exception = e
+
+    def off_tap_error(self, mediator: Any) -> Optional[OutOfOrderError]:
+        """The error for a request still parked on a module location no replayed step reaches, or None."""
+        pending = getattr(mediator, "pending", None)
+        provider = getattr(pending, "provider", None)
+        if not self.taps or provider is None or provider in self.taps:
+            return None
+        if provider.rsplit(".", 1)[-1] not in _MODULE_SUFFIXES:
+            return None
+        return OutOfOrderError(f"'{provider}' is not a tap on this engine, so no replayed CUDA graph step reaches "
+                               f"it; the taps are {sorted(self.taps)}. Declare it as a tap, or use an eager engine.")
+
+    def finish_dangling(self, mediator: Any) -> Optional[BaseException]:
+        """Tell a request that ended while parked off the taps why, and return what its block raised."""
+        error = self.off_tap_error(mediator) if getattr(mediator, "alive", False) else None
+        if error is None:
+            return None
+        try:
+            mediator.worker.throw(error)
+        except BaseException as thrown:  # the block's own unwinding: this is the request's error
+            return thrown
+        return error
+
+    def check_dangling_mediators(self) -> None:
+        for mediator in self.mediators:
+            error = self.off_tap_error(mediator) if mediator.alive else None
+            if error is not None:
+                raise self.finish_dangling(mediator) or error
+        super().check_dangling_mediators()
+
+
+def _apply(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_apply(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _apply(v, fn) for k, v in value.items()}
+    return value
+
+
+def _copy_into(location: str, live: Any, edited: Any) -> None:
+    """Land `edited` in `live`'s memory (the graph reads from there), tensor by tensor, shape-checked."""
+    if edited is live:
+        return
+    if isinstance(live, torch.Tensor):
+        if not isinstance(edited, torch.Tensor) or edited.shape != live.shape:
+            got = list(edited.shape) if isinstance(edited, torch.Tensor) else type(edited).__name__
+            raise ValueError(f"replacement at {location} must keep the live value's shape {list(live.shape)} "
+                             f"(a replayed graph reads that memory), got {got}")
+        if edited.data_ptr() != live.data_ptr():
+            live.copy_(edited)
+    elif isinstance(live, (tuple, list)):
+        if not isinstance(edited, (tuple, list)) or len(edited) != len(live):
+            raise ValueError(f"replacement at {location} must be a {type(live).__name__} of {len(live)} values")
+        for a, b in zip(live, edited):
+            _copy_into(location, a, b)
+    elif isinstance(live, dict):
+        for k, v in live.items():
+            _copy_into(location, v, edited[k])
