@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from nnsight.intervention.interleaver import Interleaver, OutOfOrderError
 
-from interleaver import recording
+from interleaver import vllm_internals as recording
 from interleaver.bank import StepRows
 from interleaver.program import TapProgram
 

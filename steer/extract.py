@@ -14,8 +14,7 @@ from steer.tap import Tap
 def tap_means(engine, tap: Tap, prompts: List[str], position: str) -> torch.Tensor:
     """Mean over prompts of each prompt's tap value (its tokens' mean, or its last token's)."""
     rows = []
-    for p in prompts:
-        _, captured = engine.score(engine.encode(p), [], None, capture=(tap.path,))
+    for _, captured in engine.score_many([(engine.encode(p), [], None, (tap.path,)) for p in prompts]):
         h = captured[tap.path]
         rows.append(h[-1] if position == "last" else h.mean(0))
     return torch.stack(rows).mean(0)

@@ -7,7 +7,7 @@ atomically at the end, so a run that fails leaves no results.jsonl behind.
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from rich.console import Console
@@ -19,14 +19,14 @@ from steer import metrics, results, tiny
 from steer.errors import ConfigError
 from steer.extract import cached_default, extract_to
 from steer.model import ModelSpec, spec as model_spec
-from steer.plan import Plan, build
+from steer.plan import Plan, build, entries
 from steer.schema import SteerConf, Task
 from steer.tap import resolve
 
 
 def prepare(cfg: SteerConf) -> ModelSpec:
     """Validate everything that can be checked without weights; return the model's spec."""
-    engines.check(cfg.engine)
+    engines.resolve(cfg.engine)
     g = cfg.gen
     if g.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")
@@ -46,15 +46,33 @@ def prepare(cfg: SteerConf) -> ModelSpec:
 
 
 @lru_cache(maxsize=1)
-def _engine(name: str, spec: ModelSpec, device: str):
+def _engine(name: str, spec: ModelSpec, device: str, vllm_conf: str, taps: tuple):
     # A multirun's jobs share one process: keep the last engine rather than reload it for every job.
-    return engines.make(name, spec, device)
+    from omegaconf import OmegaConf
+
+    from steer.schema import VllmConf
+
+    conf = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(VllmConf), OmegaConf.create(vllm_conf)))
+    return engines.make(name, spec, device, conf, taps)
 
 
-def start_engine(cfg: SteerConf, spec: ModelSpec):
+def start_engine(cfg: SteerConf, spec: ModelSpec, taps=()):
+    """Build the tiny model if needed and start (or reuse) the engine with these taps fixed."""
+    import json
+    from dataclasses import asdict
+
     if cfg.model.source == "tiny":
         tiny.ensure_tiny(cfg.cache_dir, cfg.model.tiny)
-    return _engine(cfg.engine, spec, cfg.device)
+    return _engine(engines.resolve(cfg.engine), spec, cfg.device, json.dumps(asdict(cfg.vllm)), tuple(taps))
+
+
+def run_taps(cfg: SteerConf, spec: ModelSpec):
+    """Every tap a run touches, in config order (an engine that records graphs needs them up front)."""
+    out = {}
+    for prefix, tap_conf, _ in entries(cfg):
+        tap = resolve(tap_conf, spec, f"{prefix}tap")
+        out.setdefault(tap.path, tap)
+    return list(out.values())
 
 
 def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
@@ -66,8 +84,8 @@ def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
 
 
 def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
-    engine = start_engine(cfg, spec)
     tap = resolve(cfg.tap, spec)
+    engine = start_engine(cfg, spec, [tap])
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else out_dir / "vector.safetensors"
     extract_to(out, cfg.extract.key, engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative),
                cfg.extract.position, cfg.extract.normalize)
@@ -76,27 +94,26 @@ def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) ->
 
 
 def steer(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
-    engine = start_engine(cfg, spec)
+    engine = start_engine(cfg, spec, run_taps(cfg, spec))
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     plan = build(cfg, spec, default_vector=lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg))
     active = plan.active()
+    steering = active if active.edits else None
     prompts = list(cfg.prompts.steer)
     encoded = [engine.encode(p) for p in prompts]
+    seeds = [cfg.gen.seed + i for i in range(len(prompts))]
 
-    conts: List[tuple] = []
-    n_tokens, t0 = 0, time.perf_counter()
+    t0 = time.perf_counter()
     with _progress(console, cfg.progress) as progress:
-        task = progress.add_task(f"generating ({engine.name})", total=len(prompts))
-        for i, ids in enumerate(encoded):
-            seed = cfg.gen.seed + i
-            base = engine.generate(ids, None, cfg.gen, seed)
-            st = engine.generate(ids, active if active.edits else None, cfg.gen, seed)
-            conts.append((base, st))
-            n_tokens += len(base) + len(st)
-            progress.advance(task)
+        task = progress.add_task(f"generating ({engine.name})", total=2 * len(prompts))
+        # Baseline and steered continuations of every prompt, in one batch where the engine batches.
+        jobs = [(ids, None, s) for ids, s in zip(encoded, seeds)] + [(ids, steering, s) for ids, s in zip(encoded, seeds)]
+        outs = engine.generate_many(jobs, cfg.gen, progress=lambda k: progress.advance(task, k))
     elapsed = time.perf_counter() - t0
+    base, st = outs[: len(prompts)], outs[len(prompts):]
+    n_tokens = sum(len(o) for o in outs)
 
-    rows = [_row(engine, plan, active, p, ids, b, s) for p, ids, (b, s) in zip(prompts, encoded, conts)]
+    rows = _rows(engine, plan, steering, prompts, encoded, base, st)
     agg = metrics.aggregate(rows, n_tokens / elapsed if elapsed > 0 else 0.0)
     results.write_jsonl(out_dir / "results.jsonl", rows)
     results.write_json(out_dir / "metrics.json", agg)
@@ -104,30 +121,35 @@ def steer(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> D
     return agg
 
 
-def _row(engine, plan: Plan, active: Plan, prompt: str, ids: List[int], base: List[int], st: List[int]) -> Dict:
-    """Score the steered continuation with and without the edits: KL, changed tokens, projections."""
+def _rows(engine, plan: Plan, steering: Optional[Plan], prompts, encoded, base, st) -> List[Dict]:
+    """Score each steered continuation with and without the edits: KL, changed tokens, projections."""
     tap, edit = plan.primary
     cap = (tap.path,)
-    base_logits, base_cap = engine.score(ids, st, None, cap)
-    st_logits, st_cap = engine.score(ids, st, active if active.edits else None, cap)
-    # Logits at row t predict token t+1: the rows that predicted the steered continuation.
-    span = slice(len(ids) - 1, len(ids) - 1 + max(len(st), 1))
-    is_prompt = torch.tensor([True] * len(ids) + [False] * len(st))
-    w = edit.row_weight(is_prompt)
-    selected = is_prompt | ~is_prompt if w is None else w.bool()
+    scored = engine.score_many([(ids, s, None, cap) for ids, s in zip(encoded, st)] +
+                               [(ids, s, steering, cap) for ids, s in zip(encoded, st)])
+    n = len(prompts)
     basis = edit.direction()
-    proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-    return {
-        "prompt": prompt,
-        "baseline": engine.decode(base),
-        "steered": engine.decode(st),
-        "baseline_tokens": len(base),
-        "steered_tokens": len(st),
-        "tokens_changed": metrics.tokens_changed(base, st),
-        "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
-        "proj_baseline": proj(base_cap[tap.path]),
-        "proj_steered": proj(st_cap[tap.path]),
-    }
+    rows = []
+    for i, (prompt, ids, b, s) in enumerate(zip(prompts, encoded, base, st)):
+        (base_logits, base_cap), (st_logits, st_cap) = scored[i], scored[n + i]
+        # Logits at row t predict token t+1: the rows that predicted the steered continuation.
+        span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
+        is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
+        w = edit.row_weight(is_prompt)
+        selected = torch.ones_like(is_prompt) if w is None else w.bool()
+        proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
+        rows.append({
+            "prompt": prompt,
+            "baseline": engine.decode(b),
+            "steered": engine.decode(s),
+            "baseline_tokens": len(b),
+            "steered_tokens": len(s),
+            "tokens_changed": metrics.tokens_changed(b, s),
+            "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
+            "proj_baseline": proj(base_cap[tap.path]),
+            "proj_steered": proj(st_cap[tap.path]),
+        })
+    return rows
 
 
 def _progress(console: Console, enabled: bool) -> Progress:

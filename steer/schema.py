@@ -111,9 +111,18 @@ class ExtractConf:
 
 
 @dataclass
+class VllmConf:
+    enforce_eager: bool = False  # eager only when asked: graphs are the point
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 1024
+    max_num_seqs: int = 256
+    load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)
+
+
+@dataclass
 class SteerConf:
     task: Task = Task.steer
-    engine: str = "hf"
+    engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
     model: ModelConf = MISSING
     tap: TapConf = MISSING
     edit: EditConf = MISSING
@@ -121,6 +130,7 @@ class SteerConf:
     extra_edits: List[TapEditConf] = field(default_factory=list)
     prompts: PromptsConf = MISSING
     gen: GenConf = field(default_factory=GenConf)
+    vllm: VllmConf = field(default_factory=VllmConf)
     extract: ExtractConf = field(default_factory=ExtractConf)
     cache_dir: str = MISSING
     device: str = "cpu"

@@ -1,19 +1,36 @@
-"""Engines run a model with a Plan's edits at its taps. `make` picks one by the config's `engine`."""
+"""Engines run a model with a Plan's edits at its taps. `make` picks one by the config's `engine`.
+
+Every engine offers encode/decode, generate_many (prompt ids, plan or None, seed) and score_many (prompt,
+continuation, plan, captured tap paths); run.py needs nothing else.
+"""
 
 from steer.errors import ConfigError
 
-ENGINES = ("hf",)
+ENGINES = ("auto", "hf", "vllm")
 
 
-def check(name: str) -> None:
-    """Fail early on an engine name that does not exist."""
+def resolve(name: str) -> str:
+    """The engine a config's `engine` names: `auto` is vllm where CUDA and vLLM are available, else hf."""
     if name not in ENGINES:
         raise ConfigError("engine", f"unknown engine {name!r}; expected one of {list(ENGINES)}")
+    if name == "auto":
+        from steer.engine.vllm import available
+
+        return "vllm" if available() else "hf"
+    if name == "vllm":
+        from steer.engine.vllm import available
+
+        if not available():
+            raise ConfigError("engine", "engine=vllm needs CUDA and vLLM (pip install -e '.[vllm]'); use engine=hf")
+    return name
 
 
-def make(name: str, spec, device: str):
-    """Start the named engine on the model `spec` (this loads the weights)."""
-    check(name)
+def make(name: str, spec, device: str, vllm_conf=None, taps=()):
+    """Start the named engine on the model `spec` (this loads the weights); `taps` are fixed for its life."""
+    if resolve(name) == "vllm":
+        from steer.engine.vllm import VLLMEngine
+
+        return VLLMEngine(spec, vllm_conf, list(taps))
     from steer.engine.hf import HFEngine
 
     return HFEngine(spec, device)

@@ -83,6 +83,19 @@ class HFEngine:
                 res = self._forward([tok], False, getattr(res, self._cache_kw))
         return out
 
+    def generate_many(self, jobs, gen: GenConf, progress=None) -> List[List[int]]:
+        """Continue every (prompt ids, plan or None, seed) job, one at a time."""
+        out = []
+        for ids, plan, seed in jobs:
+            out.append(self.generate(ids, plan, gen, seed))
+            if progress:
+                progress(1)
+        return out
+
+    def score_many(self, jobs):
+        """`score` for every (prompt, continuation, plan, capture) job."""
+        return [self.score(*job) for job in jobs]
+
     @torch.no_grad()
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
               capture: Tuple[str, ...] = ()) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

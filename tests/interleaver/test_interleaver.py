@@ -7,7 +7,8 @@ import torch
 from nnsight.intervention.interleaver import OutOfOrderError
 
 from fake import H, PAD, FakeRecording, Graphed
-from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver, recording
+from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver
+from interleaver import vllm_internals
 from steer.edit import compile_edit
 from steer.schema import EditKind, Tokens
 
@@ -16,7 +17,7 @@ TAP = "model.layers.1.output"
 
 @pytest.fixture(autouse=True)
 def fake_recording(monkeypatch):
-    monkeypatch.setattr(recording, "_recording_class", FakeRecording)
+    monkeypatch.setattr(vllm_internals, "_recording_class", FakeRecording)
 
 
 def graphed(taps=(TAP,)):

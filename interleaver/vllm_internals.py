@@ -1,0 +1,177 @@
+"""The one door to vLLM's internals (vLLM 0.26): breakable graph recording, weak references, and the worker
+that installs taps and maps each step's rows to requests.
+
+Everything else in steer and the tap layer uses vLLM's public API or this file, so a vLLM upgrade touches this
+file alone, and CPU tests can stand a fake recording in its place. vLLM itself is imported lazily: the module
+imports without it.
+"""
+
+from typing import Any, Optional
+
+import torch
+
+# Tests replace this with a fake recording class exposing `current()`, `_capturing` and `add_eager(fn)`.
+_recording_class: Any = None
+
+
+def _capture_class() -> Any:
+    if _recording_class is not None:
+        return _recording_class
+    try:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    except ImportError:  # no vLLM: nothing is ever being recorded
+        return None
+    return BreakableCUDAGraphCapture
+
+
+def recording() -> Optional[Any]:
+    """The breakable graph recording in progress on this thread, or None (also when a segment is closed)."""
+    cls = _capture_class()
+    rec = cls.current() if cls is not None else None
+    return rec if rec is not None and rec._capturing else None
+
+
+def weak(t: torch.Tensor) -> torch.Tensor:
+    """A reference to a graph tensor that does not pin its pool slot (a strong one makes replay serve stale
+    memory). CPU tensors (fake recordings) are returned as they are."""
+    if not t.is_cuda:
+        return t
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    return weak_ref_tensor(t)
+
+
+# --- the worker: taps installed at load, rows mapped every step ---------------------------------------------
+
+TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...], fixed before graph capture
+
+
+def tap_location(path: str) -> str:
+    """The interleaver location of a module's output (nnsight's naming: the root envoy is `model`)."""
+    return f"model.{path}.output"
+
+
+def _worker_base():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+class _TapWorkerMixin:
+    """Installs the interleaver's taps on the loaded model, before vLLM records its graphs, and fills the
+    interleaver's step rows from the runner's own buffers after it prepares each step's inputs."""
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        from interleaver.bank import EditBank
+        from interleaver.interleaver import VLLMInterleaver
+
+        taps = [(p, bool(r)) for p, r in (self.vllm_config.additional_config or {}).get(TAPS_KEY, [])]
+        runner = self.model_runner
+        self.steer_il = VLLMInterleaver(taps=[tap_location(p) for p, _ in taps])
+        self.steer_bank = EditBank()
+        self.steer_residual = dict(taps)
+        self.steer_requests = {}
+        model = runner.get_model()
+        modules = dict(model.named_modules())
+        for path, _ in taps:
+            if path not in modules:
+                raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
+            modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, *a, **k):
+            out = prepare(scheduler_output, *a, **k)
+            self._steer_fill_step(scheduler_output)
+            return out
+
+        def execute_model(*a, **k):
+            try:
+                return execute(*a, **k)
+            finally:
+                self.steer_il.step.clear()  # a later warm-up or dummy run must edit nothing
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+
+    def _steer_fill_step(self, scheduler_output) -> None:
+        from interleaver.bank import RequestEdits, Span
+
+        runner = self.model_runner
+        batch = runner.input_batch
+        n = batch.num_reqs
+        qsl = runner.query_start_loc.np[: n + 1]
+        computed = batch.num_computed_tokens_cpu[:n]
+        spans = []
+        cache = self.steer_requests
+        for i, rid in enumerate(batch.req_ids[:n]):
+            if rid not in cache:
+                state = runner.requests[rid]
+                extra = getattr(state.sampling_params, "extra_args", None) or {}
+                cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
+            edits, prompt_len = cache[rid]
+            spans.append(Span(int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(computed[i]), int(prompt_len), edits))
+        if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
+            live = set(runner.requests)
+            for rid in [r for r in cache if r not in live]:
+                del cache[rid]
+        self.steer_il.step.set(spans, int(scheduler_output.total_num_scheduled_tokens), len(self.steer_bank.stages),
+                               runner.device)
+
+    # collective_rpc entry points ----------------------------------------------------------------------
+
+    def steer_set_stages(self, stages) -> int:
+        """Install the client's stage list ([(id, location, Edit)], ids in order) as the taps' programs."""
+        from interleaver.bank import Stage
+        from interleaver.program import TapProgram
+
+        self.steer_bank.stages = [Stage(i, loc, e) for i, loc, e in stages]
+        il = self.steer_il
+        il.programs = {}
+        for loc in {s.location for s in self.steer_bank.stages}:
+            if loc not in il.taps:
+                raise ValueError(f"edit at {loc!r}, which is not a tap of this engine: {sorted(il.taps)}")
+            path = loc[len("model."): -len(".output")]
+            il.programs[loc] = TapProgram(loc, self.steer_bank.at(loc), self.steer_residual.get(path, False))
+        for loc in il.taps - set(il.programs):  # taps with no edits still serve captures
+            path = loc[len("model."): -len(".output")]
+            il.programs[loc] = TapProgram(loc, [], self.steer_residual.get(path, False))
+        return len(self.steer_bank.stages)
+
+    def steer_take_kept(self):
+        """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}."""
+        out = {}
+        for loc, program in self.steer_il.programs.items():
+            if program.kept:
+                out[loc] = program.kept
+                program.kept = {}
+        return out
+
+
+
+def eager_breaks(worker) -> dict:
+    """For `collective_rpc` on any vLLM worker: graphs captured and eager breaks recorded in them."""
+    entries = getattr(worker.model_runner.model, "entries", {})
+    caps = [e.capture for e in entries.values() if e.capture is not None]
+    return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
+
+
+def _tap_hook(il, location: str):
+    def hook(module, args, output):
+        il.handle(location, output)
+        return None  # edits land in place; the module's own output object flows on
+
+    return hook
+
+
+def worker_cls() -> str:
+    """The dotted path vLLM imports the tap worker from (in every worker process)."""
+    return "interleaver.vllm_internals.TapWorker"
+
+
+def __getattr__(name):
+    # TapWorker subclasses vLLM's Worker, which cannot be imported without vLLM: build it on first use.
+    if name == "TapWorker":
+        cls = type("TapWorker", (_TapWorkerMixin, _worker_base()), {})
+        globals()["TapWorker"] = cls
+        return cls
+    raise AttributeError(name)

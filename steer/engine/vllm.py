@@ -1,0 +1,139 @@
+"""The vLLM engine: compiled edits replayed inside vLLM's breakable CUDA graphs, at graph speed.
+
+Taps are fixed when the engine starts (vLLM records its graphs then); edits are registered as stages of an
+EditBank and shipped to the worker once, and each request carries only its (stage, strength, tokens) entries in
+SamplingParams.extra_args. Baseline and steered requests share batches: a request with no entries is untouched.
+Prefix caching is switched off (a prefix cached without an edit must not serve a steered request); chunked
+prefill stays on and is correct, since a row's edit depends only on its position and its request.
+Only public vLLM API is used here; the internals live in interleaver/vllm_internals.py.
+"""
+
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from interleaver.bank import EditBank, RequestEdits
+from interleaver.vllm_internals import TAPS_KEY, tap_location, worker_cls
+from steer.model import ModelSpec
+from steer.plan import Plan
+from steer.schema import GenConf, VllmConf
+from steer.tap import Tap
+
+
+def available() -> bool:
+    """Whether this machine can run the vLLM engine (CUDA and an importable vLLM)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap]):
+        # Breakable graphs are what let a tap run at its point of every replay; read when the engine starts.
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.spec = spec
+        self.taps = {t.path: t for t in taps}
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
+        self.llm = LLM(
+            model=spec.source,
+            revision=spec.revision,
+            dtype=str(spec.dtype).replace("torch.", ""),
+            enforce_eager=conf.enforce_eager,
+            gpu_memory_utilization=conf.gpu_memory_utilization,
+            max_model_len=conf.max_model_len,
+            max_num_seqs=conf.max_num_seqs,
+            enable_prefix_caching=False,
+            load_format=conf.load_format,
+            worker_cls=worker_cls(),
+            additional_config={TAPS_KEY: [[t.path, t.residual] for t in taps]},
+            max_logprobs=-1,
+            seed=0,
+        )
+        self.bank = EditBank()
+        self._pushed = 0
+        self._keys = 0
+
+    def encode(self, text: str) -> List[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _edits(self, plan: Optional[Plan], **kw) -> RequestEdits:
+        entries = []
+        for path, edits in (plan.edits.items() if plan else []):
+            if path not in self.taps:
+                raise ValueError(f"edit at {path!r}, which is not a tap of this engine: {sorted(self.taps)}")
+            entries += self.bank.register(tap_location(path), edits)
+        if len(self.bank.stages) != self._pushed:
+            self.llm.collective_rpc("steer_set_stages",
+                                    args=([(s.id, s.location, s.edit) for s in self.bank.stages],))
+            self._pushed = len(self.bank.stages)
+        return RequestEdits(entries, **kw)
+
+    def _params(self, edits: Optional[RequestEdits], **kw):
+        from vllm import SamplingParams
+
+        extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
+        return SamplingParams(extra_args=extra, **kw)
+
+    def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
+                      progress=None) -> List[List[int]]:
+        """Continue every (prompt ids, plan or None, seed) job in one batched vLLM call."""
+        params = [self._params(self._edits(plan) if plan else None, max_tokens=gen.max_new_tokens,
+                               temperature=gen.temperature, top_p=gen.top_p, seed=seed)
+                  for _, plan, seed in jobs]
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids, _, _ in jobs], params, use_tqdm=False)
+        if progress:
+            progress(len(jobs))
+        eos = self.tokenizer.eos_token_id
+        # vLLM keeps the end-of-sequence token it stopped on; the HF engine stops before it.
+        return [list(o.outputs[0].token_ids[:-1] if o.outputs[0].token_ids[-1:] == [eos] else o.outputs[0].token_ids)
+                for o in outs]
+
+    def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
+        return self.generate_many([(prompt_ids, plan, seed)], gen)[0]
+
+    def score_many(self, jobs: Sequence[Tuple[List[int], List[int], Optional[Plan], Tuple[str, ...]]]):
+        """Teacher-force each (prompt, continuation, plan, capture paths) job: per-row log-probs `[T, vocab]`
+        (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits."""
+        params, keys = [], []
+        for prompt_ids, cont_ids, plan, capture in jobs:
+            self._keys += 1
+            key = f"score-{self._keys}"
+            keys.append(key)
+            edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
+                                key=key)
+            params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1))
+        outs = self.llm.generate([{"prompt_token_ids": list(p) + list(c)} for p, c, _, _ in jobs], params,
+                                 use_tqdm=False)
+        kept: Dict[str, Dict[str, List[torch.Tensor]]] = {}
+        for worker_kept in self.llm.collective_rpc("steer_take_kept"):
+            for loc, by_key in worker_kept.items():
+                for k, blocks in by_key.items():
+                    kept.setdefault(loc, {}).setdefault(k, []).extend(blocks)
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        results = []
+        for (prompt_ids, cont_ids, _, capture), key, o in zip(jobs, keys, outs):
+            rows = list(o.prompt_logprobs[1:]) + [o.outputs[0].logprobs[0]]
+            logprobs = torch.full((len(rows), vocab), float("-inf"))
+            for r, d in enumerate(rows):
+                ids = torch.tensor(list(d.keys()))
+                logprobs[r, ids] = torch.tensor([lp.logprob for lp in d.values()])
+            caps = {p: torch.cat(kept.get(tap_location(p), {}).get(key, []), 0) for p in capture}
+            results.append((logprobs, caps))
+        return results
+
+    def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan], capture: Tuple[str, ...] = ()):
+        return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
