@@ -117,6 +117,7 @@ class VllmConf:
     max_model_len: int = 1024
     max_num_seqs: int = 256
     load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)
+    max_cudagraph_capture_size: Optional[int] = None  # null: vLLM's default; a longer step runs eagerly
 
 
 @dataclass

@@ -59,6 +59,8 @@ class VLLMEngine:
             additional_config={TAPS_KEY: [[t.path, t.residual] for t in taps]},
             max_logprobs=-1,
             seed=0,
+            **({"compilation_config": {"max_cudagraph_capture_size": conf.max_cudagraph_capture_size}}
+               if conf.max_cudagraph_capture_size else {}),
         )
         self.bank = EditBank()
         self._pushed = 0

@@ -1,0 +1,139 @@
+"""The vLLM engine against vLLM eager and the HF engine, on the tiny model's safetensors weights (float32).
+
+Tolerance: greedy tokens must be identical; first-step log-probs within 2e-3 (absolute) of the HF engine's
+(vLLM's fp32 kernels and HF's differ in summation order only)."""
+
+import pytest
+import torch
+
+from interleaver.vllm_internals import eager_breaks
+from steer.edit import compile_edit
+from steer.plan import Plan
+from steer.schema import EditKind, GenConf, TapConf, Tokens, VllmConf
+from steer.tap import resolve
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said"]
+GEN = GenConf(max_new_tokens=16)
+LOGPROB_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def taps(tiny_spec):
+    return [resolve(TapConf(layer=1), tiny_spec), resolve(TapConf(layer=2), tiny_spec)]
+
+
+def vllm_engine(spec, taps, **kw):
+    from steer.engine.vllm import VLLMEngine
+
+    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, max_model_len=1024, **kw), taps)
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_spec, taps):
+    return vllm_engine(tiny_spec, taps)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_spec, taps):
+    return vllm_engine(tiny_spec, taps, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_spec):
+    from steer.engine.hf import HFEngine
+
+    return HFEngine(tiny_spec, "cuda")
+
+
+@pytest.fixture(scope="module")
+def direction(hf, tiny_spec):
+    from steer.extract import diff_of_means
+
+    return diff_of_means(hf, resolve(TapConf(layer=1), tiny_spec), ["I am happy and glad today"],
+                         ["I am sad and tired today"])[None]
+
+
+def plan(spec, layer, edit):
+    p = Plan()
+    p.add(resolve(TapConf(layer=layer), spec), edit)
+    return p
+
+
+def edits(direction):
+    return {
+        "add": compile_edit(EditKind.add, 4.0, direction),
+        "ablate": compile_edit(EditKind.ablate, 1.0, direction),
+        "clamp": compile_edit(EditKind.clamp, 1.0, direction, lo=-5.0, hi=5.0),
+        "set": compile_edit(EditKind.set, 1.0, direction, value=20.0),
+        "scale": compile_edit(EditKind.scale, 0.5, None),
+        "add_generated": compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated),
+    }
+
+
+@pytest.mark.parametrize("name", ["add", "ablate", "clamp", "set", "scale", "add_generated"])
+def test_edit_graph_equals_eager_and_hf(graph, eager, hf, tiny_spec, direction, name):
+    p = plan(tiny_spec, 1, edits(direction)[name])
+    ids = [hf.encode(x) for x in PROMPTS]
+    jobs = [(i, p, 0) for i in ids]
+    g, e = graph.generate_many(jobs, GEN), eager.generate_many(jobs, GEN)
+    h = hf.generate_many(jobs, GEN)
+    assert g == e, f"{name}: graph replay differs from vLLM eager"
+    assert g == h, f"{name}: vLLM differs from the HF engine"
+    unsteered = graph.generate_many([(i, None, 0) for i in ids], GEN)
+    assert unsteered != g, f"{name}: the edit changed nothing (a test that cannot fail)"
+    first_v = graph.score(ids[0], [], p)[0][-1]
+    first_h = torch.log_softmax(hf.score(ids[0], [], p)[0][-1], -1)
+    assert (first_v - first_h).abs().max() < LOGPROB_ATOL
+
+
+def test_mixed_batch_equals_solo_runs(graph, tiny_spec, direction, hf):
+    e = edits(direction)
+    plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), plan(tiny_spec, 1, e["clamp"]), None]
+    ids = [hf.encode(x) for x in PROMPTS + ["The music in the hall was"]]
+    jobs = [(i, p, 0) for i, p in zip(ids, plans)]
+    together = graph.generate_many(jobs, GEN)
+    solo = [graph.generate_many([j], GEN)[0] for j in jobs]
+    assert together == solo
+    assert together[3] == hf.generate(ids[3], None, GEN, 0)  # the unsteered request stayed untouched
+
+
+def test_scales_share_one_stage_and_differ(graph, tiny_spec, direction, hf):
+    ids = hf.encode(PROMPTS[0])
+    plans = [plan(tiny_spec, 1, compile_edit(EditKind.add, s, direction)) for s in (0.0, 2.0, 8.0)]
+    out = graph.generate_many([(ids, p, 0) for p in plans], GEN)
+    assert out[0] == graph.generate(ids, None, GEN, 0)
+    assert out[2] == hf.generate(ids, plans[2], GEN, 0) and out[1] != out[2]
+
+
+def test_long_prompt_eager_step_matches(graph, eager, hf, tiny_spec, direction):
+    text = "The weather today is wonderful and bright, and we smiled. " * 60
+    ids = hf.encode(text)[:700]
+    assert len(ids) > 512  # longer than vLLM's largest captured graph: this prefill runs eagerly
+    p = plan(tiny_spec, 1, edits(direction)["ablate"])
+    g = graph.generate(ids, p, GEN, 0)
+    assert g == eager.generate(ids, p, GEN, 0) == hf.generate(ids, p, GEN, 0)
+
+
+def test_capture_matches_hf_tap_value(graph, hf, tiny_spec, direction):
+    ids, cont = hf.encode(PROMPTS[1]), hf.encode(" sad and tired")[1:]
+    p = plan(tiny_spec, 1, edits(direction)["ablate"])
+    v_logits, v_cap = graph.score(ids, cont, p, ("model.layers.1",))
+    h_logits, h_cap = hf.score(ids, cont, p, ("model.layers.1",))
+    torch.testing.assert_close(v_cap["model.layers.1"], h_cap["model.layers.1"], atol=2e-3, rtol=1e-3)
+    assert (v_cap["model.layers.1"] @ p.edits["model.layers.1"][0].basis[0]).abs().max() < 1e-3
+
+
+def test_no_taps_records_no_extra_breaks(graph, tiny_spec, taps):
+    from vllm import LLM
+
+    plain = LLM(model=tiny_spec.source, dtype="float32", gpu_memory_utilization=0.12, max_model_len=1024,
+                enable_prefix_caching=False)
+    notaps = vllm_engine(tiny_spec, [])
+    base = plain.collective_rpc(eager_breaks)[0]
+    none = notaps.llm.collective_rpc(eager_breaks)[0]
+    tapped = graph.llm.collective_rpc(eager_breaks)[0]
+    assert none == base
+    assert tapped["graphs"] == base["graphs"] > 0
+    assert tapped["eager_breaks"] == base["eager_breaks"] + len(taps) * base["graphs"]
