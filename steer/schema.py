@@ -40,7 +40,7 @@ class TinyConf:
     kv_heads: int = 4
     intermediate: int = 512
     vocab: int = 512
-    max_positions: int = 512
+    max_positions: int = 2048
     seed: int = 0
     train_steps: int = 120
 
@@ -114,7 +114,7 @@ class ExtractConf:
 class VllmConf:
     enforce_eager: bool = False  # eager only when asked: graphs are the point
     gpu_memory_utilization: float = 0.3
-    max_model_len: int = 1024
+    max_model_len: Optional[int] = None  # null: the model's own
     max_num_seqs: int = 256
     load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)
     max_cudagraph_capture_size: Optional[int] = None  # null: vLLM's default; a longer step runs eagerly

@@ -27,12 +27,16 @@ def taps(tiny_spec):
 def vllm_engine(spec, taps, **kw):
     from steer.engine.vllm import VLLMEngine
 
-    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, max_model_len=1024, **kw), taps)
+    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, **kw), taps)
+
+
+# Graphs are captured for steps of up to this many tokens; a longer step (a long prompt's prefill) runs eagerly.
+MAX_GRAPH = 128
 
 
 @pytest.fixture(scope="module")
 def graph(tiny_spec, taps):
-    return vllm_engine(tiny_spec, taps)
+    return vllm_engine(tiny_spec, taps, max_cudagraph_capture_size=MAX_GRAPH)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +113,8 @@ def test_scales_share_one_stage_and_differ(graph, tiny_spec, direction, hf):
 
 def test_long_prompt_eager_step_matches(graph, eager, hf, tiny_spec, direction):
     text = "The weather today is wonderful and bright, and we smiled. " * 60
-    ids = hf.encode(text)[:700]
-    assert len(ids) > 512  # longer than vLLM's largest captured graph: this prefill runs eagerly
+    ids = hf.encode(text)[:400]
+    assert len(ids) > MAX_GRAPH  # longer than the largest captured graph: this prefill runs eagerly
     p = plan(tiny_spec, 1, edits(direction)["ablate"])
     g = graph.generate(ids, p, GEN, 0)
     assert g == eager.generate(ids, p, GEN, 0) == hf.generate(ids, p, GEN, 0)
@@ -128,9 +132,9 @@ def test_capture_matches_hf_tap_value(graph, hf, tiny_spec, direction):
 def test_no_taps_records_no_extra_breaks(graph, tiny_spec, taps):
     from vllm import LLM
 
-    plain = LLM(model=tiny_spec.source, dtype="float32", gpu_memory_utilization=0.12, max_model_len=1024,
-                enable_prefix_caching=False)
-    notaps = vllm_engine(tiny_spec, [])
+    plain = LLM(model=tiny_spec.source, dtype="float32", gpu_memory_utilization=0.12, enable_prefix_caching=False,
+                compilation_config={"max_cudagraph_capture_size": MAX_GRAPH})
+    notaps = vllm_engine(tiny_spec, [], max_cudagraph_capture_size=MAX_GRAPH)
     base = plain.collective_rpc(eager_breaks)[0]
     none = notaps.llm.collective_rpc(eager_breaks)[0]
     tapped = graph.llm.collective_rpc(eager_breaks)[0]
