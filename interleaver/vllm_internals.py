@@ -78,6 +78,7 @@ class _TapWorkerMixin:
             if path not in modules:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
             modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
+        self.steer_set_stages([])  # every tap gets a program, so capture-only requests are served too
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
         def prepare_inputs(scheduler_output, *a, **k):

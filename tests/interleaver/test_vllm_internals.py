@@ -1,0 +1,131 @@
+"""The tap worker's bookkeeping on CPU, against a stand-in for vLLM's runner: taps installed at load, each
+step's rows mapped from the runner's own buffers (query_start_loc, num_computed_tokens, extra_args)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from interleaver.bank import EditBank, RequestEdits
+from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin, tap_location
+from steer.edit import compile_edit
+from steer.schema import EditKind, Tokens
+
+H = 4
+
+
+class PairLayer(nn.Module):
+    def forward(self, x):
+        return x * 0.5, x * 0.5  # (hidden, residual): the stream is their sum, x
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([PairLayer(), PairLayer()])
+
+    def forward(self, x):
+        h, r = self.layers[0](x)
+        h, r = self.layers[1](h + r)
+        return h + r
+
+
+class Runner:
+    """Just what the worker reads of vLLM's GPUModelRunner."""
+
+    def __init__(self):
+        self.model, self.device, self.requests = Model(), "cpu", {}
+        self.query_start_loc = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
+        self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(8, dtype=np.int64))
+        self.x = None
+
+    def get_model(self):
+        return self.model
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled):
+        return None
+
+    def execute_model(self, scheduler_output):
+        self._prepare_inputs(scheduler_output, None)
+        return self.model(self.x)
+
+
+class Base:
+    def load_model(self):
+        pass
+
+
+Worker = type("Worker", (_TapWorkerMixin, Base), {})
+
+
+def step(runner, reqs, x):
+    """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step."""
+    runner.input_batch.num_reqs = len(reqs)
+    runner.input_batch.req_ids = [r[0] for r in reqs]
+    counts = [r[1] for r in reqs]
+    runner.query_start_loc.np[: len(reqs) + 1] = np.concatenate([[0], np.cumsum(counts)])
+    runner.input_batch.num_computed_tokens_cpu[: len(reqs)] = [r[2] for r in reqs]
+    for rid, _, _, plen, extra in reqs:
+        runner.requests[rid] = SimpleNamespace(num_prompt_tokens=plen,
+                                               sampling_params=SimpleNamespace(extra_args=extra))
+    runner.x = x
+    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts)))
+
+
+@pytest.fixture
+def worker():
+    w = Worker()
+    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]]})
+    w.model_runner = Runner()
+    w.load_model()
+    return w
+
+
+def test_steps_map_rows_to_requests_and_clear_after(worker):
+    v = torch.randn(1, H)
+    bank = EditBank()
+    loc = tap_location("layers.0")
+    add = bank.register(loc, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])
+    abl = bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
+    assert worker.steer_set_stages([(s.id, s.location, s.edit) for s in bank.stages]) == 2
+    x = torch.randn(6, H)
+    # a: 3 prompt rows; b: one decode row; c: unsteered; d: a generated row
+    out = step(worker.model_runner, [
+        ("a", 3, 0, 5, {"steer": RequestEdits(add).to_args()}),
+        ("b", 1, 9, 4, {"steer": RequestEdits(add).to_args()}),
+        ("c", 1, 2, 1, None),
+        ("d", 1, 3, 4, {"steer": RequestEdits(abl).to_args()}),
+    ], x)
+    expected = x.clone()
+    expected[3] += 2.0 * v[0]  # only b's row is a generated token; a's rows are all prompt
+    d = v[0] / v[0].norm()
+    expected[5] -= (x[5] @ d) * d
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[4], x[4]) and torch.equal(out[:3], x[:3])
+    assert worker.steer_il.step.num_tokens is None  # cleared: a warm-up run after this edits nothing
+
+
+def test_capture_only_request_keeps_its_rows(worker):
+    x = torch.randn(3, H)
+    step(worker.model_runner, [("s", 3, 0, 3, {"steer": RequestEdits(capture=[tap_location("layers.0")],
+                                                                      key="k1").to_args()})], x)
+    kept = worker.steer_take_kept()
+    torch.testing.assert_close(kept[tap_location("layers.0")]["k1"][0], x)
+    assert worker.steer_take_kept() == {}
+
+
+def test_edit_at_a_location_that_is_no_tap_is_refused(worker):
+    bank = EditBank()
+    bank.register(tap_location("layers.1"), [compile_edit(EditKind.add, 1.0, torch.ones(1, H))])
+    with pytest.raises(ValueError, match="not a tap of this engine"):
+        worker.steer_set_stages([(s.id, s.location, s.edit) for s in bank.stages])
+
+
+def test_tap_naming_no_module_fails_at_load():
+    w = Worker()
+    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.7", True]]})
+    w.model_runner = Runner()
+    with pytest.raises(ValueError, match="'layers.7' names no module"):
+        w.load_model()
