@@ -41,6 +41,8 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         # Our RPCs carry compiled edits and tensors between this process and its own engine workers.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        # The HF engine or a vector extraction may have touched CUDA here already: fork would break it.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         from transformers import AutoTokenizer
         from vllm import LLM
 
