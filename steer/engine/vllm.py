@@ -43,6 +43,9 @@ class VLLMEngine:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         # The HF engine or a vector extraction may have touched CUDA here already: fork would break it.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        # The tap worker hooks the V1 GPUModelRunner (interleaver/vllm_internals.py); 0.26 would otherwise pick
+        # its V2 runner for Llama-family models.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from transformers import AutoTokenizer
         from vllm import LLM
 
