@@ -121,11 +121,15 @@ class _TapWorkerMixin:
     # collective_rpc entry points ----------------------------------------------------------------------
 
     def steer_set_stages(self, stages) -> int:
-        """Install the client's stage list ([(id, location, Edit)], ids in order) as the taps' programs."""
+        """Install the client's stage list ([(id, location, Edit.to_dict())], ids in order) as the taps'
+        programs (plain data: vLLM's RPC turns dataclasses into dicts)."""
         from interleaver.bank import Stage
         from interleaver.program import TapProgram
+        from steer.edit import Edit
 
-        self.steer_bank.stages = [Stage(i, loc, e) for i, loc, e in stages]
+        device = self.model_runner.device
+        self.steer_bank.stages = [Stage(i, loc, _on(Edit.from_dict(e) if isinstance(e, dict) else e, device))
+                                  for i, loc, e in stages]
         il = self.steer_il
         il.programs = {}
         for loc in {s.location for s in self.steer_bank.stages}:
@@ -139,11 +143,12 @@ class _TapWorkerMixin:
         return len(self.steer_bank.stages)
 
     def steer_take_kept(self):
-        """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}."""
+        """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}, as
+        nested lists (plain data crosses vLLM's RPC intact)."""
         out = {}
         for loc, program in self.steer_il.programs.items():
             if program.kept:
-                out[loc] = program.kept
+                out[loc] = {k: [b.tolist() for b in blocks] for k, blocks in program.kept.items()}
                 program.kept = {}
         return out
 
@@ -154,6 +159,13 @@ def eager_breaks(worker) -> dict:
     entries = getattr(worker.model_runner.model, "entries", {})
     caps = [e.capture for e in entries.values() if e.capture is not None]
     return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
+
+
+def _on(edit, device):
+    """The edit with its basis on the model's device, so a replay does no host-to-device copy."""
+    from dataclasses import replace
+
+    return edit if edit.basis is None else replace(edit, basis=edit.basis.to(device))
 
 
 def _tap_hook(il, location: str):

@@ -87,7 +87,7 @@ class VLLMEngine:
             entries += self.bank.register(tap_location(path), edits)
         if len(self.bank.stages) != self._pushed:
             self.llm.collective_rpc("steer_set_stages",
-                                    args=([(s.id, s.location, s.edit) for s in self.bank.stages],))
+                                    args=([(s.id, s.location, s.edit.to_dict()) for s in self.bank.stages],))
             self._pushed = len(self.bank.stages)
         return RequestEdits(entries, **kw)
 
@@ -131,7 +131,7 @@ class VLLMEngine:
         for worker_kept in self.llm.collective_rpc("steer_take_kept"):
             for loc, by_key in worker_kept.items():
                 for k, blocks in by_key.items():
-                    kept.setdefault(loc, {}).setdefault(k, []).extend(blocks)
+                    kept.setdefault(loc, {}).setdefault(k, []).extend(torch.tensor(b) for b in blocks)
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         results = []
         for (prompt_ids, cont_ids, _, capture), key, o in zip(jobs, keys, outs):

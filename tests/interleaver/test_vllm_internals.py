@@ -89,7 +89,7 @@ def test_steps_map_rows_to_requests_and_clear_after(worker):
     loc = tap_location("layers.0")
     add = bank.register(loc, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])
     abl = bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
-    assert worker.steer_set_stages([(s.id, s.location, s.edit) for s in bank.stages]) == 2
+    assert worker.steer_set_stages([(s.id, s.location, s.edit.to_dict()) for s in bank.stages]) == 2
     x = torch.randn(6, H)
     # a: 3 prompt rows; b: one decode row; c: unsteered; d: a generated row
     out = step(worker.model_runner, [
@@ -112,7 +112,7 @@ def test_capture_only_request_keeps_its_rows(worker):
     step(worker.model_runner, [("s", 3, 0, 3, {"steer": RequestEdits(capture=[tap_location("layers.0")],
                                                                       key="k1").to_args()})], x)
     kept = worker.steer_take_kept()
-    torch.testing.assert_close(kept[tap_location("layers.0")]["k1"][0], x)
+    torch.testing.assert_close(torch.tensor(kept[tap_location("layers.0")]["k1"][0]), x)
     assert worker.steer_take_kept() == {}
 
 
