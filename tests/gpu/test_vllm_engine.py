@@ -125,7 +125,10 @@ def test_capture_matches_hf_tap_value(graph, hf, tiny_spec, direction):
     p = plan(tiny_spec, 1, edits(direction)["ablate"])
     v_logits, v_cap = graph.score(ids, cont, p, ("model.layers.1",))
     h_logits, h_cap = hf.score(ids, cont, p, ("model.layers.1",))
-    torch.testing.assert_close(v_cap["model.layers.1"], h_cap["model.layers.1"], atol=2e-3, rtol=1e-3)
+    v, h = v_cap["model.layers.1"], h_cap["model.layers.1"]
+    assert v.shape == h.shape
+    # The residual stream's rows have norms near 60; fp32 kernels that sum in another order differ by ~1e-4 of that.
+    assert float(((v - h).norm(dim=-1) / h.norm(dim=-1)).max()) < 1e-3
     assert (v_cap["model.layers.1"] @ p.edits["model.layers.1"][0].basis[0]).abs().max() < 1e-3
 
 
