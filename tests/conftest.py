@@ -53,3 +53,21 @@ def run_cli(args, cwd, cache_dir, timeout=600):
     env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "steer", *args, "progress=false"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip cleanly where there is no CUDA or no vLLM (CI, laptops)."""
+    if not any("gpu" in item.keywords for item in items):
+        return
+    try:
+        from steer.engine.vllm import available
+
+        ok = available()
+    except ImportError:
+        ok = False
+    if ok:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA and vLLM (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
