@@ -1,13 +1,17 @@
-"""One run: check the config, start the engine, generate baseline and steered continuations, write results.
+"""Runs: check the config, start the engine, generate baseline and steered continuations, write results.
 
 Everything a user can get wrong is checked in `prepare`, before any weights load; result files are written
-atomically at the end, so a run that fails leaves no results.jsonl behind.
+atomically at the end (metrics.json last), so a run that fails leaves no results.jsonl behind. `execute` runs
+one job or a packed group of jobs that share an engine, through the same code.
 """
 
+import json
 import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -58,9 +62,6 @@ def _engine(name: str, spec: ModelSpec, device: str, vllm_conf: str, taps: tuple
 
 def start_engine(cfg: SteerConf, spec: ModelSpec, taps=()):
     """Build the tiny model if needed and start (or reuse) the engine with these taps fixed."""
-    import json
-    from dataclasses import asdict
-
     if cfg.model.source == "tiny":
         tiny.ensure_tiny(cfg.cache_dir, cfg.model.tiny)
     return _engine(engines.resolve(cfg.engine), spec, cfg.device, json.dumps(asdict(cfg.vllm)), tuple(taps))
@@ -75,12 +76,47 @@ def run_taps(cfg: SteerConf, spec: ModelSpec):
     return list(out.values())
 
 
+@dataclass
+class Job:
+    """A validated steer job: its config, its model's spec and the run directory it writes."""
+
+    cfg: SteerConf
+    spec: ModelSpec
+    out_dir: Path
+
+
+# Set by the packed launcher (hydra_plugins/steer_launcher): `main` then defers steer jobs here instead of
+# running them, and the launcher runs each group of jobs that can share an engine with `execute`.
+_deferred: Optional[List[Job]] = None
+
+
+@contextmanager
+def deferring() -> Iterator[List[Job]]:
+    """Collect the steer jobs `main` is asked to run, validated but not run."""
+    global _deferred
+    _deferred = []
+    try:
+        yield _deferred
+    finally:
+        _deferred = None
+
+
+def engine_key(job: Job) -> str:
+    """Jobs with the same key can share one engine (same model, engine and engine settings)."""
+    c = job.cfg
+    return json.dumps([asdict(c.model), engines.resolve(c.engine), c.device, asdict(c.vllm)], sort_keys=True)
+
+
 def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
     """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path)."""
     spec = prepare(cfg)
     if cfg.task == Task.extract:
         return extract(cfg, spec, out_dir, console)
-    return steer(cfg, spec, out_dir, console)
+    job = Job(cfg, spec, out_dir)
+    if _deferred is not None:
+        _deferred.append(job)
+        return {"deferred": str(out_dir)}
+    return execute([job], console)[0]
 
 
 def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
@@ -93,63 +129,112 @@ def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) ->
     return {"vector": str(out), "key": cfg.extract.key, "tap": tap.name}
 
 
-def steer(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
-    engine = start_engine(cfg, spec, run_taps(cfg, spec))
-    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    plan = build(cfg, spec, default_vector=lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg))
-    active = plan.active()
-    steering = active if active.edits else None
-    prompts = list(cfg.prompts.steer)
-    encoded = [engine.encode(p) for p in prompts]
-    seeds = [cfg.gen.seed + i for i in range(len(prompts))]
+@dataclass
+class _Work:
+    job: Job
+    plan: Plan
+    steering: Optional[Plan]
+    prompts: List[str]
+    encoded: List[List[int]]
+    seeds: List[int]
 
+
+def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None) -> List[Dict]:
+    """Run steer jobs that share an engine (see `engine_key`), every job's requests in the same batches, and
+    write each job's run directory as if it had run alone. Returns each job's metrics."""
+    taps = {t.path: t for job in jobs for t in run_taps(job.cfg, job.spec)}
+    engine = start_engine(jobs[0].cfg, jobs[0].spec, list(taps.values()))
+    work = []
+    for job in jobs:
+        cfg = job.cfg
+        pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
+        plan = build(cfg, job.spec, default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
+        active = plan.active()
+        prompts = list(cfg.prompts.steer)
+        work.append(_Work(job, plan, active if active.edits else None, prompts, [engine.encode(p) for p in prompts],
+                          [cfg.gen.seed + i for i in range(len(prompts))]))
+
+    conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
-    with _progress(console, cfg.progress) as progress:
-        task = progress.add_task(f"generating ({engine.name})", total=2 * len(prompts))
-        # Baseline and steered continuations of every prompt, in one batch where the engine batches.
-        jobs = [(ids, None, s) for ids, s in zip(encoded, seeds)] + [(ids, steering, s) for ids, s in zip(encoded, seeds)]
-        outs = engine.generate_many(jobs, cfg.gen, progress=lambda k: progress.advance(task, k))
+    with _progress(console, jobs[0].cfg.progress) as progress:
+        task = progress.add_task(f"generating ({engine.name}, {len(jobs)} job{'s' * (len(jobs) > 1)})",
+                                 total=sum(2 * len(w.prompts) for w in work))
+        by_gen: Dict[str, List[_Work]] = {}
+        for w in work:
+            by_gen.setdefault(json.dumps(asdict(w.job.cfg.gen), sort_keys=True), []).append(w)
+        for ws in by_gen.values():
+            # A baseline depends only on (prompt, seed, gen): jobs of a sweep share theirs.
+            requests: Dict[tuple, tuple] = {}
+            for j, w in enumerate(ws):
+                for ids, seed, i in zip(w.encoded, w.seeds, range(len(w.prompts))):
+                    requests.setdefault(_base_key(ids, seed, w), (ids, None, seed))
+                    requests[_steer_key(w, i)] = (ids, w.steering, seed)
+            outs = engine.generate_many(list(requests.values()), ws[0].job.cfg.gen,
+                                        progress=lambda k: progress.advance(task, k))
+            conts.update(zip(requests.keys(), outs))
+        progress.update(task, completed=progress.tasks[task].total)
     elapsed = time.perf_counter() - t0
-    base, st = outs[: len(prompts)], outs[len(prompts):]
-    n_tokens = sum(len(o) for o in outs)
+    tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
 
-    rows = _rows(engine, plan, steering, prompts, encoded, base, st)
-    agg = metrics.aggregate(rows, n_tokens / elapsed if elapsed > 0 else 0.0)
-    results.write_jsonl(out_dir / "results.jsonl", rows)
-    results.write_json(out_dir / "metrics.json", agg)
-    _summary(console, cfg, plan, agg, out_dir)
-    return agg
+    scored = _score(engine, work, conts)
+    out = []
+    for w, rows in zip(work, scored):
+        agg = metrics.aggregate(rows, tokens_per_s)
+        results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
+        results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
+        if len(jobs) == 1:
+            _summary(console, w.job.cfg, w.plan, agg, w.job.out_dir)
+        if on_done:
+            on_done(w.job)
+        out.append(agg)
+    return out
 
 
-def _rows(engine, plan: Plan, steering: Optional[Plan], prompts, encoded, base, st) -> List[Dict]:
-    """Score each steered continuation with and without the edits: KL, changed tokens, projections."""
-    tap, edit = plan.primary
-    cap = (tap.path,)
-    scored = engine.score_many([(ids, s, None, cap) for ids, s in zip(encoded, st)] +
-                               [(ids, s, steering, cap) for ids, s in zip(encoded, st)])
-    n = len(prompts)
-    basis = edit.direction()
-    rows = []
-    for i, (prompt, ids, b, s) in enumerate(zip(prompts, encoded, base, st)):
-        (base_logits, base_cap), (st_logits, st_cap) = scored[i], scored[n + i]
-        # Logits at row t predict token t+1: the rows that predicted the steered continuation.
-        span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
-        is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
-        w = edit.row_weight(is_prompt)
-        selected = torch.ones_like(is_prompt) if w is None else w.bool()
-        proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-        rows.append({
-            "prompt": prompt,
-            "baseline": engine.decode(b),
-            "steered": engine.decode(s),
-            "baseline_tokens": len(b),
-            "steered_tokens": len(s),
-            "tokens_changed": metrics.tokens_changed(b, s),
-            "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
-            "proj_baseline": proj(base_cap[tap.path]),
-            "proj_steered": proj(st_cap[tap.path]),
-        })
-    return rows
+def _base_key(ids, seed, w: _Work) -> tuple:
+    return ("base", tuple(ids), seed)
+
+
+def _steer_key(w: _Work, i: int) -> tuple:
+    return ("steer", id(w), i)
+
+
+def _score(engine, work: List[_Work], conts: Dict[tuple, List[int]]) -> List[List[Dict]]:
+    """Score every job's steered continuations with and without its edits, in one batch: KL, changed tokens,
+    projections at the first edit's tap."""
+    jobs = []
+    for w in work:
+        cap = (w.plan.primary[0].path,)
+        for i, ids in enumerate(w.encoded):
+            st = conts[_steer_key(w, i)]
+            jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
+    scored = iter(engine.score_many(jobs))
+    out = []
+    for w in work:
+        tap, edit = w.plan.primary
+        basis = edit.direction()
+        rows = []
+        for i, (prompt, ids, seed) in enumerate(zip(w.prompts, w.encoded, w.seeds)):
+            b, s = conts[_base_key(ids, seed, w)], conts[_steer_key(w, i)]
+            (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
+            # Logits at row t predict token t+1: the rows that predicted the steered continuation.
+            span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
+            is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
+            wt = edit.row_weight(is_prompt)
+            selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
+            proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
+            rows.append({
+                "prompt": prompt,
+                "baseline": engine.decode(b),
+                "steered": engine.decode(s),
+                "baseline_tokens": len(b),
+                "steered_tokens": len(s),
+                "tokens_changed": metrics.tokens_changed(b, s),
+                "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
+                "proj_baseline": proj(base_cap[tap.path]),
+                "proj_steered": proj(st_cap[tap.path]),
+            })
+        out.append(rows)
+    return out
 
 
 def _progress(console: Console, enabled: bool) -> Progress:

@@ -1,0 +1,131 @@
+"""Sweep reports, rebuilt from the job directories alone: `summary.csv` and one PNG per metric.
+
+    python -m steer.report outputs/multirun/2026-11-29/10-00-00-000000
+
+A job directory counts once its metrics.json exists (written last, atomically). The swept parameters are the
+overrides that differ between jobs: each plot puts the first on the x axis and draws one line per combination of
+the others.
+"""
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+from omegaconf import OmegaConf
+
+from steer import results
+
+METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")
+
+
+def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
+    """One row per finished job under `sweep_dir`: its number, overrides and metrics, in job order."""
+    rows = []
+    for metrics_file in sorted(Path(sweep_dir).glob("*/metrics.json"), key=lambda p: _job_key(p.parent.name)):
+        job = metrics_file.parent
+        over = job / ".hydra" / "overrides.yaml"
+        row: Dict[str, Any] = {"job": job.name}
+        for o in (OmegaConf.load(over) if over.exists() else []):
+            key, _, value = str(o).partition("=")
+            row[key] = value
+        row.update(json.loads(metrics_file.read_text()))
+        rows.append(row)
+    return rows
+
+
+def swept(rows: List[Dict[str, Any]]) -> List[str]:
+    """The override keys whose value differs between jobs, in the order they first appear."""
+    keys: List[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys and k != "job" and k not in METRICS and k != "prompts"]
+    return [k for k in keys if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def write_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> Path:
+    fields: List[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    w.writerows(rows)
+    return results.write_text(Path(sweep_dir) / "summary.csv", buf.getvalue())
+
+
+def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List[Path]:
+    """One PNG per metric against the first swept parameter, a line per combination of the others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not params:
+        return []
+    x_key, others = params[0], params[1:]
+    out = []
+    for metric in METRICS:
+        if not any(r.get(metric) is not None for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        lines: Dict[str, list] = {}
+        for r in rows:
+            label = ", ".join(f"{k}={r.get(k)}" for k in others) or metric
+            lines.setdefault(label, []).append((_num(r.get(x_key)), r.get(metric)))
+        for label, pts in lines.items():
+            pts = sorted((p for p in pts if p[1] is not None), key=lambda p: (isinstance(p[0], str), p[0]))
+            ax.plot([str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts],
+                    [p[1] for p in pts], marker="o", label=label)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(metric)
+        if len(lines) > 1 or others:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = Path(sweep_dir) / f"{metric}.png"
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(buf.getvalue())
+        tmp.replace(path)
+        out.append(path)
+    return out
+
+
+def build(sweep_dir: Path) -> Dict[str, Any]:
+    """Rebuild summary.csv and the plots of `sweep_dir`; return what was written."""
+    rows = job_rows(Path(sweep_dir))
+    params = swept(rows)
+    return {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
+            "swept": params}
+
+
+def _num(v: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _job_key(name: str):
+    return (0, int(name)) if name.isdigit() else (1, name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m steer.report", description=__doc__.splitlines()[0])
+    p.add_argument("sweep_dir", type=Path)
+    args = p.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"error: {args.sweep_dir} is not a directory", file=sys.stderr)
+        return 2
+    out = build(args.sweep_dir)
+    print(f"{out['jobs']} jobs, swept {out['swept']}: {out['summary']}, {len(out['plots'])} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
