@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def run_dirs(cwd):

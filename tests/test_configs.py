@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from conftest import CONF, compose
+from helpers import CONF, compose
 from steer.schema import EditKind, SteerConf
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
@@ -48,3 +48,13 @@ def test_issue_commands_compose():
 def test_bad_overrides_fail_at_composition(override):
     with pytest.raises((ConfigCompositionException, ValidationError)):
         compose(override)
+
+
+@pytest.mark.parametrize("launcher,key,value", [("slurm_gpu", "gpus_per_node", 1), ("local_procs", "timeout_min", 60),
+                                                ("packed", "pack_size", 16)])
+def test_launcher_configs_compose(launcher, key, value):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher[key] == value

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import compose
+from helpers import compose
 from steer import vector
 from steer.errors import ConfigError
 from steer.plan import build

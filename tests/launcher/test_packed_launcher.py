@@ -1,0 +1,95 @@
+"""The packed launcher on the HF engine (CPU): same results as the basic launcher, resume after a kill."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import ROOT, run_cli
+
+from hydra_plugins.steer_launcher.packed import complete
+
+QUICK = ["gen.max_new_tokens=6", "prompts.steer=['The weather today is','My friend looked at me and said']"]
+SWEEP = ["-m", "edit=add", "edit.scale=0,2,4,8", "tap.layer=1,2"]
+
+
+def jobs(sweep):
+    if not sweep.exists():
+        return []
+    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def test_packed_sweep_equals_unpacked(tmp_path, cache_dir, tiny_spec):
+    walls = {}
+    for launcher in ("packed", "basic"):
+        t = time.perf_counter()
+        res = run_cli(SWEEP + QUICK + [f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path / launcher}"],
+                      tmp_path, cache_dir)
+        walls[launcher] = time.perf_counter() - t
+        assert res.returncode == 0, res.stderr[-3000:]
+    packed, basic = jobs(tmp_path / "packed"), jobs(tmp_path / "basic")
+    assert len(packed) == len(basic) == 8
+    for p, b in zip(packed, basic):
+        assert sorted(os.listdir(p)) == sorted(os.listdir(b))
+        assert (p / "results.jsonl").read_text() == (b / "results.jsonl").read_text()
+        mp, mb = json.loads((p / "metrics.json").read_text()), json.loads((b / "metrics.json").read_text())
+        mp.pop("tokens_per_s"), mb.pop("tokens_per_s")
+        assert mp == mb
+        assert (p / ".hydra" / "overrides.yaml").read_text() == (b / ".hydra" / "overrides.yaml").read_text()
+    print(f"\n8-job sweep wall time: packed {walls['packed']:.1f}s, basic {walls['basic']:.1f}s")
+
+
+def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = SWEEP + QUICK + ["hydra.launcher.pack_size=1", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "steer", *args, "progress=false"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and sum(complete(j) for j in jobs(sweep)) < 3:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = {j.name: (j / "metrics.json").stat().st_mtime_ns for j in jobs(sweep) if complete(j)}
+    assert 3 <= len(done) < 8, "the sweep should have been stopped part way"
+    res = run_cli(args, tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert all(complete(j) for j in jobs(sweep)) and len(jobs(sweep)) == 8
+    for name, mtime in done.items():  # finished jobs were not run again
+        assert (sweep / name / "metrics.json").stat().st_mtime_ns == mtime
+    assert (res.stdout + res.stderr).count("(complete, skipped)") == len(done)
+    assert f"{8 - len(done)} jobs to run" in res.stdout + res.stderr
+    rows = (sweep / "summary.csv").read_text().strip().splitlines()
+    assert len(rows) == 9
+
+
+def test_force_reruns_complete_jobs(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"]
+    assert run_cli(args, tmp_path, cache_dir).returncode == 0
+    res = run_cli(args + ["hydra.launcher.force=true"], tmp_path, cache_dir)
+    assert res.returncode == 0 and "2 jobs to run" in res.stdout + res.stderr
+
+
+def test_half_written_job_is_not_complete(tmp_path):
+    (tmp_path / "results.jsonl").write_text("{}\n")
+    assert not complete(tmp_path)
+    (tmp_path / "metrics.json").write_text("{}")
+    assert complete(tmp_path)
+
+
+def test_bad_job_fails_the_sweep_before_any_engine_starts(tmp_path, cache_dir):
+    res = run_cli(["-m", "tap.layer=1,9", *QUICK, f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, cache_dir)
+    assert res.returncode != 0 and "layer 9 is out of range" in res.stderr
+    assert "Loading weights" not in res.stderr and not list(tmp_path.rglob("results.jsonl"))
+
+
+def test_submitit_local_runs_each_job_in_its_own_process(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    res = run_cli(["-m", "hydra/launcher=local_procs", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"],
+                  tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [complete(j) for j in jobs(sweep)] == [True, True]
+    assert len((sweep / "summary.csv").read_text().strip().splitlines()) == 3
