@@ -17,8 +17,22 @@ python - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
 r = {e: [json.loads(l) for l in open(f"{out}/results-{e}.jsonl")] for e in ("vllm", "hf")}
-same = [a["steered"] == b["steered"] for a, b in zip(r["vllm"], r["hf"])]
-print(f"steered text identical vllm vs hf: {sum(same)}/{len(same)}")
+for key in ("steered", "baseline"):
+    same = [a[key] == b[key] for a, b in zip(r["vllm"], r["hf"])]
+    print(f"{key} text identical vllm vs hf: {sum(same)}/{len(same)}")
 for e in ("vllm", "hf"):
     print(e, json.load(open(f"{out}/metrics-{e}.json")))
 PY
+# A single vLLM job against a 16-job packed sweep of the same model (wall time, engine start included).
+t0=$(date +%s.%N)
+python -m steer engine=vllm model=tiny progress=false hydra.run.dir=$runs/single > "$OUT/single.log" 2>&1; echo "single rc=$?"
+t1=$(date +%s.%N)
+python -m steer -m engine=vllm model=tiny 'edit.scale=range(0,16)' progress=false hydra.sweep.dir=$runs/sweep16 \
+  > "$OUT/sweep16.log" 2>&1; echo "sweep16 rc=$?"
+t2=$(date +%s.%N)
+python -c "a=$t1-$t0; b=$t2-$t1; print(f'single job {a:.1f}s, 16-job packed sweep {b:.1f}s, ratio {b/a:.2f}')" | tee "$OUT/sweep-timing.txt"
+ls $runs/sweep16 | tr '\n' ' '; echo
+# The device tool brings back at most 8 files: pack the report into one when asked.
+if [ -n "${PACK_REPORT:-}" ]; then
+  (cd "$OUT" && tar czf ../gpu-report.tgz . && rm -rf ./* && mv ../gpu-report.tgz .)
+fi
