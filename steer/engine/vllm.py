@@ -95,9 +95,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
-        # We decode with our own tokenizer; vLLM detokenizing every full-vocabulary log-prob of a scoring pass
-        # would dominate a sweep's time.
-        return SamplingParams(extra_args=extra, detokenize=False, **kw)
+        return SamplingParams(extra_args=extra, **kw)
 
     def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
                       progress=None) -> List[List[int]]:
