@@ -64,7 +64,9 @@ def start_engine(cfg: SteerConf, spec: ModelSpec, taps=()):
     """Build the tiny model if needed and start (or reuse) the engine with these taps fixed."""
     if cfg.model.source == "tiny":
         tiny.ensure_tiny(cfg.cache_dir, cfg.model.tiny)
-    return _engine(engines.resolve(cfg.engine), spec, cfg.device, json.dumps(asdict(cfg.vllm)), tuple(taps))
+    name = engines.resolve(cfg.engine)
+    # Only an engine that records graphs fixes its taps at start; the HF engine serves any tap it is given.
+    return _engine(name, spec, cfg.device, json.dumps(asdict(cfg.vllm)), tuple(taps) if name == "vllm" else ())
 
 
 def run_taps(cfg: SteerConf, spec: ModelSpec):
@@ -161,13 +163,13 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
                                  total=sum(2 * len(w.prompts) for w in work))
         by_gen: Dict[str, List[_Work]] = {}
         for w in work:
-            by_gen.setdefault(json.dumps(asdict(w.job.cfg.gen), sort_keys=True), []).append(w)
+            by_gen.setdefault(_gen_key(w), []).append(w)
         for ws in by_gen.values():
-            # A baseline depends only on (prompt, seed, gen): jobs of a sweep share theirs.
+            # A baseline depends only on (gen settings, prompt, seed): jobs of a sweep share theirs.
             requests: Dict[tuple, tuple] = {}
             for j, w in enumerate(ws):
                 for ids, seed, i in zip(w.encoded, w.seeds, range(len(w.prompts))):
-                    requests.setdefault(_base_key(ids, seed, w), (ids, None, seed))
+                    requests.setdefault(_base_key(w, ids, seed), (ids, None, seed))
                     requests[_steer_key(w, i)] = (ids, w.steering, seed)
             outs = engine.generate_many(list(requests.values()), ws[0].job.cfg.gen,
                                         progress=lambda k: progress.advance(task, k))
@@ -190,8 +192,12 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     return out
 
 
-def _base_key(ids, seed, w: _Work) -> tuple:
-    return ("base", tuple(ids), seed)
+def _gen_key(w: _Work) -> str:
+    return json.dumps(asdict(w.job.cfg.gen), sort_keys=True)
+
+
+def _base_key(w: _Work, ids, seed) -> tuple:
+    return ("base", _gen_key(w), tuple(ids), seed)
 
 
 def _steer_key(w: _Work, i: int) -> tuple:
@@ -214,7 +220,7 @@ def _score(engine, work: List[_Work], conts: Dict[tuple, List[int]]) -> List[Lis
         basis = edit.direction()
         rows = []
         for i, (prompt, ids, seed) in enumerate(zip(w.prompts, w.encoded, w.seeds)):
-            b, s = conts[_base_key(ids, seed, w)], conts[_steer_key(w, i)]
+            b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
             (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
             # Logits at row t predict token t+1: the rows that predicted the steered continuation.
             span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
