@@ -115,13 +115,11 @@ class StepRows:
         self.num_tokens: Optional[int] = None
         self.weights: Optional[torch.Tensor] = None
         self.active: frozenset = frozenset()
-        self.spans: List[Span] = []
         self.capturing: Dict[str, List[Span]] = {}  # location -> spans of requests that keep its value
 
     def set(self, spans: Sequence[Span], num_tokens: int, n_stages: int, device) -> None:
         """Fill the step from its spans: one host->device copy of the weight matrix, nothing per request."""
         self.num_tokens = num_tokens
-        self.spans = list(spans)
         w, used = row_weights(n_stages, spans, num_tokens)
         self.active = frozenset(used)
         self.capturing = {}

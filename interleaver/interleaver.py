@@ -1,7 +1,7 @@
 """VLLMInterleaver: an nnsight Interleaver whose handoff is recorded into breakable CUDA graphs at taps.
 
 What belongs here: the contract of ../shared/seed/interleaver.txt (taps, instrument, handle, replay, and what a
-request parked off the taps is told). What does not: vLLM's own API (recording.py), row bookkeeping (bank.py),
+request parked off the taps is told). What does not: vLLM's internals (vllm_internals.py), row bookkeeping (bank.py),
 the edit math (steer.edit). Compiled edit programs (program.py) are served at the same taps as nnsight traces,
 with one vectorised op per stage per step and no per-request Python.
 """
@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from nnsight.intervention.interleaver import Interleaver, OutOfOrderError
 
-from interleaver import vllm_internals as recording
+from interleaver import vllm_internals
 from interleaver.bank import StepRows
 from interleaver.program import TapProgram
 
@@ -58,9 +58,9 @@ class VLLMInterleaver(Interleaver):
 
     def handle(self, provider: str, value: Any) -> Any:
         if provider in self.taps:
-            rec = recording.recording()
+            rec = vllm_internals.recording()
             if rec is not None:
-                live = _apply(value, recording.weak)
+                live = _apply(value, vllm_internals.weak)
                 rec.add_eager(lambda: self.replay(provider, live))
                 return value
             # An eager step (enforce_eager, or a prompt longer than any graph) is served exactly as a replay.

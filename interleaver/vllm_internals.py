@@ -70,7 +70,7 @@ class _TapWorkerMixin:
         runner = self.model_runner
         self.steer_il = VLLMInterleaver(taps=[tap_location(p) for p, _ in taps])
         self.steer_bank = EditBank()
-        self.steer_residual = dict(taps)
+        self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
         model = runner.get_model()
         modules = dict(model.named_modules())
@@ -131,15 +131,11 @@ class _TapWorkerMixin:
         self.steer_bank.stages = [Stage(i, loc, _on(Edit.from_dict(e) if isinstance(e, dict) else e, device))
                                   for i, loc, e in stages]
         il = self.steer_il
-        il.programs = {}
-        for loc in {s.location for s in self.steer_bank.stages}:
-            if loc not in il.taps:
-                raise ValueError(f"edit at {loc!r}, which is not a tap of this engine: {sorted(il.taps)}")
-            path = loc[len("model."): -len(".output")]
-            il.programs[loc] = TapProgram(loc, self.steer_bank.at(loc), self.steer_residual.get(path, False))
-        for loc in il.taps - set(il.programs):  # taps with no edits still serve captures
-            path = loc[len("model."): -len(".output")]
-            il.programs[loc] = TapProgram(loc, [], self.steer_residual.get(path, False))
+        stray = {s.location for s in self.steer_bank.stages} - il.taps
+        if stray:
+            raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
+        # Every tap gets a program, those with no edits too: they still serve capture-only requests.
+        il.programs = {loc: TapProgram(loc, self.steer_bank.at(loc), self.steer_residual[loc]) for loc in il.taps}
         return len(self.steer_bank.stages)
 
     def steer_take_kept(self):
@@ -151,7 +147,6 @@ class _TapWorkerMixin:
                 out[loc] = {k: [b.tolist() for b in blocks] for k, blocks in program.kept.items()}
                 program.kept = {}
         return out
-
 
 
 def eager_breaks(worker) -> dict:

@@ -85,14 +85,10 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = Path(sweep_dir) / f"{metric}.png"
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(buf.getvalue())
-        tmp.replace(path)
-        out.append(path)
+        out.append(results.write_bytes(Path(sweep_dir) / f"{metric}.png", buf.getvalue()))
     return out
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Dict, Iterable
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` atomically."""
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -22,6 +22,11 @@ def write_text(path: str | Path, text: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` atomically."""
+    return write_bytes(path, text.encode())
 
 
 def write_jsonl(path: str | Path, rows: Iterable[Dict]) -> Path:

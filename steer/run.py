@@ -51,13 +51,11 @@ def prepare(cfg: SteerConf) -> ModelSpec:
 
 @lru_cache(maxsize=1)
 def _engine(name: str, spec: ModelSpec, device: str, vllm_conf: str, taps: tuple):
-    # A multirun's jobs share one process: keep the last engine rather than reload it for every job.
-    from omegaconf import OmegaConf
-
+    # A multirun's jobs share one process: keep the last engine rather than reload it for every job. The vLLM
+    # settings arrive as JSON only because the cache key must be hashable.
     from steer.schema import VllmConf
 
-    conf = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(VllmConf), OmegaConf.create(vllm_conf)))
-    return engines.make(name, spec, device, conf, taps)
+    return engines.make(name, spec, device, VllmConf(**json.loads(vllm_conf)), taps)
 
 
 def start_engine(cfg: SteerConf, spec: ModelSpec, taps=()):
