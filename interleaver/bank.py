@@ -2,9 +2,11 @@
 
 A step's activation is a flat `[num_tokens, hidden]` slab of every scheduled request (prefill chunks and decode
 tokens mixed). Each request carries a list of (stage, strength, tokens) entries; a stage is one unit edit at one
-tap (steer.edit.Edit.unit), shared by every request whose edit has the same shape, so requests that differ only
-in scale share one vectorised op and differ in their row weights. `row_weights` turns the step's spans into a
-`[stages, num_tokens]` weight matrix: the only per-step host work the taps need.
+tap and one position in that tap's edit list (steer.edit.Edit.unit), shared by every request whose edit has the
+same shape, so requests that differ only in scale share one op and differ in their row weights. `StepRows.set`
+turns the step's rows into a `[num_tokens, columns]` weight matrix with array operations (no Python per row,
+one small loop per steered request) and ships it in one pinned host-to-device copy: the only per-step host work
+the taps need.
 """
 
 import hashlib
@@ -17,11 +19,14 @@ import torch
 from steer.edit import Edit
 from steer.schema import Tokens
 
+_TOKENS = {Tokens.both.value: 0, Tokens.prompt.value: 1, Tokens.generated.value: 2}
+
 
 @dataclass(frozen=True)
 class Stage:
     id: int
     location: str
+    index: int  # position in the tap's edit list: a request's edits at one tap run in this order
     edit: Edit  # at unit strength
 
 
@@ -34,6 +39,7 @@ class RequestEdits:
     prompt_len: Optional[int] = None
     capture: List[str] = field(default_factory=list)  # tap locations whose (edited) rows to keep, for scoring
     key: str = ""  # names the request's captures
+    _dense: Optional[Tuple[int, np.ndarray]] = field(default=None, repr=False, compare=False)
 
     def to_args(self) -> Dict:
         """A plain dict that rides SamplingParams.extra_args into the worker."""
@@ -46,6 +52,16 @@ class RequestEdits:
             return None
         return cls([(int(s), float(w), str(t)) for s, w, t in d.get("entries", [])], d.get("prompt_len"),
                    list(d.get("capture", [])), str(d.get("key", "")))
+
+    def strengths(self, n_stages: int) -> np.ndarray:
+        """`[3, n_stages]` float32: this request's strength per stage on every row, on prompt rows only, and
+        on generated rows only (cached: a request asks every step)."""
+        if self._dense is None or self._dense[0] != n_stages:
+            s = np.zeros((3, n_stages), dtype=np.float32)
+            for stage, strength, tokens in self.entries:
+                s[_TOKENS[tokens], stage] += strength
+            self._dense = (n_stages, s)
+        return self._dense[1]
 
 
 @dataclass(frozen=True)
@@ -74,7 +90,7 @@ class EditBank:
             key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value)
             if key not in self._ids:
                 self._ids[key] = len(self.stages)
-                self.stages.append(Stage(len(self.stages), location, unit))
+                self.stages.append(Stage(len(self.stages), location, index, unit))
             out.append((self._ids[key], e.strength, e.tokens.value))
         return out
 
@@ -82,51 +98,91 @@ class EditBank:
         return [s for s in self.stages if s.location == location]
 
 
-def row_weights(n_stages: int, spans: Sequence[Span], num_tokens: int) -> Tuple[np.ndarray, List[int]]:
-    """The `[n_stages, num_tokens]` float32 weights of a step, and the stage ids any row uses."""
-    w = np.zeros((n_stages, num_tokens), dtype=np.float32)
-    used = set()
-    for sp in spans:
-        if sp.edits is None or not sp.edits.entries:
-            continue
-        prompt_len = sp.edits.prompt_len if sp.edits.prompt_len is not None else sp.prompt_len
-        positions = np.arange(sp.position, sp.position + sp.count)
-        is_prompt = positions < prompt_len
-        rows = slice(sp.start, sp.start + sp.count)
-        for stage, strength, tokens in sp.edits.entries:
-            if strength == 0.0:
-                continue
-            if tokens == Tokens.both.value:
-                w[stage, rows] += strength
-            else:
-                w[stage, rows] += strength * (is_prompt if tokens == Tokens.prompt.value else ~is_prompt)
-            used.add(stage)
-    return w, sorted(used)
+def layout(stages: Sequence[Stage]) -> np.ndarray:
+    """The weight matrix's column order: stage ids sorted by (tap, index, kind), so that the stages one tap
+    program runs as one batched op are adjacent columns and it reads them as a slice."""
+    order = sorted(stages, key=lambda s: (s.location, s.index, s.edit.kind.value, s.id))
+    return np.array([s.id for s in order], dtype=np.int64)
 
 
 class StepRows:
-    """The current step's row facts, read by every tap's replay: how many rows are real, and each stage's
-    per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
+    """The current step's row facts, read by every tap's replay: how many rows are real, and each weight
+    column's per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
+
+    _RING = 4  # pinned staging buffers in turn: a step's copy is done long before its buffer comes round again
 
     def __init__(self) -> None:
+        self.order: Optional[np.ndarray] = None  # column -> stage id (None: column i is stage i)
+        self._pinned: List[Optional[torch.Tensor]] = [None] * self._RING
+        self._turn = 0
         self.clear()
 
     def clear(self) -> None:
         self.num_tokens: Optional[int] = None
-        self.weights: Optional[torch.Tensor] = None
-        self.active: frozenset = frozenset()
+        self.weights: Optional[torch.Tensor] = None  # [num_tokens, columns] on the device
+        self.live: Optional[np.ndarray] = None  # bool per column: does any row use it this step
         self.capturing: Dict[str, List[Span]] = {}  # location -> spans of requests that keep its value
 
     def set(self, spans: Sequence[Span], num_tokens: int, n_stages: int, device) -> None:
-        """Fill the step from its spans: one host->device copy of the weight matrix, nothing per request."""
+        """Fill the step from its spans (see `set_rows`)."""
+        self.set_rows(np.array([s.start for s in spans], dtype=np.int64),
+                      np.array([s.count for s in spans], dtype=np.int64),
+                      np.array([s.position for s in spans], dtype=np.int64),
+                      np.array([s.prompt_len for s in spans], dtype=np.int64),
+                      [s.edits for s in spans], num_tokens, n_stages, device)
+
+    def set_rows(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray, prompt_lens: np.ndarray,
+                 edits: Sequence[Optional[RequestEdits]], num_tokens: int, n_stages: int, device) -> None:
+        """Fill the step: request i owns `counts[i]` rows from `starts[i]`, the first at sequence position
+        `positions[i]`, and asks for `edits[i]`."""
+        self.clear()
         self.num_tokens = num_tokens
-        w, used = row_weights(n_stages, spans, num_tokens)
-        self.active = frozenset(used)
-        self.capturing = {}
-        for sp in spans:
-            for loc in (sp.edits.capture if sp.edits else ()):
-                self.capturing.setdefault(loc, []).append(sp)
-        self.weights = torch.from_numpy(w).to(device, non_blocking=True) if used else None
+        for i, e in enumerate(edits):
+            for loc in (e.capture if e is not None else ()):
+                self.capturing.setdefault(loc, []).append(
+                    Span(int(starts[i]), int(counts[i]), int(positions[i]), int(prompt_lens[i]), e))
+        steered = [i for i, e in enumerate(edits) if e is not None and e.entries]
+        if not steered or n_stages == 0:
+            return
+        w = _weights(starts, counts, positions, prompt_lens, edits, steered, num_tokens, n_stages)
+        if self.order is not None:
+            w = w[:, self.order]
+        self.live = w.any(0)
+        if self.live.any():
+            self.weights = self._upload(w, device)
+
+    def _upload(self, w: np.ndarray, device) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(w))
+        if torch.device(device).type != "cuda":
+            return host.to(device)
+        # A pageable copy would make the host wait for the GPU to drain; a pinned one is queued and returns.
+        slot = self._turn % self._RING
+        self._turn += 1
+        buf = self._pinned[slot]
+        if buf is None or buf.numel() < host.numel():
+            buf = self._pinned[slot] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.float32).pin_memory()
+        staged = buf[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(device, non_blocking=True)
+
+
+def _weights(starts, counts, positions, prompt_lens, edits, steered, num_tokens, n_stages) -> np.ndarray:
+    """The `[num_tokens, n_stages]` float32 weights of a step, by stage id."""
+    n = len(edits)
+    dense = np.zeros((n, 3, n_stages), dtype=np.float32)
+    plen = prompt_lens.copy()
+    for i in steered:
+        dense[i] = edits[i].strengths(n_stages)
+        if edits[i].prompt_len is not None:
+            plen[i] = edits[i].prompt_len
+    owner = np.repeat(np.arange(n), counts)
+    rows = np.repeat(starts, counts) + (np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts))
+    position = positions[owner] + (rows - starts[owner])
+    is_prompt = (position < plen[owner])[:, None]
+    mine = dense[owner]
+    w = np.zeros((num_tokens, n_stages), dtype=np.float32)
+    w[rows] = mine[:, 0] + np.where(is_prompt, mine[:, 1], mine[:, 2])
+    return w
 
 
 def _digest(t: Optional[torch.Tensor]) -> str:

@@ -8,6 +8,7 @@ imports without it.
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 # Tests replace this with a fake recording class exposing `current()`, `_capturing` and `add_eager(fn)`.
@@ -95,48 +96,54 @@ class _TapWorkerMixin:
         runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
 
     def _steer_fill_step(self, scheduler_output) -> None:
-        from interleaver.bank import RequestEdits, Span
+        from interleaver.bank import RequestEdits
 
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
-        qsl = runner.query_start_loc.np[: n + 1]
-        computed = batch.num_computed_tokens_cpu[:n]
-        spans = []
+        qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         cache = self.steer_requests
+        edits, prompt_lens = [], np.empty(n, dtype=np.int64)
         for i, rid in enumerate(batch.req_ids[:n]):
-            if rid not in cache:
+            got = cache.get(rid)
+            if got is None:
                 state = runner.requests[rid]
                 extra = getattr(state.sampling_params, "extra_args", None) or {}
-                cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
-            edits, prompt_len = cache[rid]
-            spans.append(Span(int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(computed[i]), int(prompt_len), edits))
+                got = cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
+            edits.append(got[0])
+            prompt_lens[i] = got[1]
         if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
             live = set(runner.requests)
             for rid in [r for r in cache if r not in live]:
                 del cache[rid]
-        self.steer_il.step.set(spans, int(scheduler_output.total_num_scheduled_tokens), len(self.steer_bank.stages),
-                               runner.device)
+        self.steer_il.step.set_rows(qsl[:n], np.diff(qsl), batch.num_computed_tokens_cpu[:n].astype(np.int64),
+                                    prompt_lens, edits, int(scheduler_output.total_num_scheduled_tokens),
+                                    len(self.steer_bank.stages), runner.device)
 
     # collective_rpc entry points ----------------------------------------------------------------------
 
     def steer_set_stages(self, stages) -> int:
-        """Install the client's stage list ([(id, location, Edit.to_dict())], ids in order) as the taps'
+        """Install the client's stage list ([(id, location, index, Edit.to_dict())], ids in order) as the taps'
         programs (plain data: vLLM's RPC turns dataclasses into dicts)."""
-        from interleaver.bank import Stage
+        from interleaver.bank import Stage, layout
         from interleaver.program import TapProgram
         from steer.edit import Edit
 
         device = self.model_runner.device
-        self.steer_bank.stages = [Stage(i, loc, _on(Edit.from_dict(e) if isinstance(e, dict) else e, device))
-                                  for i, loc, e in stages]
+        bank = self.steer_bank
+        bank.stages = [Stage(i, loc, index, _on(Edit.from_dict(e) if isinstance(e, dict) else e, device))
+                       for i, loc, index, e in stages]
         il = self.steer_il
-        stray = {s.location for s in self.steer_bank.stages} - il.taps
+        stray = {s.location for s in bank.stages} - il.taps
         if stray:
             raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
+        order = layout(bank.stages)
+        il.step.order = order
+        columns = {int(sid): col for col, sid in enumerate(order)}
         # Every tap gets a program, those with no edits too: they still serve capture-only requests.
-        il.programs = {loc: TapProgram(loc, self.steer_bank.at(loc), self.steer_residual[loc]) for loc in il.taps}
-        return len(self.steer_bank.stages)
+        il.programs = {loc: TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device)
+                       for loc in il.taps}
+        return len(bank.stages)
 
     def steer_take_kept(self):
         """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}, as

@@ -9,7 +9,7 @@ Only public vLLM API is used here; the internals live in interleaver/vllm_intern
 """
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,6 +66,7 @@ class VLLMEngine:
             additional_config={TAPS_KEY: [[t.path, t.residual] for t in taps]},
             max_logprobs=-1,
             seed=0,
+            tensor_parallel_size=conf.tensor_parallel_size,
             **({"compilation_config": {"max_cudagraph_capture_size": conf.max_cudagraph_capture_size}}
                if conf.max_cudagraph_capture_size else {}),
         )
@@ -87,7 +88,7 @@ class VLLMEngine:
             entries += self.bank.register(tap_location(path), edits)
         if len(self.bank.stages) != self._pushed:
             self.llm.collective_rpc("steer_set_stages",
-                                    args=([(s.id, s.location, s.edit.to_dict()) for s in self.bank.stages],))
+                                    args=([(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages],))
             self._pushed = len(self.bank.stages)
         return RequestEdits(entries, **kw)
 
@@ -124,25 +125,41 @@ class VLLMEngine:
             keys.append(key)
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
                                 key=key)
-            params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1))
+            # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
+            # the forward pass.
+            params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
+                                       flat_logprobs=True, detokenize=False))
         outs = self.llm.generate([{"prompt_token_ids": list(p) + list(c)} for p, c, _, _ in jobs], params,
                                  use_tqdm=False)
-        kept: Dict[str, Dict[str, List[torch.Tensor]]] = {}
-        for worker_kept in self.llm.collective_rpc("steer_take_kept"):
-            for loc, by_key in worker_kept.items():
-                for k, blocks in by_key.items():
-                    kept.setdefault(loc, {}).setdefault(k, []).extend(torch.tensor(b) for b in blocks)
+        kept = {loc: {k: [torch.tensor(b) for b in blocks] for k, blocks in by_key.items()}
+                for loc, by_key in rank_zero(self.llm.collective_rpc("steer_take_kept")).items()}
         vocab = self.llm.llm_engine.model_config.get_vocab_size()
         results = []
         for (prompt_ids, cont_ids, _, capture), key, o in zip(jobs, keys, outs):
-            rows = list(o.prompt_logprobs[1:]) + [o.outputs[0].logprobs[0]]
-            logprobs = torch.full((len(rows), vocab), float("-inf"))
-            for r, d in enumerate(rows):
-                ids = torch.tensor(list(d.keys()))
-                logprobs[r, ids] = torch.tensor([lp.logprob for lp in d.values()])
+            # Row t predicts token t + 1: prompt positions 1.. then the one sampled position.
+            logprobs = torch.cat([_dense(o.prompt_logprobs, 1, vocab), _dense(o.outputs[0].logprobs, 0, vocab)])
             caps = {p: torch.cat(kept.get(tap_location(p), {}).get(key, []), 0) for p in capture}
             results.append((logprobs, caps))
         return results
 
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan], capture: Tuple[str, ...] = ()):
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
+
+
+def _dense(flat, first: int, vocab: int) -> torch.Tensor:
+    """Positions `first`.. of vLLM's FlatLogprobs as a dense `[positions, vocab]` float32 matrix (a position's
+    entries follow the previous position's, so the positions wanted are one slice of the flat lists)."""
+    starts, ends = flat.start_indices[first:], flat.end_indices[first:]
+    out = torch.full((len(starts), vocab), float("-inf"))
+    if not starts:
+        return out
+    lo, hi = starts[0], ends[-1]
+    rows = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(ends) - torch.tensor(starts))
+    out[rows, torch.tensor(flat.token_ids[lo:hi])] = torch.tensor(flat.logprobs[lo:hi], dtype=torch.float32)
+    return out
+
+
+def rank_zero(per_rank: List[dict]) -> dict:
+    """What one rank kept. Under tensor parallelism every rank holds the whole residual stream and runs the same
+    edits on the same rows, so every rank keeps the same rows: one rank's copy is the answer."""
+    return per_rank[0] if per_rank else {}

@@ -89,7 +89,7 @@ def test_steps_map_rows_to_requests_and_clear_after(worker):
     loc = tap_location("layers.0")
     add = bank.register(loc, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])
     abl = bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
-    assert worker.steer_set_stages([(s.id, s.location, s.edit.to_dict()) for s in bank.stages]) == 2
+    assert worker.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]) == 2
     x = torch.randn(6, H)
     # a: 3 prompt rows; b: one decode row; c: unsteered; d: a generated row
     out = step(worker.model_runner, [
@@ -120,7 +120,7 @@ def test_edit_at_a_location_that_is_no_tap_is_refused(worker):
     bank = EditBank()
     bank.register(tap_location("layers.1"), [compile_edit(EditKind.add, 1.0, torch.ones(1, H))])
     with pytest.raises(ValueError, match="not a tap of this engine"):
-        worker.steer_set_stages([(s.id, s.location, s.edit) for s in bank.stages])
+        worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
 
 
 def test_tap_naming_no_module_fails_at_load():
@@ -129,3 +129,32 @@ def test_tap_naming_no_module_fails_at_load():
     w.model_runner = Runner()
     with pytest.raises(ValueError, match="'layers.7' names no module"):
         w.load_model()
+
+
+def test_two_ranks_given_the_same_stages_and_step_edit_alike():
+    """Tensor parallelism, simulated: each rank's worker gets the same stage list (collective_rpc) and the same
+    scheduled batch, holds the whole residual stream, and so must make the same edit and keep the same rows."""
+    from steer.engine.vllm import rank_zero
+
+    ranks = []
+    for _ in range(2):
+        w = Worker()
+        w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]]})
+        w.model_runner = Runner()
+        w.load_model()
+        ranks.append(w)
+    v, d = torch.randn(1, H), torch.randn(1, H)
+    bank = EditBank()
+    loc = tap_location("layers.0")
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]), capture=[loc], key="k")
+    abl = RequestEdits(bank.register(loc, [compile_edit(EditKind.ablate, 1.0, d)]))
+    stages = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    x = torch.randn(4, H)
+    outs, kept = [], []
+    for w in ranks:
+        w.steer_set_stages(stages)
+        outs.append(step(w.model_runner, [("a", 2, 0, 2, {"steer": add.to_args()}), ("b", 1, 5, 3, None),
+                                          ("c", 1, 4, 3, {"steer": abl.to_args()})], x))
+        kept.append(w.steer_take_kept())
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], x)
+    assert kept[0] == kept[1] == rank_zero(kept) and len(kept[0][loc]["k"]) == 1

@@ -1,0 +1,83 @@
+"""Tap programs against a direct computation: batched groups equal each request's edits applied one by one."""
+
+import numpy as np
+import torch
+
+from interleaver.bank import EditBank, RequestEdits, Span, StepRows, layout
+from interleaver.program import TapProgram
+from steer.edit import compile_edit
+from steer.schema import EditKind, Tokens
+
+H = 16
+TAP = "model.layers.1.output"
+
+
+def _mixed_edits(k, g):
+    kinds = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
+    out = []
+    for i in range(k):
+        kind = kinds[i % len(kinds)]
+        v = torch.randn(2 if kind == EditKind.ablate and i % 2 else 1, H, generator=g)
+        kw = {"lo": -0.2, "hi": 0.3} if kind == EditKind.clamp else {"value": 1.5} if kind == EditKind.set else {}
+        out.append(compile_edit(kind, 0.5 + i / k, v, **kw))
+    return out
+
+
+def _run(program_edits, residual, order=True):
+    """One step of rows: request i owns 2 rows and asks for program_edits[i] (a list, in order) or nothing."""
+    g = torch.Generator().manual_seed(0)
+    bank = EditBank()
+    reqs = [RequestEdits(bank.register(TAP, e)) if e else None for e in program_edits]
+    n = 2 * len(reqs)
+    spans = [Span(2 * i, 2, 0, 4, r) for i, r in enumerate(reqs)]
+    step = StepRows()
+    columns = None
+    if order:
+        step.order = layout(bank.stages)
+        columns = {int(s): c for c, s in enumerate(step.order)}
+    step.set(spans, n, len(bank.stages), "cpu")
+    hidden, res = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
+    before = (hidden.clone(), res.clone())
+    TapProgram(TAP, bank.at(TAP), residual, columns)((hidden, res) if residual else hidden, step)
+    return before, hidden, res
+
+
+def test_many_distinct_configs_in_one_step_equal_each_applied_alone():
+    edits = _mixed_edits(64, torch.Generator().manual_seed(1))
+    for residual in (False, True):
+        (h0, r0), hidden, res = _run([[e] for e in edits] + [None], residual)
+        for i, e in enumerate(edits):
+            rows = slice(2 * i, 2 * i + 2)
+            expected = (h0[rows] + r0[rows]) if residual else h0[rows].clone()
+            e.apply_(expected)
+            got = hidden[rows] + res[rows] if residual else hidden[rows]
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(hidden[-2:], h0[-2:]) and torch.equal(res, r0)  # unsteered rows, bit for bit
+
+
+def test_a_requests_edits_at_one_tap_run_in_its_own_order():
+    g = torch.Generator().manual_seed(2)
+    v, w, d = (torch.randn(1, H, generator=g) for _ in range(3))
+    add_v, add_w = compile_edit(EditKind.add, 1.0, v), compile_edit(EditKind.add, 1.0, w)
+    ablate = compile_edit(EditKind.ablate, 1.0, d)
+    # B's ablate is registered (by A) before B's add: B must still add first, then ablate.
+    for order in (True, False):
+        (h0, _), hidden, _ = _run([[add_v, ablate], [add_w, ablate]], residual=False, order=order)
+        for i, first in enumerate((add_v, add_w)):
+            expected = h0[2 * i : 2 * i + 2].clone()
+            first.apply_(expected)
+            ablate.apply_(expected)
+            torch.testing.assert_close(hidden[2 * i : 2 * i + 2], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_step_weights_follow_prompt_and_generated_rows():
+    bank = EditBank()
+    v = torch.ones(1, H)
+    gen = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
+    both = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 3.0, v)]))
+    scored = RequestEdits(gen.entries, prompt_len=6)  # a scoring pass: its prompt ends at 6, not at its own end
+    step = StepRows()
+    # a 4-row prefill chunk from position 2 of a 5-token prompt; one decode row; a scoring pass of 8 rows
+    step.set([Span(0, 4, 2, 5, gen), Span(4, 1, 9, 5, both), Span(5, 8, 0, 8, scored)], 13, 1, "cpu")
+    w = step.weights[:, 0].numpy()
+    np.testing.assert_array_equal(w, [0, 0, 0, 2, 3] + [0] * 6 + [2, 2])
