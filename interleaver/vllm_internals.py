@@ -131,7 +131,7 @@ class _TapWorkerMixin:
 
         device = self.model_runner.device
         bank = self.steer_bank
-        bank.stages = [Stage(i, loc, index, _on(Edit.from_dict(e) if isinstance(e, dict) else e, device))
+        bank.stages = [Stage(i, loc, index, (Edit.from_dict(e) if isinstance(e, dict) else e).to(device))
                        for i, loc, index, e in stages]
         il = self.steer_il
         stray = {s.location for s in bank.stages} - il.taps
@@ -161,13 +161,6 @@ def eager_breaks(worker) -> dict:
     entries = getattr(worker.model_runner.model, "entries", {})
     caps = [e.capture for e in entries.values() if e.capture is not None]
     return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
-
-
-def _on(edit, device):
-    """The edit with its basis on the model's device, so a replay does no host-to-device copy."""
-    from dataclasses import replace
-
-    return edit if edit.basis is None else replace(edit, basis=edit.basis.to(device))
 
 
 def _tap_hook(il, location: str):

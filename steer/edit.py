@@ -57,6 +57,10 @@ class Edit:
         return cls(EditKind(d["kind"]), float(d["scale"]), basis, Tokens(d["tokens"]), d["lo"], d["hi"],
                    float(d["value"]))
 
+    def to(self, device) -> "Edit":
+        """The same edit with its vectors on `device` (so applying it does no host-to-device copy)."""
+        return self if self.basis is None else replace(self, basis=self.basis.to(device))
+
     def direction(self) -> Optional[torch.Tensor]:
         """Orthonormal `[k, hidden]` rows spanning what the edit acts on, for projection metrics."""
         if self.basis is None:

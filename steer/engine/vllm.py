@@ -86,24 +86,28 @@ class VLLMEngine:
             if path not in self.taps:
                 raise ValueError(f"edit at {path!r}, which is not a tap of this engine: {sorted(self.taps)}")
             entries += self.bank.register(tap_location(path), edits)
-        if len(self.bank.stages) != self._pushed:
-            self.llm.collective_rpc("steer_set_stages",
-                                    args=([(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages],))
-            self._pushed = len(self.bank.stages)
         return RequestEdits(entries, **kw)
 
-    def _params(self, edits: Optional[RequestEdits], **kw):
-        from vllm import SamplingParams
+    def _push(self) -> None:
+        """Ship the stage list to the workers when it grew (once per batch, not per request)."""
+        if len(self.bank.stages) != self._pushed:
+            self.llm.collective_rpc("steer_set_stages", args=(
+                [(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages],))
+            self._pushed = len(self.bank.stages)
 
-        extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
-        return SamplingParams(extra_args=extra, **kw)
+    def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:
+        """One vLLM SamplingParams per plan (None: unsteered), its edits riding in extra_args; `kw` are
+        SamplingParams fields shared by all."""
+        edits = [self._edits(plan) if plan else None for plan in plans]
+        self._push()
+        seeds = seeds if seeds is not None else [None] * len(plans)
+        return [self._params(e, seed=seed, **kw) for e, seed in zip(edits, seeds)]
 
     def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
                       progress=None) -> List[List[int]]:
         """Continue every (prompt ids, plan or None, seed) job in one batched vLLM call."""
-        params = [self._params(self._edits(plan) if plan else None, max_tokens=gen.max_new_tokens,
-                               temperature=gen.temperature, top_p=gen.top_p, seed=seed)
-                  for _, plan, seed in jobs]
+        params = self.sampling_params([plan for _, plan, _ in jobs], [seed for _, _, seed in jobs],
+                                      max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p)
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids, _, _ in jobs], params, use_tqdm=False)
         if progress:
             progress(len(jobs))
@@ -125,6 +129,7 @@ class VLLMEngine:
             keys.append(key)
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
                                 key=key)
+            self._push()
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.
             params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,

@@ -1,0 +1,156 @@
+"""The bench's report: `bench.csv` (one row per cell), `bench.md` (a table per model and batch, ratios to a and
+b, the targets), `bench.png` (each configuration's ratio to b per scenario), all written atomically."""
+
+import csv
+import io
+from typing import Dict, List, Optional
+
+from steer import results
+from steer.bench.schema import CONFIGS, BenchConf
+
+_FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "status",
+           "detail"]
+
+
+def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
+    """One row per (model, batch, scenario, configuration): a and b measure the unsteered batch, which stands
+    for every scenario of that batch."""
+    by = {(r["model"], r["requests"], r["tokens"], r["scenario"], r["config"]): r for r in records}
+    rows = []
+    for model in cfg.run:
+        for req, tok in cfg.batches:
+            for scen in cfg.scenarios:
+                def get(config):
+                    return by.get((model, req, tok, "unsteered" if config in ("a", "b") else scen, config))
+
+                base = {c: _tok(get(c)) for c in ("a", "b")}
+                for config in cfg.configs:
+                    r = get(config) or {"status": "not run", "detail": ""}
+                    t = _tok(r)
+                    rows.append({"model": model, "requests": req, "new_tokens": tok, "scenario": scen,
+                                 "config": config, "tok_s": t, "vs_a": _ratio(t, base["a"]),
+                                 "vs_b": _ratio(t, base["b"]), "wall_s": r.get("wall_s"), "status": r["status"],
+                                 "detail": r.get("detail", "")})
+    return rows
+
+
+def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
+    """Each target at each model and batch it covers: the measured ratio and whether it holds."""
+    tok = {(r["model"], r["requests"], r["new_tokens"], r["scenario"], r["config"]): r["tok_s"] for r in rows}
+    out = []
+    for t in cfg.targets:
+        for model in ([t.model] if t.model else cfg.run):
+            if model not in cfg.run or t.scenario not in cfg.scenarios:
+                continue
+            for req, new in cfg.batches:
+                ratio = _ratio(tok.get((model, req, new, t.scenario, t.of)),
+                               tok.get((model, req, new, t.scenario, t.over)))
+                out.append({"target": f"{t.of}/{t.over} >= {t.at_least:g}", "scenario": t.scenario, "model": model,
+                            "batch": f"{req}x{new}", "ratio": ratio, "required": t.at_least,
+                            "holds": None if ratio is None else ratio >= t.at_least})
+    return out
+
+
+def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
+    lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
+             f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
+             "Output tokens per second after a warm-up; `x/a`, `x/b`: ratio to configuration a, b.", ""]
+    lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
+    configs = cfg.configs
+    head = ["scenario"] + [f"{c} tok/s" for c in configs]
+    head += [f"{c}/{base}" for c in configs for base in ("a", "b") if base in configs and c != base and c not in ("a", "b")]
+    if "c" in configs and "d" in configs:
+        head.append("c/d")
+    for model in cfg.run:
+        for req, tok in cfg.batches:
+            lines += [f"**{model}**, {req} requests x {tok} new tokens", "", "| " + " | ".join(head) + " |",
+                      "|" + "---|" + "---:|" * (len(head) - 1)]
+            for scen in cfg.scenarios:
+                mine = {r["config"]: r for r in rows if (r["model"], r["requests"], r["new_tokens"], r["scenario"])
+                        == (model, req, tok, scen)}
+                vals = [scen] + [_fmt_tok(mine[c]) for c in configs]
+                for c in configs:
+                    for base in ("a", "b"):
+                        if base in configs and c != base and c not in ("a", "b"):
+                            vals.append(_fmt(mine[c][f"vs_{base}"]))
+                if "c" in configs and "d" in configs:
+                    vals.append(_fmt(_ratio(mine["c"]["tok_s"], mine["d"]["tok_s"])))
+                lines.append("| " + " | ".join(vals) + " |")
+            lines.append("")
+    if goals:
+        lines += ["Targets:", "", "| target | scenario | model | batch | measured | holds |", "|---|---|---|---|---:|---|"]
+        for g in goals:
+            verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
+                f"**no** ({g['ratio'] - g['required']:+.3f})"
+            lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
+                         f"{verdict} |")
+        lines.append("")
+    errors = [r for r in rows if r["status"] not in ("ok",)]
+    if errors:
+        lines += ["Cells without a figure:", ""]
+        seen = set()
+        for r in errors:
+            key = (r["model"], r["config"], r["status"], r["detail"])
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {r['model']} {r['config']}: {r['status']} {r['detail']}".rstrip())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(out_dir, rows: List[Dict], goals: List[Dict], md: str, cfg: BenchConf) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=_FIELDS)
+    w.writeheader()
+    w.writerows(rows)
+    results.write_text(out_dir / "bench.csv", buf.getvalue())
+    results.write_text(out_dir / "bench.md", md)
+    results.write_bytes(out_dir / "bench.png", _plot(rows, cfg))
+
+
+def _plot(rows: List[Dict], cfg: BenchConf) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(m, r, t) for m in cfg.run for r, t in cfg.batches]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    width = 0.8 / max(len(cfg.configs), 1)
+    for ax, (model, req, tok) in zip(axes[0], panels):
+        for k, c in enumerate(cfg.configs):
+            ys = [next((r["vs_b"] for r in rows if (r["model"], r["requests"], r["new_tokens"], r["scenario"],
+                                                      r["config"]) == (model, req, tok, s, c)), None) or 0.0
+                  for s in cfg.scenarios]
+            ax.bar([i + (k - (len(cfg.configs) - 1) / 2) * width for i in range(len(cfg.scenarios))], ys, width,
+                   label=c)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(cfg.scenarios)), cfg.scenarios)
+        ax.set_title(f"{model}, {req}x{tok}")
+        ax.set_ylabel("output tok/s / b")
+    axes[0][0].legend(title="config", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _tok(r: Optional[Dict]) -> Optional[float]:
+    return r.get("tok_s") if r and r.get("status") == "ok" else None
+
+
+def _ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
+    return None if x is None or not y else x / y
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _fmt_tok(r: Dict) -> str:
+    if r["tok_s"] is not None:
+        return f"{r['tok_s']:,.0f}"
+    return {"not run": "-", "skipped": "skipped"}.get(r["status"], r["status"])
+
+

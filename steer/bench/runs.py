@@ -1,0 +1,197 @@
+"""One engine configuration in one process: start it, then time every scenario and batch it serves.
+
+Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
+each sets its own vLLM environment before importing it). A cell's figure is output tokens per second of one
+`generate` over the whole batch, after a short warm-up of the same batch and edits; every request generates
+exactly its new tokens (ignore_eos), so every configuration does the same work.
+"""
+
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from steer.bench import workload
+from steer.bench.schema import BenchConf, BenchModelConf
+
+
+@dataclass
+class Group:
+    """What one engine process runs: a configuration, the taps it starts with, and its cells."""
+
+    model: str
+    config: str  # a..e
+    layers: List[int]  # tapped decoder layers ([] for none)
+    cells: List[Dict] = field(default_factory=list)  # {"scenario", "requests", "tokens"}
+
+
+def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
+    """The engine processes one model needs: a and b once (unsteered), c and d once per tap set, e once."""
+    groups: Dict[tuple, Group] = {}
+    for config in cfg.configs:
+        for scen in cfg.scenarios:
+            taps = list(range(layers)) if scen == "ablate_all" else [layers // 2]
+            if config in ("a", "b"):
+                scen, taps = "unsteered", []
+            elif config == "e":
+                taps = []  # eager: every location is served, nothing to declare
+            g = groups.setdefault((config, tuple(taps)), Group(model_name, config, taps))
+            for req, tok in cfg.batches:
+                cell = {"scenario": scen, "requests": req, "tokens": tok}
+                if cell not in g.cells:
+                    g.cells.append(cell)
+    return list(groups.values())
+
+
+def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str) -> None:
+    """Child process entry: run the group's cells and write their records to `out` (JSON, atomically)."""
+    records = []
+    try:
+        runner = _RUNNERS[group.config](cfg, m, Path(where), group.layers)
+    except Exception as e:  # the engine did not start: every cell says why
+        err = f"engine start failed: {type(e).__name__}: {e}"
+        traceback.print_exc()
+        records = [{**c, "status": "error", "detail": err} for c in group.cells]
+        return _write(out, records, {})
+    spec = workload.spec(m, group.model, Path(where))
+    for cell in group.cells:
+        n, tokens = cell["requests"], cell["tokens"]
+        prompts = workload.prompts(n, cfg.prompt_len, cfg.seed)
+        scen = None if cell["scenario"] == "unsteered" else workload.scenario(
+            cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
+        try:
+            runner(prompts, scen, cfg.warmup_tokens)  # warm-up: same batch and edits, a few tokens
+            best = None
+            for _ in range(cfg.repeats):
+                _sync()
+                t0 = time.perf_counter()
+                produced = runner(prompts, scen, tokens)
+                _sync()
+                wall = time.perf_counter() - t0
+                best = wall if best is None else min(best, wall)
+            if produced is not None and produced != n * tokens:
+                raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
+            records.append({**cell, "status": "ok", "wall_s": best, "tok_s": n * tokens / best})
+            print(f"[bench] {group.model} {group.config} {cell['scenario']} {n}x{tokens}: "
+                  f"{n * tokens / best:,.0f} tok/s", flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            records.append({**cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]})
+    _write(out, records, _machine())
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _write(out: str, records: List[Dict], machine: Dict) -> None:
+    from steer.results import write_json
+
+    write_json(Path(out), {"records": records, "machine": machine})
+
+
+def _machine() -> Dict:
+    import vllm
+
+    import nnsight
+
+    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
+            "nnsight": getattr(nnsight, "__version__", "?")}
+
+
+def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
+    from vllm.config import CompilationConfig
+
+    return dict(dtype=m.dtype, load_format=m.load_format, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=cfg.max_model_len, max_num_seqs=max(r for r, _ in cfg.batches),
+                enable_prefix_caching=False, seed=cfg.seed,
+                compilation_config=CompilationConfig(max_cudagraph_capture_size=max(r for r, _ in cfg.batches)))
+
+
+def _token_prompts(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _count(outs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _plain(cfg, m, where, layers, breakable: bool):
+    if breakable:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(where), **_llm_kwargs(cfg, m))
+
+    def run(prompts, scen, tokens):
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
+
+    return run
+
+
+def _steer(cfg, m, where, layers):
+    from steer.engine.vllm import VLLMEngine
+    from steer.plan import Plan
+    from steer.schema import VllmConf
+    from steer.tap import Tap
+
+    spec = workload.spec(m, "bench", where)
+    taps = [Tap(f"layer{i}", spec.layer_path(i), True) for i in layers]
+    k = _llm_kwargs(cfg, m)
+    engine = VLLMEngine(spec, VllmConf(gpu_memory_utilization=k["gpu_memory_utilization"],
+                                       max_model_len=k["max_model_len"], max_num_seqs=k["max_num_seqs"],
+                                       load_format=m.load_format,
+                                       max_cudagraph_capture_size=k["max_num_seqs"]), taps)
+    by_layer = {i: t for i, t in zip(layers, taps)}
+    plans: Dict[tuple, Plan] = {}
+
+    def plan(edit, at):
+        key = (id(edit), tuple(at))
+        if key not in plans:
+            plans[key] = Plan()
+            for i in at:
+                plans[key].add(by_layer[i], edit)
+        return plans[key]
+
+    def run(prompts, scen, tokens):
+        plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
+        params = engine.sampling_params(plans_, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        return _count(engine.llm.generate(_token_prompts(prompts), params, use_tqdm=False))
+
+    return run
+
+
+def _nnsight(cfg, m, where, layers, taps: bool):
+    from nnsight.modeling.vllm import VLLM
+
+    from steer.bench.trace import generate
+
+    k = _llm_kwargs(cfg, m)
+    if not taps:
+        k.pop("compilation_config")
+    model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in layers] if taps else (),
+                 **k)
+
+    def run(prompts, scen, tokens):
+        generate(model, prompts, scen.edits if scen else [None] * len(prompts), scen.layers if scen else [], tokens,
+                 getattr(torch, m.dtype))
+        return None  # nnsight hands back no token counts without saving them; ignore_eos fixes the count
+
+    return run
+
+
+_RUNNERS = {
+    "a": lambda cfg, m, w, layers: _plain(cfg, m, w, layers, breakable=False),
+    "b": lambda cfg, m, w, layers: _plain(cfg, m, w, layers, breakable=True),
+    "c": _steer,
+    "d": lambda cfg, m, w, layers: _nnsight(cfg, m, w, layers, taps=True),
+    "e": lambda cfg, m, w, layers: _nnsight(cfg, m, w, layers, taps=False),
+}

@@ -1,0 +1,62 @@
+"""The bench's typed config: conf/bench.yaml is merged onto these dataclasses, so a typo fails at composition."""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from steer.schema import TinyConf
+
+CONFIGS = {
+    "a": "vLLM default (torch.compile + CUDA graphs), unsteered",
+    "b": "vLLM breakable CUDA graphs, unsteered",
+    "c": "steer: replay callables at the taps",
+    "d": "nnsight 0.8.1 taps, edit as a trace (tracer.all, in place)",
+    "e": "vLLM eager, edit through nnsight",
+}
+
+
+@dataclass
+class BenchModelConf:
+    # "tiny": the embedded model; "llama3_8b_shape": Llama-3-8B's config written by steer (use load_format
+    # dummy); else a local model directory.
+    source: str = "tiny"
+    dtype: str = "bfloat16"
+    load_format: str = "auto"
+    tiny: TinyConf = field(default_factory=TinyConf)
+
+
+@dataclass
+class TargetConf:
+    scenario: str = MISSING
+    model: Optional[str] = None  # null: every model
+    of: str = "c"
+    over: str = "b"
+    at_least: float = MISSING
+
+
+@dataclass
+class BenchConf:
+    models: Dict[str, BenchModelConf] = field(default_factory=dict)
+    run: List[str] = field(default_factory=list)  # which models, in order
+    configs: List[str] = field(default_factory=lambda: list(CONFIGS))
+    # add: one tap, every request adds the same vector; ablate_all: one direction ablated at every layer;
+    # kN: N distinct per-request edits (kinds in turn: add, ablate, clamp, set, scale) at one tap in one batch.
+    scenarios: List[str] = field(default_factory=lambda: ["add", "ablate_all", "k1", "k8", "k64"])
+    batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
+    prompt_len: int = 32
+    warmup_tokens: int = 8
+    repeats: int = 1  # timed passes per cell; the report gives the best
+    # "model/config/scenario/RxT" fnmatch patterns left out of this run (reported as not run, with the pattern)
+    skip: List[str] = field(default_factory=list)
+    targets: List[TargetConf] = field(default_factory=list)
+    gpu_memory_utilization: float = 0.4
+    max_model_len: int = 1024
+    seed: int = 0
+    timeout_s: int = 1800  # per engine process
+    cache_dir: str = MISSING
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="bench_schema", node=BenchConf)

@@ -1,0 +1,129 @@
+"""What every configuration runs: the model directories, the prompts, and each scenario's per-request edits.
+
+Every configuration gets the same prompts (token ids, so no tokenizer differences) and the same edits; nothing
+here starts an engine, so a bad config fails before any GPU work.
+"""
+
+import fnmatch
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from steer import model, tiny
+from steer.bench.schema import CONFIGS, BenchConf, BenchModelConf
+from steer.edit import Edit, compile_edit
+from steer.errors import ConfigError
+from steer.schema import EditKind, ModelConf
+
+# Llama-3-8B's architecture (its public config.json), for load_format=dummy: the real shape, random weights.
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)
+_SHAPES = {"llama3_8b_shape": LLAMA3_8B}
+_K = re.compile(r"k([1-9][0-9]*)$")
+_KINDS = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
+
+
+@dataclass
+class Scenario:
+    name: str
+    layers: List[int]  # the decoder layers tapped; every request's edit runs at each of them
+    edits: List[Optional[Edit]]  # per request (None: unsteered)
+
+
+def check(cfg: BenchConf) -> None:
+    """Fail on names that mean nothing, before any engine starts."""
+    for i, m in enumerate(cfg.run):
+        if m not in cfg.models:
+            raise ConfigError(f"run[{i}]", f"model {m!r} is not defined under `models` ({sorted(cfg.models)})")
+    for name, m in cfg.models.items():
+        if m.source not in ("tiny", *_SHAPES) and not Path(m.source).is_dir():
+            raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', one of {sorted(_SHAPES)}, "
+                                                       "nor a model directory")
+    for i, c in enumerate(cfg.configs):
+        if c not in CONFIGS:
+            raise ConfigError(f"configs[{i}]", f"unknown configuration {c!r}; expected one of {list(CONFIGS)}")
+    for i, s in enumerate(cfg.scenarios):
+        if s not in ("add", "ablate_all") and not _K.match(s):
+            raise ConfigError(f"scenarios[{i}]", f"unknown scenario {s!r}; expected add, ablate_all or kN (N >= 1)")
+    for i, b in enumerate(cfg.batches):
+        if len(b) != 2 or min(b) < 1:
+            raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
+    for i, t in enumerate(cfg.targets):
+        for key in ("of", "over"):
+            if getattr(t, key) not in CONFIGS:
+                raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
+    if cfg.prompt_len < 1 or cfg.warmup_tokens < 1 or cfg.repeats < 1:
+        raise ConfigError("prompt_len", "prompt_len, warmup_tokens and repeats must be >= 1")
+
+
+def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
+    """The skip pattern that leaves this cell out, or None."""
+    cell = f"{model_name}/{config}/{scenario}/{batch[0]}x{batch[1]}"
+    return next((p for p in cfg.skip if fnmatch.fnmatchcase(cell, p)), None)
+
+
+def model_dir(m: BenchModelConf, cache_dir: str) -> Path:
+    """A directory vLLM and nnsight can load (config, tokenizer; weights unless load_format is dummy)."""
+    if m.source == "tiny":
+        return tiny.ensure_tiny(cache_dir, m.tiny)
+    if m.source not in _SHAPES:
+        return Path(m.source)
+    dest = Path(cache_dir).expanduser() / "models" / m.source
+    if not (dest / "config.json").exists():
+        from transformers import LlamaConfig
+
+        # The tiny model's tokenizer: prompts are token ids below its vocabulary, valid for any shape.
+        src = tiny.ensure_tiny(cache_dir, m.tiny)
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(f, tmp / f.name)
+        bos_eos = json.loads((src / "config.json").read_text())
+        LlamaConfig(**_SHAPES[m.source], bos_token_id=bos_eos["bos_token_id"], eos_token_id=bos_eos["eos_token_id"],
+                    torch_dtype=m.dtype).save_pretrained(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+    return dest
+
+
+def spec(m: BenchModelConf, name: str, where: Path):
+    return model.spec(ModelConf(name=name, source=str(where), dtype=m.dtype), str(where.parent))
+
+
+def prompts(n: int, length: int, seed: int, low: int = 2, high: int = 500) -> List[List[int]]:
+    """`n` prompts of `length` token ids (ids below the tiny tokenizer's vocabulary, above its specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n, length), generator=g).tolist()
+
+
+def scenario(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario:
+    """The per-request edits of a scenario for `n` requests on a model of `layers` layers."""
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def unit() -> torch.Tensor:
+        v = torch.randn(1, hidden, generator=g)
+        return v / v.norm()
+
+    middle = layers // 2
+    if name == "add":
+        e = compile_edit(EditKind.add, 4.0, unit())
+        return Scenario(name, [middle], [e] * n)
+    if name == "ablate_all":
+        e = compile_edit(EditKind.ablate, 1.0, unit())
+        return Scenario(name, list(range(layers)), [e] * n)
+    k = int(_K.match(name).group(1))
+    configs = []
+    for j in range(k):
+        kind = _KINDS[j % len(_KINDS)]
+        kw = {"lo": -0.5, "hi": 0.5} if kind == EditKind.clamp else {"value": 0.25} if kind == EditKind.set else {}
+        scale = 0.9 - 0.1 * j / k if kind == EditKind.scale else 1.0 + j / k
+        configs.append(compile_edit(kind, scale, None if kind == EditKind.scale else unit(), **kw))
+    return Scenario(name, [middle], [configs[i % k] for i in range(n)])

@@ -1,0 +1,49 @@
+"""The bench report from records: ratios to a and b, targets, and the files, on CPU."""
+
+import csv
+
+import pytest
+
+from steer.bench import report
+from test_workload import bench_conf
+
+
+def records(cfg):
+    out = []
+    for model in cfg.run:
+        for req, tok in cfg.batches:
+            out += [{"model": model, "config": c, "scenario": "unsteered", "requests": req, "tokens": tok,
+                     "status": "ok", "tok_s": t, "wall_s": 1.0} for c, t in (("a", 1000.0), ("b", 980.0))]
+            for scen in cfg.scenarios:
+                for c, t in (("c", 950.0), ("d", 300.0), ("e", 200.0)):
+                    out.append({"model": model, "config": c, "scenario": scen, "requests": req, "tokens": tok,
+                                "status": "ok", "tok_s": t, "wall_s": 1.0})
+    out[-1] = {**out[-1], "status": "error", "tok_s": None, "detail": "RuntimeError: boom"}
+    return out
+
+
+def test_ratios_and_targets():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]")
+    rows = report.cells(records(cfg), cfg)
+    c_add = next(r for r in rows if (r["scenario"], r["config"]) == ("add", "c"))
+    assert c_add["vs_a"] == pytest.approx(0.95) and c_add["vs_b"] == pytest.approx(950 / 980)
+    b_k8 = next(r for r in rows if (r["scenario"], r["config"]) == ("k8", "b"))
+    assert b_k8["tok_s"] == 980.0  # the unsteered batch stands for every scenario
+    goals = {(g["target"], g["scenario"]): g for g in report.targets(rows, cfg)}
+    assert goals[("c/b >= 0.9", "add")]["holds"] is True
+    assert goals[("c/d >= 3", "add")]["ratio"] == pytest.approx(950 / 300) and goals[("c/d >= 3", "add")]["holds"]
+    assert ("c/b >= 0.97", "add") not in goals  # the 8B target: that model is not in this run
+
+
+def test_report_files(tmp_path):
+    cfg = bench_conf()
+    rows = report.cells(records(cfg), cfg)
+    goals = report.targets(rows, cfg)
+    md = report.markdown(rows, goals, cfg, {"gpu": "NVIDIA H200"}, "2026-11-29 10:00 UTC", "python -m steer.bench")
+    report.write(tmp_path, rows, goals, md, cfg)
+    assert {p.name for p in tmp_path.iterdir()} == {"bench.md", "bench.csv", "bench.png"}
+    table = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert len(table) == 2 * 2 * 5 * 5
+    assert "| add | 1,000 | 980 | 950 | 300 | 200 |" in md and "NVIDIA H200" in md
+    assert "e: error RuntimeError: boom" in md
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,66 @@
+"""Which engines a bench starts, and how one engine process times its cells (a stand-in engine, on CPU)."""
+
+import json
+
+import pytest
+
+from steer.bench import runs
+from test_workload import bench_conf
+
+
+def test_groups_start_each_engine_once():
+    cfg = bench_conf()
+    groups = {(g.config, tuple(g.layers)): g for g in runs.plan_groups(cfg, "tiny", 4)}
+    assert set(groups) == {("a", ()), ("b", ()), ("c", (2,)), ("c", (0, 1, 2, 3)), ("d", (2,)),
+                           ("d", (0, 1, 2, 3)), ("e", ())}
+    assert [c["scenario"] for c in groups[("a", ())].cells] == ["unsteered", "unsteered"]
+    assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64"}
+    assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all"}
+    assert len(groups[("e", ())].cells) == 5 * 2
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    calls = []
+
+    def start(cfg, m, where, layers):
+        def run(prompts, scen, tokens):
+            calls.append((len(prompts), scen.name if scen else None, tokens))
+            if scen and scen.name == "k8":
+                raise RuntimeError("boom")
+            return len(prompts) * tokens
+
+        return run
+
+    monkeypatch.setitem(runs._RUNNERS, "c", start)
+    monkeypatch.setattr(runs, "_machine", lambda: {"gpu": "stand-in"})
+    return calls
+
+
+def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_dir):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", cache_dir=cache_dir)
+    m = cfg.models["tiny"]
+    from steer.bench import workload
+
+    where = workload.model_dir(m, cache_dir)
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    runs.run_group(cfg, m, str(where), group, str(tmp_path / "out.json"))
+    got = json.loads((tmp_path / "out.json").read_text())
+    by = {r["scenario"]: r for r in got["records"]}
+    assert by["add"]["status"] == "ok" and by["add"]["tok_s"] == pytest.approx(24 / by["add"]["wall_s"])
+    assert by["k8"]["status"] == "error" and "boom" in by["k8"]["detail"]
+    assert stand_in[:3] == [(4, "add", cfg.warmup_tokens), (4, "add", 6), (4, "add", 6)]
+    assert got["machine"] == {"gpu": "stand-in"}
+
+
+def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):
+    cfg = bench_conf("batches=[[4,6]]")
+
+    def broken(*a):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setitem(runs._RUNNERS, "a", broken)
+    group = runs.plan_groups(cfg, "tiny", 4)[0]
+    runs.run_group(cfg, cfg.models["tiny"], "/nowhere", group, str(tmp_path / "out.json"))
+    records = json.loads((tmp_path / "out.json").read_text())["records"]
+    assert [r["status"] for r in records] == ["error"] and "no GPU here" in records[0]["detail"]
