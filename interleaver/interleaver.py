@@ -6,6 +6,7 @@ the edit math (steer.edit). Compiled edit programs (program.py) are served at th
 with one vectorised op per stage per step and no per-request Python.
 """
 
+import time
 from typing import Any, Dict, Iterable, Optional
 
 import torch
@@ -33,6 +34,7 @@ class VLLMInterleaver(Interleaver):
         self.taps = frozenset(taps)
         self.programs: Dict[str, TapProgram] = {}
         self.step = StepRows()
+        self.clock = None  # a vllm_internals._Clock when profiling
 
     def instrument(self, envoy: Any) -> None:
         """Route the module through this interleaver and, for taps on an operation inside its forward
@@ -61,7 +63,7 @@ class VLLMInterleaver(Interleaver):
             rec = vllm_internals.recording()
             if rec is not None:
                 live = _apply(value, vllm_internals.weak)
-                rec.add_eager(lambda: self.replay(provider, live))
+                rec.add_eager(lambda: self._timed_replay(provider, live))
                 return value
             # An eager step (enforce_eager, or a prompt longer than any graph) is served exactly as a replay.
             self.replay(provider, value)
@@ -71,6 +73,13 @@ class VLLMInterleaver(Interleaver):
             # request sees would depend on whether its step happened to fit a graph.
             return value
         return super().handle(provider, value)
+
+    def _timed_replay(self, location: str, live: Any) -> None:
+        if self.clock is None:
+            return self.replay(location, live)
+        t0 = time.perf_counter()
+        self.replay(location, live)
+        self.clock.add("replay", time.perf_counter() - t0)
 
     def replay(self, location: str, live: Any) -> None:
         """Serve `location` from a replayed graph: trim to the step's rows (a view), run the compiled program,

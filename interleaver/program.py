@@ -65,16 +65,17 @@ class TapProgram:
         if keep or any(g.kind != EditKind.add for g in groups):
             x = hidden.float() if residual is None else hidden.float() + residual.float()
         if groups:
-            out = hidden.to(torch.float32, copy=True)  # a float32 hidden would otherwise alias it
             w_all = step.weights[:n]
+            acc = None
             for index, level in groupby(groups, key=lambda g: g.index):
                 delta = None
                 for g in level:
                     delta = _delta(g, x, w_all[:, g.cols], delta)
-                out += delta
+                acc = delta if acc is None else acc.add_(delta)
                 if x is not None:
                     x = x + delta
-            hidden.copy_(out.to(hidden.dtype))
+            # In-place add of a float32 delta computes in float32 and rounds once into hidden's dtype.
+            hidden.add_(acc)
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 

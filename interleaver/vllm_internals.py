@@ -6,6 +6,8 @@ file alone, and CPU tests can stand a fake recording in its place. vLLM itself i
 imports without it.
 """
 
+import os
+import time
 from typing import Any, Optional
 
 import numpy as np
@@ -82,9 +84,14 @@ class _TapWorkerMixin:
         self.steer_set_stages([])  # every tap gets a program, so capture-only requests are served too
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
+        clock = self.steer_clock = _Clock() if os.environ.get("STEER_PROFILE") == "1" else None
+
         def prepare_inputs(scheduler_output, *a, **k):
             out = prepare(scheduler_output, *a, **k)
+            t0 = time.perf_counter() if clock else 0.0
             self._steer_fill_step(scheduler_output)
+            if clock:
+                clock.add("fill_step", time.perf_counter() - t0)
             return out
 
         def execute_model(*a, **k):
@@ -94,6 +101,7 @@ class _TapWorkerMixin:
                 self.steer_il.step.clear()  # a later warm-up or dummy run must edit nothing
 
         runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+        self.steer_il.clock = clock
 
     def _steer_fill_step(self, scheduler_output) -> None:
         from interleaver.bank import RequestEdits
@@ -145,6 +153,11 @@ class _TapWorkerMixin:
                        for loc in il.taps}
         return len(bank.stages)
 
+    def steer_profile(self) -> dict:
+        """Host seconds spent per section since the last call (STEER_PROFILE=1 in the engine's environment)."""
+        clock = getattr(self, "steer_clock", None)
+        return clock.take() if clock else {}
+
     def steer_take_kept(self):
         """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}, as
         nested lists (plain data crosses vLLM's RPC intact)."""
@@ -153,6 +166,23 @@ class _TapWorkerMixin:
             if program.kept:
                 out[loc] = {k: [b.tolist() for b in blocks] for k, blocks in program.kept.items()}
                 program.kept = {}
+        return out
+
+
+class _Clock:
+    """Host time per section and call counts, for profiling the taps' own overhead."""
+
+    def __init__(self) -> None:
+        self.seconds: dict = {}
+        self.calls: dict = {}
+
+    def add(self, section: str, dt: float) -> None:
+        self.seconds[section] = self.seconds.get(section, 0.0) + dt
+        self.calls[section] = self.calls.get(section, 0) + 1
+
+    def take(self) -> dict:
+        out = {k: {"seconds": v, "calls": self.calls[k]} for k, v in self.seconds.items()}
+        self.seconds, self.calls = {}, {}
         return out
 
 

@@ -66,6 +66,9 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
         try:
             runner(prompts, scen, cfg.warmup_tokens)  # warm-up: same batch and edits, a few tokens
+            profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
+            if profile:
+                profile()
             best = None
             for _ in range(cfg.repeats):
                 _sync()
@@ -77,6 +80,10 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             if produced is not None and produced != n * tokens:
                 raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
             records.append({**cell, "status": "ok", "wall_s": best, "tok_s": n * tokens / best})
+            if profile:
+                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
+                                               for k, v in profile().items()}
+                print(f"[bench] host profile: {records[-1]['host_profile']}", flush=True)
             print(f"[bench] {group.model} {group.config} {cell['scenario']} {n}x{tokens}: "
                   f"{n * tokens / best:,.0f} tok/s", flush=True)
         except Exception as e:
@@ -166,6 +173,7 @@ def _steer(cfg, m, where, layers):
         params = engine.sampling_params(plans_, max_tokens=tokens, temperature=0.0, ignore_eos=True)
         return _count(engine.llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
+    run.profile = lambda: engine.llm.collective_rpc("steer_profile")[0]
     return run
 
 

@@ -103,6 +103,12 @@ class VLLMEngine:
         seeds = seeds if seeds is not None else [None] * len(plans)
         return [self._params(e, seed=seed, **kw) for e, seed in zip(edits, seeds)]
 
+    def _params(self, edits: Optional[RequestEdits], **kw):
+        from vllm import SamplingParams
+
+        extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
+        return SamplingParams(extra_args=extra, **kw)
+
     def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
                       progress=None) -> List[List[int]]:
         """Continue every (prompt ids, plan or None, seed) job in one batched vLLM call."""
