@@ -105,6 +105,26 @@ def layout(stages: Sequence[Stage]) -> np.ndarray:
     return np.array([s.id for s in order], dtype=np.int64)
 
 
+class BatchEdits:
+    """What the scheduled requests ask for, in batch order: built once per batch composition (vLLM keeps its
+    batch order from step to step until a request joins or leaves), so a step costs array operations only."""
+
+    def __init__(self, edits: Sequence[Optional[RequestEdits]], prompt_lens: np.ndarray, n_stages: int,
+                 order: Optional[np.ndarray] = None):
+        self.edits = list(edits)
+        self.capture = [i for i, e in enumerate(self.edits) if e is not None and e.capture]
+        self.plen = np.asarray(prompt_lens, dtype=np.int64).copy()
+        steered = [i for i, e in enumerate(self.edits) if e is not None and e.entries]
+        self.dense: Optional[np.ndarray] = None  # [requests, 3 (both, prompt, generated), columns]
+        if steered and n_stages:
+            dense = np.zeros((len(self.edits), 3, n_stages), dtype=np.float32)
+            for i in steered:
+                dense[i] = self.edits[i].strengths(n_stages)
+                if self.edits[i].prompt_len is not None:
+                    self.plen[i] = self.edits[i].prompt_len
+            self.dense = dense if order is None else dense[:, :, order]
+
+
 class StepRows:
     """The current step's row facts, read by every tap's replay: how many rows are real, and each weight
     column's per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
@@ -125,34 +145,32 @@ class StepRows:
 
     def set(self, spans: Sequence[Span], num_tokens: int, n_stages: int, device) -> None:
         """Fill the step from its spans (see `set_rows`)."""
+        batch = BatchEdits([s.edits for s in spans], np.array([s.prompt_len for s in spans], dtype=np.int64),
+                           n_stages, self.order)
         self.set_rows(np.array([s.start for s in spans], dtype=np.int64),
                       np.array([s.count for s in spans], dtype=np.int64),
-                      np.array([s.position for s in spans], dtype=np.int64),
-                      np.array([s.prompt_len for s in spans], dtype=np.int64),
-                      [s.edits for s in spans], num_tokens, n_stages, device)
+                      np.array([s.position for s in spans], dtype=np.int64), batch, num_tokens, device)
 
-    def set_rows(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray, prompt_lens: np.ndarray,
-                 edits: Sequence[Optional[RequestEdits]], num_tokens: int, n_stages: int, device) -> None:
+    def set_rows(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray, batch: BatchEdits,
+                 num_tokens: int, device) -> None:
         """Fill the step: request i owns `counts[i]` rows from `starts[i]`, the first at sequence position
-        `positions[i]`, and asks for `edits[i]`."""
+        `positions[i]`, and asks for `batch.edits[i]`."""
         self.clear()
         self.num_tokens = num_tokens
-        for i, e in enumerate(edits):
-            for loc in (e.capture if e is not None else ()):
+        for i in batch.capture:
+            e = batch.edits[i]
+            for loc in e.capture:
                 self.capturing.setdefault(loc, []).append(
-                    Span(int(starts[i]), int(counts[i]), int(positions[i]), int(prompt_lens[i]), e))
-        steered = [i for i, e in enumerate(edits) if e is not None and e.entries]
-        if not steered or n_stages == 0:
+                    Span(int(starts[i]), int(counts[i]), int(positions[i]), int(batch.plen[i]), e))
+        if batch.dense is None:
             return
-        w = _weights(starts, counts, positions, prompt_lens, edits, steered, num_tokens, n_stages)
-        if self.order is not None:
-            w = w[:, self.order]
+        w = _weights(starts, counts, positions, batch, num_tokens)
         self.live = w.any(0)
         if self.live.any():
             self.weights = self._upload(w, device)
 
     def _upload(self, w: np.ndarray, device) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(w))
+        host = torch.from_numpy(w)
         if torch.device(device).type != "cuda":
             return host.to(device)
         # A pageable copy would make the host wait for the GPU to drain; a pinned one is queued and returns.
@@ -166,21 +184,19 @@ class StepRows:
         return staged.to(device, non_blocking=True)
 
 
-def _weights(starts, counts, positions, prompt_lens, edits, steered, num_tokens, n_stages) -> np.ndarray:
-    """The `[num_tokens, n_stages]` float32 weights of a step, by stage id."""
-    n = len(edits)
-    dense = np.zeros((n, 3, n_stages), dtype=np.float32)
-    plen = prompt_lens.copy()
-    for i in steered:
-        dense[i] = edits[i].strengths(n_stages)
-        if edits[i].prompt_len is not None:
-            plen[i] = edits[i].prompt_len
+def _weights(starts, counts, positions, batch: BatchEdits, num_tokens) -> np.ndarray:
+    """The `[num_tokens, columns]` float32 weights of a step."""
+    dense, plen = batch.dense, batch.plen
+    if counts.size == num_tokens and (counts == 1).all():  # a pure decode step: row i is request i
+        is_prompt = (positions < plen)[:, None]
+        return dense[:, 0] + np.where(is_prompt, dense[:, 1], dense[:, 2])
+    n = counts.size
     owner = np.repeat(np.arange(n), counts)
-    rows = np.repeat(starts, counts) + (np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts))
-    position = positions[owner] + (rows - starts[owner])
-    is_prompt = (position < plen[owner])[:, None]
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = starts[owner] + offset
+    is_prompt = (positions[owner] + offset < plen[owner])[:, None]
     mine = dense[owner]
-    w = np.zeros((num_tokens, n_stages), dtype=np.float32)
+    w = np.zeros((num_tokens, dense.shape[2]), dtype=np.float32)
     w[rows] = mine[:, 0] + np.where(is_prompt, mine[:, 1], mine[:, 2])
     return w
 

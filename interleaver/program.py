@@ -22,18 +22,29 @@ from interleaver.bank import Stage, StepRows
 from steer.schema import EditKind
 
 
+# Kinds that move the projection onto a direction: each is "move p = x.d to target(p)", with target(p) =
+# clip(slope * p + offset, lo, hi): ablate 0 (slope 0), set `value` (slope 0), clamp clip(p) (slope 1).
+_PROJECT = (EditKind.ablate, EditKind.clamp, EditKind.set)
+
+
+def _family(kind: EditKind) -> str:
+    return "project" if kind in _PROJECT else kind.value
+
+
 @dataclass
 class _Group:
     index: int
-    kind: EditKind
+    family: str  # "add", "scale" or "project"
     cols: Any  # a slice of the weight matrix's columns (adjacent under bank.layout) or a LongTensor of them
     live: np.ndarray  # the group's columns, for the host-side check that a step uses any of them
-    basis: torch.Tensor  # [m, hidden] (add: vectors; scale: centres; ablate: stacked orthonormal rows)
-    expand: Optional[torch.Tensor]  # ablate: basis row -> group column, when some stage has k > 1
-    lo: Optional[torch.Tensor] = None  # clamp/set: per column bounds, -inf/inf when open
+    basis: torch.Tensor  # [m, hidden]: add vectors, scale centres, or the directions (an ablate's k rows each)
+    expand: Optional[torch.Tensor] = None  # project: direction row -> group column, when some stage has k > 1
+    centred: bool = True  # scale: some stage has a centre
+    ablate_only: bool = False  # project: every target is 0, no bounds
+    slope: Optional[torch.Tensor] = None  # project: per direction row
+    offset: Optional[torch.Tensor] = None
+    lo: Optional[torch.Tensor] = None
     hi: Optional[torch.Tensor] = None
-    is_set: Optional[torch.Tensor] = None
-    value: Optional[torch.Tensor] = None
 
 
 class TapProgram:
@@ -45,27 +56,28 @@ class TapProgram:
         self.stages = stages
         self.residual = residual
         col = (lambda s: s.id) if columns is None else (lambda s: columns[s.id])
-        key = lambda s: (s.index, s.edit.kind.value)  # noqa: E731
+        key = lambda s: (s.index, _family(s.edit.kind))  # noqa: E731
         if device is None:
             device = next((s.edit.basis.device for s in stages if s.edit.basis is not None), "cpu")
         self.groups = [_group(list(g), col, device) for _, g in groupby(sorted(stages, key=lambda s: (*key(s), col(s))),
-                                                                key=key)]
+                                                                        key=key)]
+        self._needs_x = any(g.family != "add" for g in self.groups)
         # request key -> row blocks kept for it (scoring passes only; clones, since the graph rewrites the slab)
         self.kept: Dict[str, List[torch.Tensor]] = {}
 
     def __call__(self, live: Any, step: StepRows) -> None:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
         keep = step.capturing.get(self.location) if step.capturing else None
-        groups = [g for g in self.groups if step.live is not None and step.live[g.live].any()]
+        on = step.live
+        groups = [g for g in self.groups if on[g.live].any()] if on is not None else []
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
-        n = hidden.shape[0]
         x = None
-        if keep or any(g.kind != EditKind.add for g in groups):
-            x = hidden.float() if residual is None else hidden.float() + residual.float()
+        if keep or (self._needs_x and any(g.family != "add" for g in groups)):
+            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)  # never in place: .float() of a float32 hidden is hidden
         if groups:
-            w_all = step.weights[:n]
+            w_all = step.weights[: hidden.shape[0]]
             acc = None
             for index, level in groupby(groups, key=lambda g: g.index):
                 delta = None
@@ -81,46 +93,53 @@ class TapProgram:
 
 
 def _delta(g: _Group, x: Optional[torch.Tensor], w: torch.Tensor, acc: Optional[torch.Tensor]) -> torch.Tensor:
-    """`acc` plus the group's delta on rows `x` under per-row, per-column weights `w` ([rows, columns])."""
-    if g.kind == EditKind.add:
+    """`acc` plus the group's delta on rows `x` under per-row, per-column weights `w` ([rows, columns]); a row
+    has at most one stage of a group, so the group's stages are computed side by side."""
+    if g.family == "add":
         return w @ g.basis if acc is None else acc.addmm_(w, g.basis)
-    if g.kind == EditKind.scale:  # unit scale 2: delta = w * (x - centre)
-        d = w.sum(1, keepdim=True) * x - w @ g.basis
-    elif g.kind == EditKind.ablate:
-        p = x @ g.basis.T
-        d = -((p * (w if g.expand is None else w[:, g.expand])) @ g.basis)
-    else:  # clamp and set: move the projection p to its target
-        p = x @ g.basis.T
-        target = torch.where(g.is_set, g.value, torch.maximum(torch.minimum(p, g.hi), g.lo))
-        d = ((target - p) * w) @ g.basis
-    return d if acc is None else acc.add_(d)
+    if acc is None:
+        acc = torch.zeros_like(x)
+    if g.family == "scale":  # unit scale 2: delta = w * (x - centre)
+        acc.addcmul_(w.sum(1, keepdim=True), x)
+        return acc.addmm_(w, g.basis, alpha=-1.0) if g.centred else acc
+    p = x @ g.basis.T
+    if g.expand is not None:
+        w = w[:, g.expand]
+    if g.ablate_only:
+        return acc.addmm_(p.mul_(w), g.basis, alpha=-1.0)
+    target = torch.clamp(torch.addcmul(g.offset, g.slope, p), g.lo, g.hi)
+    return acc.addmm_(target.sub_(p).mul_(w), g.basis)
 
 
 def _group(stages: List[Stage], col, device) -> _Group:
     s0 = stages[0]
-    kind = s0.edit.kind
+    family = _family(s0.edit.kind)
     cols = [col(s) for s in stages]
     contiguous = cols == list(range(cols[0], cols[0] + len(cols)))
-    g = _Group(s0.index, kind, slice(cols[0], cols[-1] + 1) if contiguous else torch.tensor(cols, device=device),
-               np.array(cols), None, None)
-    if kind == EditKind.add:
+    g = _Group(s0.index, family, slice(cols[0], cols[-1] + 1) if contiguous else torch.tensor(cols, device=device),
+               np.array(cols), None)
+    if family == "add":
         g.basis = torch.cat([s.edit.basis[:1] * s.edit.scale for s in stages]).to(device)
-    elif kind == EditKind.scale:  # a stage with no centre scales about 0 (a [1, 1] zero broadcasts)
+    elif family == "scale":  # a stage with no centre scales about 0
         hidden = max(s.edit.basis.shape[1] if s.edit.basis is not None else 1 for s in stages)
+        g.centred = any(s.edit.basis is not None for s in stages)
         g.basis = torch.cat([s.edit.basis[:1].to(device) if s.edit.basis is not None
                              else torch.zeros(1, hidden, device=device) for s in stages])
-    elif kind == EditKind.ablate:
-        g.basis = torch.cat([s.edit.basis for s in stages]).to(device)
-        if any(s.edit.basis.shape[0] > 1 for s in stages):
-            g.expand = torch.tensor([i for i, s in enumerate(stages) for _ in range(s.edit.basis.shape[0])],
-                                    device=device)
     else:
-        g.basis = torch.cat([s.edit.basis[:1] for s in stages]).to(device)
+        rows = [(i, s, r) for i, s in enumerate(stages) for r in range(s.edit.basis.shape[0])]
+        g.basis = torch.cat([s.edit.basis for s in stages]).to(device)
+        if len(rows) != len(stages):
+            g.expand = torch.tensor([i for i, _, _ in rows], device=device)
+        g.ablate_only = all(s.edit.kind == EditKind.ablate for s in stages)
         inf = float("inf")
-        g.lo = torch.tensor([s.edit.lo if s.edit.lo is not None else -inf for s in stages], device=device)
-        g.hi = torch.tensor([s.edit.hi if s.edit.hi is not None else inf for s in stages], device=device)
-        g.is_set = torch.tensor([kind == EditKind.set] * len(stages), device=device)
-        g.value = torch.tensor([s.edit.value for s in stages], dtype=torch.float32, device=device)
+
+        def per_row(f):
+            return torch.tensor([f(s.edit) for _, s, _ in rows], dtype=torch.float32, device=device)
+
+        g.slope = per_row(lambda e: 1.0 if e.kind == EditKind.clamp else 0.0)
+        g.offset = per_row(lambda e: e.value if e.kind == EditKind.set else 0.0)
+        g.lo = per_row(lambda e: e.lo if e.kind == EditKind.clamp and e.lo is not None else -inf)
+        g.hi = per_row(lambda e: e.hi if e.kind == EditKind.clamp and e.hi is not None else inf)
     return g
 
 

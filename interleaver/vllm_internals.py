@@ -75,6 +75,7 @@ class _TapWorkerMixin:
         self.steer_bank = EditBank()
         self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
+        self.steer_batch_key, self.steer_batch = None, None
         model = runner.get_model()
         modules = dict(model.named_modules())
         for path, _ in taps:
@@ -104,29 +105,33 @@ class _TapWorkerMixin:
         self.steer_il.clock = clock
 
     def _steer_fill_step(self, scheduler_output) -> None:
-        from interleaver.bank import RequestEdits
+        from interleaver.bank import BatchEdits, RequestEdits
 
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
         qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
-        cache = self.steer_requests
-        edits, prompt_lens = [], np.empty(n, dtype=np.int64)
-        for i, rid in enumerate(batch.req_ids[:n]):
-            got = cache.get(rid)
-            if got is None:
-                state = runner.requests[rid]
-                extra = getattr(state.sampling_params, "extra_args", None) or {}
-                got = cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
-            edits.append(got[0])
-            prompt_lens[i] = got[1]
-        if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
-            live = set(runner.requests)
-            for rid in [r for r in cache if r not in live]:
-                del cache[rid]
-        self.steer_il.step.set_rows(qsl[:n], np.diff(qsl), batch.num_computed_tokens_cpu[:n].astype(np.int64),
-                                    prompt_lens, edits, int(scheduler_output.total_num_scheduled_tokens),
-                                    len(self.steer_bank.stages), runner.device)
+        il = self.steer_il
+        key = (tuple(batch.req_ids[:n]), len(self.steer_bank.stages))
+        if key != self.steer_batch_key:  # a request joined or left: look its edits up once
+            cache = self.steer_requests
+            edits, prompt_lens = [], np.empty(n, dtype=np.int64)
+            for i, rid in enumerate(key[0]):
+                got = cache.get(rid)
+                if got is None:
+                    state = runner.requests[rid]
+                    extra = getattr(state.sampling_params, "extra_args", None) or {}
+                    got = cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
+                edits.append(got[0])
+                prompt_lens[i] = got[1]
+            if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
+                live = set(runner.requests)
+                for rid in [r for r in cache if r not in live]:
+                    del cache[rid]
+            self.steer_batch_key = key
+            self.steer_batch = BatchEdits(edits, prompt_lens, key[1], il.step.order)
+        il.step.set_rows(qsl[:n], np.diff(qsl), batch.num_computed_tokens_cpu[:n].astype(np.int64),
+                         self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
 
     # collective_rpc entry points ----------------------------------------------------------------------
 
@@ -147,6 +152,7 @@ class _TapWorkerMixin:
             raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
         order = layout(bank.stages)
         il.step.order = order
+        self.steer_batch_key = None  # column order changed: rebuild the batch's weights
         columns = {int(sid): col for col, sid in enumerate(order)}
         # Every tap gets a program, those with no edits too: they still serve capture-only requests.
         il.programs = {loc: TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device)

@@ -158,3 +158,22 @@ def test_two_ranks_given_the_same_stages_and_step_edit_alike():
         kept.append(w.steer_take_kept())
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], x)
     assert kept[0] == kept[1] == rank_zero(kept) and len(kept[0][loc]["k"]) == 1
+
+
+def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
+    """The worker looks a batch's edits up once and reuses them while the same requests are scheduled: rows
+    still move from prompt to generated, and a request that joins is served from its first step."""
+    v = torch.randn(1, H)
+    bank = EditBank()
+    gen = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v,
+                                                                              tokens=Tokens.generated)]))
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    x = torch.randn(2, H)
+    a = ("a", 1, 3, 4, {"steer": gen.to_args()})
+    out = step(worker.model_runner, [a, ("b", 1, 0, 1, None)], x)  # a's position 3 < 4: still its prompt
+    torch.testing.assert_close(out, x)
+    out = step(worker.model_runner, [("a", 1, 4, 4, None), ("b", 1, 1, 1, None)], x)  # same batch, next step
+    torch.testing.assert_close(out[0], x[0] + v[0])
+    assert torch.equal(out[1], x[1])
+    out = step(worker.model_runner, [("c", 1, 5, 2, {"steer": gen.to_args()}), ("a", 1, 5, 4, None)], x)
+    torch.testing.assert_close(out, x + v[0])  # c joined (and took a's slot): both rows are generated tokens

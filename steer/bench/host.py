@@ -1,0 +1,98 @@
+"""`python -m steer.bench.host`: the taps' own host work per step, measured on this machine's CPU.
+
+A replayed step runs no Python except the taps: the tap worker's row mapping (`fill_step`, once per step) and
+each tap's program (`replay`, once per tap per step). On a small model these are what separates steer from
+unsteered vLLM (the bench's host profile, STEER_PROFILE=1, measures them inside vLLM). This runs the same
+worker code against a stand-in runner (CPU tensors, so `replay` includes the CPU doing the math; hidden is
+kept small so that is dispatch, not arithmetic) and prints microseconds per call.
+"""
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from interleaver.bank import EditBank, RequestEdits
+from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin, tap_location
+from steer.bench.workload import scenario
+
+_TAP = "layers.0"
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, x):
+        return x, x  # (hidden, residual), as vLLM's Llama layers hand them on
+
+
+class _Runner:
+    """Just what the tap worker reads of vLLM's GPUModelRunner, for `n` requests."""
+
+    def __init__(self, n: int, hidden: int):
+        self.device, self.requests = "cpu", {}
+        self.model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer()])})
+        self.query_start_loc = SimpleNamespace(np=np.zeros(n + 1, dtype=np.int32))
+        self.input_batch = SimpleNamespace(num_reqs=n, req_ids=[f"r{i}" for i in range(n)],
+                                           num_computed_tokens_cpu=np.zeros(n, dtype=np.int64))
+        self.x = torch.randn(n, hidden)
+
+    def get_model(self):
+        return self.model
+
+    def _prepare_inputs(self, scheduler_output):
+        return None
+
+    def execute_model(self, scheduler_output):
+        return None
+
+
+class _Base:
+    def load_model(self):
+        pass
+
+
+def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
+    """Microseconds per decode step of fill_step and of one tap's replay, `n` requests steered by `scen_name`."""
+    worker = type("Worker", (_TapWorkerMixin, _Base), {})()
+    worker.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [[_TAP, True]]})
+    runner = worker.model_runner = _Runner(n, hidden)
+    worker.load_model()
+    bank, loc = EditBank(), tap_location(_TAP)
+    edits = scenario(scen_name, hidden, 1, n, 0).edits
+    per_request = {}
+    for i, e in enumerate(edits):
+        per_request[i] = per_request.get(id(e)) or RequestEdits(bank.register(loc, [e]))
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    for i, rid in enumerate(runner.input_batch.req_ids):
+        args = {"steer": per_request[i].to_args()}
+        runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
+    runner.query_start_loc.np[:] = np.arange(n + 1)
+    il = worker.steer_il
+    fill = replay = 0.0
+    for step in range(steps):
+        runner.input_batch.num_computed_tokens_cpu[:] = 32 + step
+        t0 = time.perf_counter()
+        worker._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=n))
+        t1 = time.perf_counter()
+        il.replay(loc, (runner.x.clone(), runner.x))
+        t2 = time.perf_counter()
+        fill, replay = fill + t1 - t0, replay + t2 - t1
+    return {"requests": n, "scenario": scen_name, "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--scenarios", nargs="+", default=["add", "k8", "k64"])
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"{'requests':>8} {'scenario':>8} {'fill_step us':>13} {'replay us':>10}")
+    for n in a.requests:
+        for s in a.scenarios:
+            r = measure(n, s)
+            print(f"{n:>8} {s:>8} {r['fill_step_us']:>13.1f} {r['replay_us']:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
