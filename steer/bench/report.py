@@ -8,8 +8,8 @@ from typing import Dict, List, Optional
 from steer import results
 from steer.bench.schema import CONFIGS, BenchConf
 
-_FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "status",
-           "detail"]
+_FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
+           "status", "detail"]
 
 
 def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
@@ -29,7 +29,8 @@ def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
                     t = _tok(r)
                     rows.append({"model": model, "requests": req, "new_tokens": tok, "scenario": scen,
                                  "config": config, "tok_s": t, "vs_a": _ratio(t, base["a"]),
-                                 "vs_b": _ratio(t, base["b"]), "wall_s": r.get("wall_s"), "status": r["status"],
+                                 "vs_b": _ratio(t, base["b"]), "wall_s": r.get("wall_s"), "spread": r.get("spread"),
+                                 "status": r["status"],
                                  "detail": r.get("detail", "")})
     return rows
 
@@ -54,7 +55,9 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
-             "Output tokens per second after a warm-up; `x/a`, `x/b`: ratio to configuration a, b.", ""]
+             f"Output tokens per second, the median of {cfg.repeats} timed passes after a warm-up "
+             f"({'a whole pass' if cfg.warmup_tokens is None else f'{cfg.warmup_tokens} tokens'}); `x/a`, `x/b`: "
+             "ratio to configuration a, b; bench.csv has each cell's spread ((max - min) / median).", ""]
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs]

@@ -6,8 +6,8 @@ each sets its own vLLM environment before importing it). A cell's figure is outp
 exactly its new tokens (ignore_eos), so every configuration does the same work.
 """
 
-import json
 import os
+import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -65,27 +65,28 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         scen = None if cell["scenario"] == "unsteered" else workload.scenario(
             cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
         try:
-            runner(prompts, scen, cfg.warmup_tokens)  # warm-up: same batch and edits, a few tokens
+            runner(prompts, scen, cfg.warmup_tokens or tokens)  # warm-up: same batch and edits
             profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
             if profile:
                 profile()
-            best = None
+            walls = []
             for _ in range(cfg.repeats):
                 _sync()
                 t0 = time.perf_counter()
                 produced = runner(prompts, scen, tokens)
                 _sync()
-                wall = time.perf_counter() - t0
-                best = wall if best is None else min(best, wall)
-            if produced is not None and produced != n * tokens:
-                raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
-            records.append({**cell, "status": "ok", "wall_s": best, "tok_s": n * tokens / best})
-            if profile:
-                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
-                                               for k, v in profile().items()}
-                print(f"[bench] host profile: {records[-1]['host_profile']}", flush=True)
+                walls.append(time.perf_counter() - t0)
+                if produced is not None and produced != n * tokens:
+                    raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
+            wall = statistics.median(walls)
+            records.append({**cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
+                            "spread": (max(walls) - min(walls)) / wall, "walls_s": walls})
             print(f"[bench] {group.model} {group.config} {cell['scenario']} {n}x{tokens}: "
-                  f"{n * tokens / best:,.0f} tok/s", flush=True)
+                  f"{n * tokens / wall:,.0f} tok/s (spread {records[-1]['spread']:.1%})", flush=True)
+            if profile:
+                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"],
+                                                   "calls": v["calls"]} for k, v in profile().items()}
+                print(f"[bench] host profile: {records[-1]['host_profile']}", flush=True)
         except Exception as e:
             traceback.print_exc()
             records.append({**cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]})
@@ -117,7 +118,7 @@ def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
 
     return dict(dtype=m.dtype, load_format=m.load_format, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=cfg.max_model_len, max_num_seqs=max(r for r, _ in cfg.batches),
-                enable_prefix_caching=False, seed=cfg.seed,
+                enable_prefix_caching=False, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
                 compilation_config=CompilationConfig(max_cudagraph_capture_size=max(r for r, _ in cfg.batches)))
 
 
@@ -156,7 +157,8 @@ def _steer(cfg, m, where, layers):
     engine = VLLMEngine(spec, VllmConf(gpu_memory_utilization=k["gpu_memory_utilization"],
                                        max_model_len=k["max_model_len"], max_num_seqs=k["max_num_seqs"],
                                        load_format=m.load_format,
-                                       max_cudagraph_capture_size=k["max_num_seqs"]), taps)
+                                       max_cudagraph_capture_size=k["max_num_seqs"],
+                                       tensor_parallel_size=cfg.tensor_parallel_size), taps)
     by_layer = {i: t for i, t in zip(layers, taps)}
     plans: Dict[tuple, Plan] = {}
 

@@ -46,12 +46,13 @@ class BenchConf:
     scenarios: List[str] = field(default_factory=lambda: ["add", "ablate_all", "k1", "k8", "k64"])
     batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
     prompt_len: int = 32
-    warmup_tokens: int = 8
-    repeats: int = 1  # timed passes per cell; the report gives the best
+    warmup_tokens: Optional[int] = None  # null: the warm-up is a whole untimed pass of the cell
+    repeats: int = 3  # timed passes per cell; the report gives their median and spread
     # "model/config/scenario/RxT" fnmatch patterns left out of this run (reported as not run, with the pattern)
     skip: List[str] = field(default_factory=list)
     targets: List[TargetConf] = field(default_factory=list)
     gpu_memory_utilization: float = 0.4
+    tensor_parallel_size: int = 1  # GPUs per engine, for every configuration
     max_model_len: int = 1024
     seed: int = 0
     timeout_s: int = 1800  # per engine process

@@ -58,8 +58,11 @@ def check(cfg: BenchConf) -> None:
         for key in ("of", "over"):
             if getattr(t, key) not in CONFIGS:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
-    if cfg.prompt_len < 1 or cfg.warmup_tokens < 1 or cfg.repeats < 1:
-        raise ConfigError("prompt_len", "prompt_len, warmup_tokens and repeats must be >= 1")
+    for name in ("prompt_len", "repeats", "tensor_parallel_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
+    if cfg.warmup_tokens is not None and cfg.warmup_tokens < 1:
+        raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
 
 
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
