@@ -30,7 +30,19 @@ from steer.tap import resolve
 
 def prepare(cfg: SteerConf) -> ModelSpec:
     """Validate everything that can be checked without weights; return the model's spec."""
-    engines.resolve(cfg.engine)
+    engine = engines.resolve(cfg.engine)
+    tp = cfg.vllm.tensor_parallel_size
+    if tp < 1:
+        raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {tp}")
+    if tp > 1 and engine != "vllm":
+        raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine needs engine=vllm (this run resolves "
+                                                       f"to engine={engine})")
+    if tp > 1:
+        import torch
+
+        if torch.cuda.device_count() < tp:
+            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
+                                                           f"{torch.cuda.device_count()}")
     g = cfg.gen
     if g.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")

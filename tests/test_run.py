@@ -25,3 +25,15 @@ def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cach
         [solo] = run.execute([job(c, f"solo{i}")], console)
         assert (tmp_path / f"pack{i}" / "results.jsonl").read_text() == (tmp_path / f"solo{i}" / "results.jsonl").read_text()
         assert {k: v for k, v in packed[i].items() if k != "tokens_per_s"} == {k: v for k, v in solo.items() if k != "tokens_per_s"}
+
+
+def test_tensor_parallel_size_is_checked_before_any_engine(cache_dir):
+    import pytest
+
+    from steer.errors import ConfigError
+
+    for override, says in [("vllm.tensor_parallel_size=0", "must be at least 1"),
+                           ("vllm.tensor_parallel_size=2", "needs engine=vllm")]:
+        with pytest.raises(ConfigError) as e:
+            run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"))
+        assert e.value.field == "vllm.tensor_parallel_size" and says in str(e.value)

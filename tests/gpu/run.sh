@@ -4,6 +4,7 @@
 #   cli    the acceptance CLI run on the vLLM and HF engines, steered tokens compared
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
+#   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
@@ -54,6 +55,14 @@ bench() {
   STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; set +f
   grep -E "^\[bench\]" "$OUT/bench.log"
+}
+
+tp() {
+  python -m pytest -m gpu -v -rA tests/gpu/test_tensor_parallel.py --junitxml="$OUT/tp-junit.xml" 2>&1 \
+    | tee "$OUT/tp-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
+  python -m steer.bench 'run=[llama3_8b]' 'configs=[b,c]' 'scenarios=[add]' tensor_parallel_size=2 \
+    hydra.run.dir="$OUT/bench-tp2" > "$OUT/bench-tp2.log" 2>&1; echo "bench tp2 rc=$?"
+  grep -E "^\[bench\]" "$OUT/bench-tp2.log"
 }
 
 for stage in "${@:-tests cli sweep bench}"; do

@@ -6,29 +6,13 @@ Tolerance: greedy tokens must be identical; first-step log-probs within 2e-3 (ab
 import pytest
 import torch
 
+from common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
 from interleaver.vllm_internals import eager_breaks
 from steer.edit import compile_edit
-from steer.plan import Plan
-from steer.schema import EditKind, GenConf, TapConf, Tokens, VllmConf
+from steer.schema import EditKind, TapConf
 from steer.tap import resolve
 
 pytestmark = pytest.mark.gpu
-
-PROMPTS = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said"]
-GEN = GenConf(max_new_tokens=16)
-LOGPROB_ATOL = 2e-3
-
-
-@pytest.fixture(scope="module")
-def taps(tiny_spec):
-    return [resolve(TapConf(layer=1), tiny_spec), resolve(TapConf(layer=2), tiny_spec)]
-
-
-def vllm_engine(spec, taps, **kw):
-    from steer.engine.vllm import VLLMEngine
-
-    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, **kw), taps)
-
 
 # Graphs are captured for steps of up to this many tokens; a longer step (a long prompt's prefill) runs eagerly.
 MAX_GRAPH = 128
@@ -42,38 +26,6 @@ def graph(tiny_spec, taps):
 @pytest.fixture(scope="module")
 def eager(tiny_spec, taps):
     return vllm_engine(tiny_spec, taps, enforce_eager=True)
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_spec):
-    from steer.engine.hf import HFEngine
-
-    return HFEngine(tiny_spec, "cuda")
-
-
-@pytest.fixture(scope="module")
-def direction(hf, tiny_spec):
-    from steer.extract import diff_of_means
-
-    return diff_of_means(hf, resolve(TapConf(layer=1), tiny_spec), ["I am happy and glad today"],
-                         ["I am sad and tired today"])[None]
-
-
-def plan(spec, layer, edit):
-    p = Plan()
-    p.add(resolve(TapConf(layer=layer), spec), edit)
-    return p
-
-
-def edits(direction):
-    return {
-        "add": compile_edit(EditKind.add, 4.0, direction),
-        "ablate": compile_edit(EditKind.ablate, 1.0, direction),
-        "clamp": compile_edit(EditKind.clamp, 1.0, direction, lo=-5.0, hi=5.0),
-        "set": compile_edit(EditKind.set, 1.0, direction, value=20.0),
-        "scale": compile_edit(EditKind.scale, 0.5, None),
-        "add_generated": compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated),
-    }
 
 
 @pytest.mark.parametrize("name", ["add", "ablate", "clamp", "set", "scale", "add_generated"])
