@@ -5,10 +5,11 @@ sum (the next layer's fused add-norm forms it). Deltas are computed on the summe
 on `hidden` alone: the next layer then sees exactly `h + delta`, the HF engine's semantics, and a row whose
 weights are all 0 is left bit for bit as it was.
 
-Stages are run in groups of one (index in the tap's edit list, kind). A request holds at most one stage per
-index at a tap, so every row sees at most one stage of a group, and computing a group's deltas side by side on
-the same stream is exactly the sequential composition: one batched op per group per step, however many
-requests and distinct vectors. Groups of a later index see the stream after the earlier ones.
+Stages are run in groups of one (index in the tap's edit list, family), the families being `add`, `scale`, and
+the projection moves (`ablate`, `clamp`, `set`). A request holds at most one stage per index at a tap, so every
+row sees at most one stage of a group, and computing a group's deltas side by side on the same stream is exactly
+the sequential composition: one batched op per group per step, however many requests and distinct vectors.
+Groups of a later index see the stream after the earlier ones.
 """
 
 from dataclasses import dataclass

@@ -2,8 +2,9 @@
 
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
 each sets its own vLLM environment before importing it). A cell's figure is output tokens per second of one
-`generate` over the whole batch, after a short warm-up of the same batch and edits; every request generates
-exactly its new tokens (ignore_eos), so every configuration does the same work.
+`generate` over the whole batch (the median of `repeats` passes, after a warm-up pass of the same batch and
+edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight
+model samples ids its small tokenizer does not have), so every configuration does the same work.
 """
 
 import os
@@ -139,7 +140,7 @@ def _plain(cfg, m, where, layers, breakable: bool):
     llm = LLM(model=str(where), **_llm_kwargs(cfg, m))
 
     def run(prompts, scen, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
     return run
@@ -172,7 +173,8 @@ def _steer(cfg, m, where, layers):
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
-        params = engine.sampling_params(plans_, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = engine.sampling_params(plans_, max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                        detokenize=False)
         return _count(engine.llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
     run.profile = lambda: engine.llm.collective_rpc("steer_profile")[0]

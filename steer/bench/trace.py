@@ -17,7 +17,7 @@ from steer.schema import EditKind
 def generate(model, prompts: Sequence[List[int]], edits: Sequence[Optional[Edit]], layers: List[int],
              max_tokens: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """Generate `max_tokens` greedy tokens per prompt, request i running `edits[i]` at each of `layers`."""
-    with model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True) as tracer:
+    with model.trace(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False) as tracer:
         for ids, edit in zip(prompts, edits):
             if edit is None:
                 raise ValueError("the nnsight configurations only run steered scenarios")
