@@ -76,7 +76,8 @@ class TapProgram:
         hidden, residual = _split(live, self.residual)
         x = None
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
-            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)  # never in place: .float() of a float32 hidden is hidden
+            # Never in place: .float() of a float32 hidden is hidden itself.
+            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
         if groups:
             w_all = step.weights[: hidden.shape[0]]
             acc = None

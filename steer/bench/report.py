@@ -61,7 +61,8 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs]
-    head += [f"{c}/{base}" for c in configs for base in ("a", "b") if base in configs and c != base and c not in ("a", "b")]
+    steered = [c for c in configs if c not in ("a", "b")]
+    head += [f"{c}/{base}" for c in steered for base in ("a", "b") if base in configs]
     if "c" in configs and "d" in configs:
         head.append("c/d")
     for model in cfg.run:
@@ -72,16 +73,14 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
                 mine = {r["config"]: r for r in rows if (r["model"], r["requests"], r["new_tokens"], r["scenario"])
                         == (model, req, tok, scen)}
                 vals = [scen] + [_fmt_tok(mine[c]) for c in configs]
-                for c in configs:
-                    for base in ("a", "b"):
-                        if base in configs and c != base and c not in ("a", "b"):
-                            vals.append(_fmt(mine[c][f"vs_{base}"]))
+                vals += [_fmt(mine[c][f"vs_{base}"]) for c in steered for base in ("a", "b") if base in configs]
                 if "c" in configs and "d" in configs:
                     vals.append(_fmt(_ratio(mine["c"]["tok_s"], mine["d"]["tok_s"])))
                 lines.append("| " + " | ".join(vals) + " |")
             lines.append("")
     if goals:
-        lines += ["Targets:", "", "| target | scenario | model | batch | measured | holds |", "|---|---|---|---|---:|---|"]
+        lines += ["Targets:", "", "| target | scenario | model | batch | measured | holds |",
+                  "|---|---|---|---|---:|---|"]
         for g in goals:
             verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
                 f"**no** ({g['ratio'] - g['required']:+.3f})"
