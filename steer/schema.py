@@ -118,6 +118,8 @@ class VllmConf:
     max_num_seqs: int = 256
     load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)
     max_cudagraph_capture_size: Optional[int] = None  # null: vLLM's default; a longer step runs eagerly
+    # null: vLLM's default sizes up to the max; else exactly these step sizes (fewer captures start faster)
+    cudagraph_capture_sizes: Optional[List[int]] = None
     # GPUs per engine; every rank holds the whole residual stream and runs the same edits on the same rows
     tensor_parallel_size: int = 1
 

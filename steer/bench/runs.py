@@ -120,7 +120,13 @@ def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
     return dict(dtype=m.dtype, load_format=m.load_format, gpu_memory_utilization=cfg.gpu_memory_utilization,
                 max_model_len=cfg.max_model_len, max_num_seqs=max(r for r, _ in cfg.batches),
                 enable_prefix_caching=False, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
-                compilation_config=CompilationConfig(max_cudagraph_capture_size=max(r for r, _ in cfg.batches)))
+                compilation_config=CompilationConfig(**_capture(cfg)))
+
+
+def _capture(cfg: BenchConf) -> Dict:
+    if cfg.capture_sizes:
+        return {"cudagraph_capture_sizes": sorted(set(cfg.capture_sizes))}
+    return {"max_cudagraph_capture_size": max(r for r, _ in cfg.batches)}
 
 
 def _token_prompts(prompts):
@@ -159,6 +165,7 @@ def _steer(cfg, m, where, layers):
                                        max_model_len=k["max_model_len"], max_num_seqs=k["max_num_seqs"],
                                        load_format=m.load_format,
                                        max_cudagraph_capture_size=k["max_num_seqs"],
+                                       cudagraph_capture_sizes=cfg.capture_sizes,
                                        tensor_parallel_size=cfg.tensor_parallel_size), taps)
     by_layer = {i: t for i, t in zip(layers, taps)}
     plans: Dict[tuple, Plan] = {}

@@ -53,6 +53,9 @@ class BenchConf:
     targets: List[TargetConf] = field(default_factory=list)
     gpu_memory_utilization: float = 0.4
     tensor_parallel_size: int = 1  # GPUs per engine, for every configuration
+    # Step sizes every graph configuration captures (null: vLLM's default sizes up to the largest batch). A
+    # batch decodes in lockstep (ignore_eos), so its own size is the one a timed step uses.
+    capture_sizes: Optional[List[int]] = None
     max_model_len: int = 1024
     seed: int = 0
     timeout_s: int = 1800  # per engine process

@@ -61,6 +61,13 @@ def check(cfg: BenchConf) -> None:
     for name in ("prompt_len", "repeats", "tensor_parallel_size"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
+    for i, size in enumerate(cfg.capture_sizes or []):
+        if size < 1:
+            raise ConfigError(f"capture_sizes[{i}]", f"a step size must be >= 1, got {size}")
+    missing = sorted({r for r, _ in cfg.batches} - set(cfg.capture_sizes or [r for r, _ in cfg.batches]))
+    if missing:
+        raise ConfigError("capture_sizes", f"has no graph for the batch size(s) {missing}: their decode steps would "
+                                           "run eagerly")
     if cfg.warmup_tokens is not None and cfg.warmup_tokens < 1:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
 

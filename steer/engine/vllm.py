@@ -67,8 +67,7 @@ class VLLMEngine:
             max_logprobs=-1,
             seed=0,
             tensor_parallel_size=conf.tensor_parallel_size,
-            **({"compilation_config": {"max_cudagraph_capture_size": conf.max_cudagraph_capture_size}}
-               if conf.max_cudagraph_capture_size else {}),
+            compilation_config=_compilation(conf),
         )
         self.bank = EditBank()
         self._pushed = 0
@@ -155,6 +154,16 @@ class VLLMEngine:
 
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan], capture: Tuple[str, ...] = ()):
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
+
+
+def _compilation(conf: VllmConf) -> dict:
+    """vLLM's compilation settings from ours: which step sizes get a graph."""
+    out = {}
+    if conf.cudagraph_capture_sizes:
+        out["cudagraph_capture_sizes"] = sorted(set(conf.cudagraph_capture_sizes))
+    elif conf.max_cudagraph_capture_size:
+        out["max_cudagraph_capture_size"] = conf.max_cudagraph_capture_size
+    return out
 
 
 def _dense(flat, first: int, vocab: int) -> torch.Tensor:

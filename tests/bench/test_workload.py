@@ -31,7 +31,9 @@ def test_committed_bench_config_composes_and_checks():
 
 @pytest.mark.parametrize("override,field", [("run=[nope]", "run[0]"), ("configs=[a,x]", "configs[1]"),
                                             ("scenarios=[add,k0]", "scenarios[1]"), ("batches=[[64]]", "batches[0]"),
-                                            ("models.tiny.source=/no/such/dir", "models.tiny.source")])
+                                            ("models.tiny.source=/no/such/dir", "models.tiny.source"),
+                                            ("capture_sizes=[1,64]", "capture_sizes"),
+                                            ("repeats=0", "repeats")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
