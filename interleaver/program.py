@@ -37,7 +37,7 @@ class _Group:
     index: int
     family: str  # "add", "scale" or "project"
     cols: Any  # a slice of the weight matrix's columns (adjacent under bank.layout) or a LongTensor of them
-    live: np.ndarray  # the group's columns, for the host-side check that a step uses any of them
+    live: Any  # the group's columns (a slice, or an index array), for the host-side check that a step uses any
     basis: torch.Tensor  # [m, hidden]: add vectors, scale centres, or the directions (an ablate's k rows each)
     expand: Optional[torch.Tensor] = None  # project: direction row -> group column, when some stage has k > 1
     centred: bool = True  # scale: some stage has a centre
@@ -70,7 +70,7 @@ class TapProgram:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
         keep = step.capturing.get(self.location) if step.capturing else None
         on = step.live
-        groups = [g for g in self.groups if on[g.live].any()] if on is not None else []
+        groups = [g for g in self.groups if on[g.live].any()] if on is not None else ()
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
@@ -78,6 +78,10 @@ class TapProgram:
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
             # Never in place: .float() of a float32 hidden is hidden itself.
             x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+        if len(groups) == 1 and not keep:  # the common case: one edit family at this tap
+            g = groups[0]
+            hidden.add_(_delta(g, x, step.weights[: hidden.shape[0], g.cols], None))
+            return
         if groups:
             w_all = step.weights[: hidden.shape[0]]
             acc = None
@@ -118,8 +122,9 @@ def _group(stages: List[Stage], col, device) -> _Group:
     family = _family(s0.edit.kind)
     cols = [col(s) for s in stages]
     contiguous = cols == list(range(cols[0], cols[0] + len(cols)))
-    g = _Group(s0.index, family, slice(cols[0], cols[-1] + 1) if contiguous else torch.tensor(cols, device=device),
-               np.array(cols), None)
+    span = slice(cols[0], cols[-1] + 1)
+    g = _Group(s0.index, family, span if contiguous else torch.tensor(cols, device=device),
+               span if contiguous else np.array(cols), None)
     if family == "add":
         g.basis = torch.cat([s.edit.basis[:1] * s.edit.scale for s in stages]).to(device)
     elif family == "scale":  # a stage with no centre scales about 0

@@ -130,7 +130,7 @@ class _TapWorkerMixin:
                     del cache[rid]
             self.steer_batch_key = key
             self.steer_batch = BatchEdits(edits, prompt_lens, key[1], il.step.order)
-        il.step.set_rows(qsl[:n], np.diff(qsl), batch.num_computed_tokens_cpu[:n].astype(np.int64),
+        il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
                          self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
 
     # collective_rpc entry points ----------------------------------------------------------------------
