@@ -67,7 +67,7 @@ class VLLMEngine:
             max_logprobs=-1,
             seed=0,
             tensor_parallel_size=conf.tensor_parallel_size,
-            compilation_config=_compilation(conf),
+            **({"compilation_config": _compilation(conf)} if _compilation(conf) else {}),
         )
         self.bank = EditBank()
         self._pushed = 0

@@ -7,7 +7,7 @@ runs differ in the all-reduce's summation order only)."""
 import pytest
 import torch
 
-from common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
+from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                   reason="needs two GPUs (the nvidia-h200-x2 machine)")]

@@ -6,7 +6,7 @@ Tolerance: greedy tokens must be identical; first-step log-probs within 2e-3 (ab
 import pytest
 import torch
 
-from common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
+from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
 from interleaver.vllm_internals import eager_breaks
 from steer.edit import compile_edit
 from steer.schema import EditKind, TapConf
