@@ -133,6 +133,10 @@ class StepRows:
 
     def __init__(self) -> None:
         self.order: Optional[np.ndarray] = None  # column -> stage id (None: column i is stage i)
+        # In-graph engines: `[max rows, columns]` on the device at a fixed address, read by the captured edits;
+        # rows past the step's are kept at 0, so padding rows get no edit.
+        self.static: Optional[torch.Tensor] = None
+        self._high = 0  # rows of `static` written by the last step
         self._pinned: List[Optional[torch.Tensor]] = [None] * self._RING
         self._turn = 0
         self.clear()
@@ -162,12 +166,21 @@ class StepRows:
             for loc in e.capture:
                 self.capturing.setdefault(loc, []).append(
                     Span(int(starts[i]), int(counts[i]), int(positions[i]), int(batch.plen[i]), e))
-        if batch.dense is None:
-            return
-        w = _weights(starts, counts, positions, batch, num_tokens)
-        self.live = w.any(0)
-        if self.live.any():
-            self.weights = self._upload(w, device)
+        if batch.dense is not None:
+            w = _weights(starts, counts, positions, batch, num_tokens)
+            self.live = w.any(0)
+            if self.live.any():
+                self.weights = self._upload(w, device)
+        if self.static is not None:
+            self._to_static(num_tokens)
+
+    def _to_static(self, num_tokens: int) -> None:
+        end = num_tokens if self.weights is not None else 0
+        if end:
+            self.static[:end].copy_(self.weights, non_blocking=True)
+        if self._high > end:
+            self.static[end : self._high].zero_()
+        self._high = end
 
     def _upload(self, w: np.ndarray, device) -> torch.Tensor:
         host = torch.from_numpy(w)

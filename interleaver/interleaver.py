@@ -35,6 +35,8 @@ class VLLMInterleaver(Interleaver):
         self.programs: Dict[str, TapProgram] = {}
         self.step = StepRows()
         self.clock = None  # a vllm_internals._Clock when profiling
+        # Edits captured into the graphs (no eager break at the taps): programs read `step.static`.
+        self.in_graph = False
 
     def instrument(self, envoy: Any) -> None:
         """Route the module through this interleaver and, for taps on an operation inside its forward
@@ -59,6 +61,9 @@ class VLLMInterleaver(Interleaver):
         return getattr(self.batcher, "total", None)
 
     def handle(self, provider: str, value: Any) -> Any:
+        if provider in self.taps and self.in_graph:
+            self._in_graph(provider, value)
+            return value
         if provider in self.taps:
             rec = vllm_internals.recording()
             if rec is not None:
@@ -73,6 +78,21 @@ class VLLMInterleaver(Interleaver):
             # request sees would depend on whether its step happened to fit a graph.
             return value
         return super().handle(provider, value)
+
+    def _in_graph(self, location: str, value: Any) -> None:
+        """Run the tap's program as part of the graph: while recording, its ops are captured on the recording's
+        tensors (all padded rows, weights from the fixed buffer); on an eager step it runs on the real rows."""
+        program = self.programs.get(location)
+        if program is None:
+            return
+        rec = vllm_internals.recording()
+        if rec is not None:
+            vllm_internals.captured(rec, lambda: program.in_graph(value, self.step.static))
+            return
+        n = self.rows()
+        if n is None:  # a warm-up or dummy run outside any step
+            return
+        program.in_graph(_apply(value, lambda t: t[:n] if t.dim() and t.shape[0] > n else t), self.step.static)
 
     def _timed_replay(self, location: str, live: Any) -> None:
         if self.clock is None:

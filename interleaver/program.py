@@ -83,19 +83,38 @@ class TapProgram:
             hidden.add_(_delta(g, x, step.weights[: hidden.shape[0], g.cols], None))
             return
         if groups:
-            w_all = step.weights[: hidden.shape[0]]
-            acc = None
-            for index, level in groupby(groups, key=lambda g: g.index):
-                delta = None
-                for g in level:
-                    delta = _delta(g, x, w_all[:, g.cols], delta)
-                acc = delta if acc is None else acc.add_(delta)
-                if x is not None:
-                    x = x + delta
-            # In-place add of a float32 delta computes in float32 and rounds once into hidden's dtype.
-            hidden.add_(acc)
+            x = _run(groups, hidden, x, step.weights[: hidden.shape[0]])
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
+
+
+    def in_graph(self, live: Any, weights: torch.Tensor) -> None:
+        """Edit every row of `live` in place with the weights' first rows, running every group whatever the
+        step: no host decision, so a CUDA graph can capture it. Rows whose weights are 0 (padding, unsteered
+        requests) get a delta of exactly 0."""
+        if not self.groups:
+            return
+        hidden, residual = _split(live, self.residual)
+        x = None
+        if self._needs_x:
+            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+        _run(self.groups, hidden, x, weights[: hidden.shape[0]])
+
+
+def _run(groups: List[_Group], hidden: torch.Tensor, x: Optional[torch.Tensor], w_all: torch.Tensor):
+    """Land the groups' deltas on `hidden`, a later index seeing the stream after the earlier ones; returns
+    the stream after all of them (None when no group needed it)."""
+    acc = None
+    for index, level in groupby(groups, key=lambda g: g.index):
+        delta = None
+        for g in level:
+            delta = _delta(g, x, w_all[:, g.cols], delta)
+        acc = delta if acc is None else acc.add_(delta)
+        if x is not None:
+            x = x + delta
+    # In-place add of a float32 delta computes in float32 and rounds once into hidden's dtype.
+    hidden.add_(acc)
+    return x
 
 
 def _delta(g: _Group, x: Optional[torch.Tensor], w: torch.Tensor, acc: Optional[torch.Tensor]) -> torch.Tensor:

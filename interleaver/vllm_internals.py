@@ -34,6 +34,16 @@ def recording() -> Optional[Any]:
     return rec if rec is not None and rec._capturing else None
 
 
+def captured(rec: Any, fn) -> None:
+    """Run `fn`'s tensor ops into the recording in progress. A CUDA graph capture records whatever kernels run;
+    a stand-in recording (the CPU tests') records `fn` itself through its `op`."""
+    op = getattr(rec, "op", None)
+    if op is not None:
+        op(fn)
+    else:
+        fn()
+
+
 def weak(t: torch.Tensor) -> torch.Tensor:
     """A reference to a graph tensor that does not pin its pool slot (a strong one makes replay serve stale
     memory). CPU tensors (fake recordings) are returned as they are."""
@@ -47,6 +57,8 @@ def weak(t: torch.Tensor) -> torch.Tensor:
 # --- the worker: taps installed at load, rows mapped every step ---------------------------------------------
 
 TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...], fixed before graph capture
+# additional_config key of an in-graph engine: its whole stage list [(id, location, index, edit dict)], captured
+IN_GRAPH_KEY = "steer_in_graph"
 
 
 def tap_location(path: str) -> str:
@@ -82,7 +94,15 @@ class _TapWorkerMixin:
             if path not in modules:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
             modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
-        self.steer_set_stages([])  # every tap gets a program, so capture-only requests are served too
+        declared = (self.vllm_config.additional_config or {}).get(IN_GRAPH_KEY)
+        self.steer_declared = None
+        self.steer_set_stages(declared or [])  # every tap gets a program, so capture-only requests are served too
+        if declared is not None:
+            # Captured edits read their weights from one buffer at a fixed address, filled every step.
+            self.steer_il.in_graph = True
+            self.steer_declared = len(declared)
+            self.steer_il.step.static = torch.zeros(runner.max_num_tokens, max(len(declared), 1),
+                                                    device=runner.device)
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
         clock = self.steer_clock = _Clock() if os.environ.get("STEER_PROFILE") == "1" else None
@@ -142,6 +162,9 @@ class _TapWorkerMixin:
         from interleaver.program import TapProgram
         from steer.edit import Edit
 
+        if getattr(self, "steer_declared", None) is not None and len(stages) != self.steer_declared:
+            raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
+                             f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
         bank = self.steer_bank
         bank.stages = [Stage(i, loc, index, (Edit.from_dict(e) if isinstance(e, dict) else e).to(device))

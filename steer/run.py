@@ -43,6 +43,10 @@ def prepare(cfg: SteerConf) -> ModelSpec:
         if torch.cuda.device_count() < tp:
             raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
                                                            f"{torch.cuda.device_count()}")
+    if cfg.vllm.edits_in_graph:
+        raise ConfigError("vllm.edits_in_graph", "a steer run scores with the tap's values (projection metrics), "
+                                                 "which an engine with its edits in the graph cannot keep; the mode "
+                                                 "is for the bench and the API (VLLMEngine(..., declare=plans))")
     g = cfg.gen
     if g.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")

@@ -122,6 +122,9 @@ class VllmConf:
     cudagraph_capture_sizes: Optional[List[int]] = None
     # GPUs per engine; every rank holds the whole residual stream and runs the same edits on the same rows
     tensor_parallel_size: int = 1
+    # Capture the edits into the graphs themselves (no eager break at the taps): the engine serves only the edits
+    # declared when it starts, and keeps no tap values. Used by the bench (configuration f) and the API.
+    edits_in_graph: bool = False
 
 
 @dataclass

@@ -30,7 +30,7 @@ class _Runner:
     """Just what the tap worker reads of vLLM's GPUModelRunner, for `n` requests."""
 
     def __init__(self, n: int, hidden: int):
-        self.device, self.requests = "cpu", {}
+        self.device, self.requests, self.max_num_tokens = "cpu", {}, n
         self.model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([_Layer()])})
         self.query_start_loc = SimpleNamespace(np=np.zeros(n + 1, dtype=np.int32))
         self.input_batch = SimpleNamespace(num_reqs=n, req_ids=[f"r{i}" for i in range(n)],

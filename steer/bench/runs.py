@@ -41,7 +41,10 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
                 scen, taps = "unsteered", []
             elif config == "e":
                 taps = []  # eager: every location is served, nothing to declare
-            g = groups.setdefault((config, tuple(taps)), Group(model_name, config, taps))
+            # f captures its declared edits into the graphs, and runs all of them every step: one engine per
+            # scenario, so that a scenario pays for its own edits only.
+            key = (config, tuple(taps), scen if config == "f" else None)
+            g = groups.setdefault(key, Group(model_name, config, taps))
             for req, tok in cfg.batches:
                 cell = {"scenario": scen, "requests": req, "tokens": tok}
                 if cell not in g.cells:
@@ -53,7 +56,7 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
     """Child process entry: run the group's cells and write their records to `out` (JSON, atomically)."""
     records = []
     try:
-        runner = _RUNNERS[group.config](cfg, m, Path(where), group.layers)
+        runner = _RUNNERS[group.config](cfg, m, Path(where), group)
     except Exception as e:  # the engine did not start: every cell says why
         err = f"engine start failed: {type(e).__name__}: {e}"
         traceback.print_exc()
@@ -137,7 +140,7 @@ def _count(outs) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def _plain(cfg, m, where, layers, breakable: bool):
+def _plain(cfg, m, where, group, breakable: bool):
     if breakable:
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
@@ -152,31 +155,35 @@ def _plain(cfg, m, where, layers, breakable: bool):
     return run
 
 
-def _steer(cfg, m, where, layers):
+def _steer(cfg, m, where, group, in_graph: bool = False):
     from steer.engine.vllm import VLLMEngine
     from steer.plan import Plan
     from steer.schema import VllmConf
     from steer.tap import Tap
 
     spec = workload.spec(m, "bench", where)
+    layers = group.layers
     taps = [Tap(f"layer{i}", spec.layer_path(i), True) for i in layers]
+    by_layer = {i: t for i, t in zip(layers, taps)}
+    plans: Dict[tuple, tuple] = {}  # (id(edit), layers) -> (edit, plan): holding the edit keeps its id unique
+
+    def plan(edit, at):
+        key = (id(edit), tuple(at))
+        if key not in plans:
+            p = Plan()
+            for i in at:
+                p.add(by_layer[i], edit)
+            plans[key] = (edit, p)
+        return plans[key][1]
+
     k = _llm_kwargs(cfg, m)
     engine = VLLMEngine(spec, VllmConf(gpu_memory_utilization=k["gpu_memory_utilization"],
                                        max_model_len=k["max_model_len"], max_num_seqs=k["max_num_seqs"],
                                        load_format=m.load_format,
                                        max_cudagraph_capture_size=k["max_num_seqs"],
                                        cudagraph_capture_sizes=cfg.capture_sizes,
-                                       tensor_parallel_size=cfg.tensor_parallel_size), taps)
-    by_layer = {i: t for i, t in zip(layers, taps)}
-    plans: Dict[tuple, Plan] = {}
-
-    def plan(edit, at):
-        key = (id(edit), tuple(at))
-        if key not in plans:
-            plans[key] = Plan()
-            for i in at:
-                plans[key].add(by_layer[i], edit)
-        return plans[key]
+                                       tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph),
+                        taps, _declared(cfg, spec, group, plan) if in_graph else ())
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
@@ -188,7 +195,18 @@ def _steer(cfg, m, where, layers):
     return run
 
 
-def _nnsight(cfg, m, where, layers, taps: bool):
+def _declared(cfg, spec, group, plan) -> list:
+    """Every plan the group's cells will send (a scenario's edits do not depend on the batch size beyond which
+    request gets which, so the largest batch's requests name them all)."""
+    out = []
+    for cell in group.cells:
+        if cell["scenario"] != "unsteered":
+            scen = workload.scenario(cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed)
+            out += [plan(e, scen.layers) for e in scen.edits]
+    return out
+
+
+def _nnsight(cfg, m, where, group, taps: bool):
     from nnsight.modeling.vllm import VLLM
 
     from steer.bench.trace import generate
@@ -196,7 +214,7 @@ def _nnsight(cfg, m, where, layers, taps: bool):
     k = _llm_kwargs(cfg, m)
     if not taps:
         k.pop("compilation_config")
-    model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in layers] if taps else (),
+    model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in group.layers] if taps else (),
                  **k)
 
     def run(prompts, scen, tokens):
@@ -208,9 +226,10 @@ def _nnsight(cfg, m, where, layers, taps: bool):
 
 
 _RUNNERS = {
-    "a": lambda cfg, m, w, layers: _plain(cfg, m, w, layers, breakable=False),
-    "b": lambda cfg, m, w, layers: _plain(cfg, m, w, layers, breakable=True),
+    "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
+    "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
     "c": _steer,
-    "d": lambda cfg, m, w, layers: _nnsight(cfg, m, w, layers, taps=True),
-    "e": lambda cfg, m, w, layers: _nnsight(cfg, m, w, layers, taps=False),
+    "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),
+    "e": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=False),
+    "f": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True),
 }

@@ -14,6 +14,7 @@ CONFIGS = {
     "c": "steer: replay callables at the taps",
     "d": "nnsight 0.8.1 taps, edit as a trace (tracer.all, in place)",
     "e": "vLLM eager, edit through nnsight",
+    "f": "steer, edits captured into the graph (no eager break)",
 }
 
 

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import TAPS_KEY, tap_location, worker_cls
+from interleaver.vllm_internals import IN_GRAPH_KEY, TAPS_KEY, tap_location, worker_cls
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf, VllmConf
@@ -35,7 +35,9 @@ def available() -> bool:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap]):
+    def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan] = ()):
+        """Start vLLM with `taps`. With `conf.edits_in_graph`, the edits of `declare` (every plan the engine will
+        serve) are captured into the graphs, and the engine serves those alone."""
         # Breakable graphs are what let a tap run at its point of every replay; read when the engine starts.
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -51,6 +53,16 @@ class VLLMEngine:
 
         self.spec = spec
         self.taps = {t.path: t for t in taps}
+        self.bank = EditBank()
+        self.in_graph = conf.edits_in_graph
+        extra = {TAPS_KEY: [[t.path, t.residual] for t in taps]}
+        if self.in_graph:
+            for p in declare:
+                self._edits(p)
+            if not self.bank.stages:
+                raise ValueError("vllm.edits_in_graph: declare the plans the engine serves when it starts")
+            extra[IN_GRAPH_KEY] = self._stage_list()
+        self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
         self.llm = LLM(
             model=spec.source,
@@ -63,14 +75,12 @@ class VLLMEngine:
             enable_prefix_caching=False,
             load_format=conf.load_format,
             worker_cls=worker_cls(),
-            additional_config={TAPS_KEY: [[t.path, t.residual] for t in taps]},
+            additional_config=extra,
             max_logprobs=-1,
             seed=0,
             tensor_parallel_size=conf.tensor_parallel_size,
             **({"compilation_config": _compilation(conf)} if _compilation(conf) else {}),
         )
-        self.bank = EditBank()
-        self._pushed = 0
         self._keys = 0
 
     def encode(self, text: str) -> List[int]:
@@ -87,12 +97,19 @@ class VLLMEngine:
             entries += self.bank.register(tap_location(path), edits)
         return RequestEdits(entries, **kw)
 
+    def _stage_list(self) -> list:
+        return [(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages]
+
     def _push(self) -> None:
         """Ship the stage list to the workers when it grew (once per batch, not per request)."""
-        if len(self.bank.stages) != self._pushed:
-            self.llm.collective_rpc("steer_set_stages", args=(
-                [(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages],))
-            self._pushed = len(self.bank.stages)
+        if len(self.bank.stages) == self._pushed:
+            return
+        if self.in_graph:
+            new = self.bank.stages[self._pushed]
+            raise ValueError(f"edit {new.edit.kind.value} at {new.location} was not declared when this engine "
+                             "started: its edits are captured into its graphs (vllm.edits_in_graph)")
+        self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(),))
+        self._pushed = len(self.bank.stages)
 
     def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:
         """One vLLM SamplingParams per plan (None: unsteered), its edits riding in extra_args; `kw` are
@@ -132,6 +149,9 @@ class VLLMEngine:
             self._keys += 1
             key = f"score-{self._keys}"
             keys.append(key)
+            if capture and self.in_graph:
+                raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
+                                 "to copy them out): score with captures on a replay engine")
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
                                 key=key)
             self._push()

@@ -9,7 +9,7 @@ from test_workload import bench_conf
 
 
 def test_groups_start_each_engine_once():
-    cfg = bench_conf()
+    cfg = bench_conf("configs=[a,b,c,d,e]")
     groups = {(g.config, tuple(g.layers)): g for g in runs.plan_groups(cfg, "tiny", 4)}
     assert set(groups) == {("a", ()), ("b", ()), ("c", (2,)), ("c", (0, 1, 2, 3)), ("d", (2,)),
                            ("d", (0, 1, 2, 3)), ("e", ())}
@@ -23,7 +23,7 @@ def test_groups_start_each_engine_once():
 def stand_in(monkeypatch):
     calls = []
 
-    def start(cfg, m, where, layers):
+    def start(cfg, m, where, group):
         def run(prompts, scen, tokens):
             calls.append((len(prompts), scen.name if scen else None, tokens))
             if scen and scen.name == "k8":
@@ -65,3 +65,23 @@ def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):
     runs.run_group(cfg, cfg.models["tiny"], "/nowhere", group, str(tmp_path / "out.json"))
     records = json.loads((tmp_path / "out.json").read_text())["records"]
     assert [r["status"] for r in records] == ["error"] and "no GPU here" in records[0]["detail"]
+
+
+def test_in_graph_configuration_starts_one_engine_per_scenario():
+    cfg = bench_conf("configs=[b,f]", "batches=[[64,128],[256,256]]")
+    f = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "f"]
+    assert [(tuple(g.layers), {c["scenario"] for c in g.cells}) for g in f] == [
+        ((2,), {"add"}), ((0, 1, 2, 3), {"ablate_all"}), ((2,), {"k1"}), ((2,), {"k8"}), ((2,), {"k64"})]
+    assert all(len(g.cells) == 2 for g in f)
+
+
+def test_declared_plans_name_every_edit_of_the_group(cache_dir):
+    from steer.bench import workload
+    from steer.plan import Plan
+
+    cfg = bench_conf("configs=[f]", "batches=[[16,4]]", cache_dir=cache_dir)
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.cells[0]["scenario"] == "k8")
+    spec = workload.spec(cfg.models["tiny"], "tiny", workload.model_dir(cfg.models["tiny"], cache_dir))
+    seen = []
+    plans = runs._declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
+    assert len(plans) == 16 and len({id(e) for e, _ in seen}) == 8 and {at for _, at in seen} == {(2,)}

@@ -26,7 +26,8 @@ def test_committed_bench_config_composes_and_checks():
     assert isinstance(cfg, schema.BenchConf)
     workload.check(cfg)
     assert cfg.run == ["tiny", "llama3_8b"] and cfg.batches == [[64, 128], [256, 256]]
-    assert {t.scenario for t in cfg.targets} == {"add", "ablate_all", "k64"}
+    assert {t.scenario for t in cfg.targets if t.of == "c"} == {"add", "ablate_all", "k64"}
+    assert {t.scenario for t in cfg.targets if t.of == "f"} == set(cfg.scenarios)
 
 
 @pytest.mark.parametrize("override,field", [("run=[nope]", "run[0]"), ("configs=[a,x]", "configs[1]"),

@@ -10,10 +10,10 @@ GEN = GenConf(max_new_tokens=16)
 LOGPROB_ATOL = 2e-3
 
 
-def vllm_engine(spec, taps, **kw):
+def vllm_engine(spec, taps, declare=(), **kw):
     from steer.engine.vllm import VLLMEngine
 
-    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, **kw), taps)
+    return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, **kw), taps, declare)
 
 
 def plan(spec, layer, edit):

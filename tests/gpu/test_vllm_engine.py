@@ -96,3 +96,28 @@ def test_no_taps_records_no_extra_breaks(graph, tiny_spec, taps):
     assert none == base
     assert tapped["graphs"] == base["graphs"] > 0
     assert tapped["eager_breaks"] == base["eager_breaks"] + len(taps) * base["graphs"]
+
+
+def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
+    """The stretch mode: edits captured into the graphs (no eager break) give the replay engine's tokens, for a
+    mixed batch with an unsteered request, a two-tap request and a prompt longer than any graph."""
+    e = edits(direction)
+    two = plan(tiny_spec, 1, e["add"])
+    two.add(resolve(TapConf(layer=2), tiny_spec), e["clamp"])
+    plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), None, two,
+             plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["scale"])]
+    in_graph = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
+                           edits_in_graph=True)
+    replayed, captured = (engine.llm.collective_rpc(eager_breaks)[0] for engine in (graph, in_graph))
+    assert captured["graphs"] == replayed["graphs"] > 0
+    assert captured["eager_breaks"] == replayed["eager_breaks"] - len(taps) * replayed["graphs"]  # none at taps
+    prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
+    jobs = [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
+    assert in_graph.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+    long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+    assert in_graph.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+    lp_graph, _ = graph.score(jobs[0][0], [], plans[0])
+    lp_in, _ = in_graph.score(jobs[0][0], [], plans[0])
+    torch.testing.assert_close(lp_in[-1], lp_graph[-1], atol=LOGPROB_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="was not declared"):
+        in_graph.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)

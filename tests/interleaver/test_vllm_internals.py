@@ -36,7 +36,7 @@ class Runner:
     """Just what the worker reads of vLLM's GPUModelRunner."""
 
     def __init__(self):
-        self.model, self.device, self.requests = Model(), "cpu", {}
+        self.model, self.device, self.requests, self.max_num_tokens = Model(), "cpu", {}, 8
         self.query_start_loc = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
         self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(8, dtype=np.int64))
         self.x = None
@@ -177,3 +177,25 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
     assert torch.equal(out[1], x[1])
     out = step(worker.model_runner, [("c", 1, 5, 2, {"steer": gen.to_args()}), ("a", 1, 5, 4, None)], x)
     torch.testing.assert_close(out, x + v[0])  # c joined (and took a's slot): both rows are generated tokens
+
+
+def test_an_in_graph_worker_serves_only_its_declared_stages():
+    from interleaver.vllm_internals import IN_GRAPH_KEY
+
+    bank = EditBank()
+    loc = tap_location("layers.0")
+    v = torch.randn(1, H)
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]))
+    declared = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    w = Worker()
+    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]], IN_GRAPH_KEY: declared})
+    w.model_runner = Runner()
+    w.load_model()
+    assert w.steer_il.in_graph and tuple(w.steer_il.step.static.shape) == (8, 1)
+    x = torch.randn(3, H)
+    out = step(w.model_runner, [("a", 2, 0, 2, {"steer": add.to_args()}), ("b", 1, 4, 2, None)], x)
+    torch.testing.assert_close(out[:2], x[:2] + 2.0 * v[0])  # an eager step: the in-graph program on real rows
+    assert torch.equal(out[2], x[2])
+    bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
+    with pytest.raises(ValueError, match="cannot serve others"):
+        w.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages])
