@@ -3,7 +3,8 @@
 What belongs here: the contract of ../shared/seed/interleaver.txt (taps, instrument, handle, replay, and what a
 request parked off the taps is told). What does not: vLLM's internals (vllm_internals.py), row bookkeeping (bank.py),
 the edit math (steer.edit). Compiled edit programs (program.py) are served at the same taps as nnsight traces,
-with one vectorised op per stage per step and no per-request Python.
+with one vectorised op per group per step and no per-request Python; an in-graph engine (`in_graph`) captures
+them into the graph instead of breaking it, and serves no traces at its taps.
 """
 
 import time
