@@ -27,13 +27,14 @@ def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cach
         assert {k: v for k, v in packed[i].items() if k != "tokens_per_s"} == {k: v for k, v in solo.items() if k != "tokens_per_s"}
 
 
-def test_tensor_parallel_size_is_checked_before_any_engine(cache_dir):
+def test_engine_settings_are_checked_before_any_engine(cache_dir):
     import pytest
 
     from steer.errors import ConfigError
 
     for override, says in [("vllm.tensor_parallel_size=0", "must be at least 1"),
-                           ("vllm.tensor_parallel_size=2", "needs engine=vllm")]:
+                           ("vllm.tensor_parallel_size=2", "needs engine=vllm"),
+                           ("vllm.edits_in_graph=true", "for the bench and the API")]:
         with pytest.raises(ConfigError) as e:
             run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"))
-        assert e.value.field == "vllm.tensor_parallel_size" and says in str(e.value)
+        assert e.value.field == override.split("=")[0] and says in str(e.value)
