@@ -94,6 +94,11 @@ class EditBank:
             out.append((self._ids[key], e.strength, e.tokens.value))
         return out
 
+    def truncate(self, n: int) -> None:
+        """Forget the stages registered after the first `n` (an engine refused them)."""
+        self.stages = self.stages[:n]
+        self._ids = {k: i for k, i in self._ids.items() if i < n}
+
     def at(self, location: str) -> List[Stage]:
         return [s for s in self.stages if s.location == location]
 

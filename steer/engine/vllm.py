@@ -106,6 +106,7 @@ class VLLMEngine:
             return
         if self.in_graph:
             new = self.bank.stages[self._pushed]
+            self.bank.truncate(self._pushed)  # the declared edits stay servable
             raise ValueError(f"edit {new.edit.kind.value} at {new.location} was not declared when this engine "
                              "started: its edits are captured into its graphs (vllm.edits_in_graph)")
         self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(),))

@@ -121,3 +121,4 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     torch.testing.assert_close(lp_in[-1], lp_graph[-1], atol=LOGPROB_ATOL, rtol=0)
     with pytest.raises(ValueError, match="was not declared"):
         in_graph.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
+    assert in_graph.generate(*jobs[0][:2], GEN, 0) == graph.generate(*jobs[0][:2], GEN, 0)  # still serves

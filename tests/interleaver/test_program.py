@@ -81,3 +81,13 @@ def test_step_weights_follow_prompt_and_generated_rows():
     step.set([Span(0, 4, 2, 5, gen), Span(4, 1, 9, 5, both), Span(5, 8, 0, 8, scored)], 13, 1, "cpu")
     w = step.weights[:, 0].numpy()
     np.testing.assert_array_equal(w, [0, 0, 0, 2, 3] + [0] * 6 + [2, 2])
+
+
+def test_a_bank_forgets_refused_stages():
+    bank = EditBank()
+    v = torch.ones(1, H)
+    first = bank.register(TAP, [compile_edit(EditKind.add, 1.0, v)])
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])
+    bank.truncate(1)
+    assert len(bank.stages) == 1 and bank.register(TAP, [compile_edit(EditKind.add, 2.0, v)])[0][0] == first[0][0]
+    assert bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])[0][0] == 1
