@@ -93,7 +93,7 @@ class VLLMInterleaver(Interleaver):
         n = self.rows()
         if n is None:  # a warm-up or dummy run outside any step
             return
-        program.in_graph(_apply(value, lambda t: t[:n] if t.dim() and t.shape[0] > n else t), self.step.static)
+        program.in_graph(_trim(value, n), self.step.static)
 
     def _timed_replay(self, location: str, live: Any) -> None:
         if self.clock is None:
@@ -108,7 +108,7 @@ class VLLMInterleaver(Interleaver):
         n = self.rows()
         if n is None:  # a warm-up or dummy run outside any step: nothing to serve
             return
-        live = _apply(live, lambda t: t[:n] if t.dim() and t.shape[0] > n else t)
+        live = _trim(live, n)
         program = self.programs.get(location)
         if program is not None:
             program(live, self.step)
@@ -152,6 +152,11 @@ class VLLMInterleaver(Interleaver):
             if error is not None:
                 raise self.finish_dangling(mediator) or error
         super().check_dangling_mediators()
+
+
+def _trim(value: Any, n: int) -> Any:
+    """Views of the first `n` rows (the step's real ones; a graph's value is padded past them)."""
+    return _apply(value, lambda t: t[:n] if t.dim() and t.shape[0] > n else t)
 
 
 def _apply(value: Any, fn) -> Any:

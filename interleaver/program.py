@@ -78,12 +78,8 @@ class TapProgram:
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
             # Never in place: .float() of a float32 hidden is hidden itself.
             x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
-        if len(groups) == 1 and not keep:  # the common case: one edit family at this tap
-            g = groups[0]
-            hidden.add_(_delta(g, x, step.weights[: hidden.shape[0], g.cols], None))
-            return
         if groups:
-            x = _run(groups, hidden, x, step.weights[: hidden.shape[0]])
+            x = _run(groups, hidden, x, step.weights[: hidden.shape[0]], keep_stream=bool(keep))
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 
@@ -98,19 +94,21 @@ class TapProgram:
         x = None
         if self._needs_x:
             x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
-        _run(self.groups, hidden, x, weights[: hidden.shape[0]])
+        _run(self.groups, hidden, x, weights[: hidden.shape[0]], keep_stream=False)
 
 
-def _run(groups: List[_Group], hidden: torch.Tensor, x: Optional[torch.Tensor], w_all: torch.Tensor):
-    """Land the groups' deltas on `hidden`, a later index seeing the stream after the earlier ones; returns
-    the stream after all of them (None when no group needed it)."""
+def _run(groups: List[_Group], hidden: torch.Tensor, x: Optional[torch.Tensor], w_all: torch.Tensor,
+         keep_stream: bool) -> Optional[torch.Tensor]:
+    """Land the groups' deltas on `hidden`, a later index seeing the stream after the earlier ones. Returns the
+    stream after all of them when `keep_stream` (a capture wants it), else the stream the last level saw."""
+    levels = [list(level) for _, level in groupby(groups, key=lambda g: g.index)]
     acc = None
-    for index, level in groupby(groups, key=lambda g: g.index):
+    for k, level in enumerate(levels):
         delta = None
         for g in level:
             delta = _delta(g, x, w_all[:, g.cols], delta)
         acc = delta if acc is None else acc.add_(delta)
-        if x is not None:
+        if x is not None and (keep_stream or k + 1 < len(levels)):
             x = x + delta
     # In-place add of a float32 delta computes in float32 and rounds once into hidden's dtype.
     hidden.add_(acc)

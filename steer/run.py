@@ -34,12 +34,12 @@ def prepare(cfg: SteerConf) -> ModelSpec:
     tp = cfg.vllm.tensor_parallel_size
     if tp < 1:
         raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {tp}")
-    if tp > 1 and engine != "vllm":
-        raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine needs engine=vllm (this run resolves "
-                                                       f"to engine={engine})")
     if tp > 1:
         import torch
 
+        if engine != "vllm":
+            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine needs engine=vllm (this run "
+                                                           f"resolves to engine={engine})")
         if torch.cuda.device_count() < tp:
             raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
                                                            f"{torch.cuda.device_count()}")

@@ -118,18 +118,27 @@ def _machine() -> Dict:
 
 
 def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
+    """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c and f."""
     from vllm.config import CompilationConfig
 
-    return dict(dtype=m.dtype, load_format=m.load_format, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                max_model_len=cfg.max_model_len, max_num_seqs=max(r for r, _ in cfg.batches),
-                enable_prefix_caching=False, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
-                compilation_config=CompilationConfig(**_capture(cfg)))
+    from steer.engine.vllm import compilation_config
+
+    v = _vllm_conf(cfg, m)
+    return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
+                max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs, enable_prefix_caching=False,
+                seed=cfg.seed, tensor_parallel_size=v.tensor_parallel_size,
+                compilation_config=CompilationConfig(**compilation_config(v)))
 
 
-def _capture(cfg: BenchConf) -> Dict:
-    if cfg.capture_sizes:
-        return {"cudagraph_capture_sizes": sorted(set(cfg.capture_sizes))}
-    return {"max_cudagraph_capture_size": max(r for r, _ in cfg.batches)}
+def _vllm_conf(cfg: BenchConf, m: BenchModelConf, in_graph: bool = False):
+    """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
+    from steer.schema import VllmConf
+
+    biggest = max(r for r, _ in cfg.batches)
+    return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
+                    max_num_seqs=biggest, load_format=m.load_format, max_cudagraph_capture_size=biggest,
+                    cudagraph_capture_sizes=cfg.capture_sizes, tensor_parallel_size=cfg.tensor_parallel_size,
+                    edits_in_graph=in_graph)
 
 
 def _token_prompts(prompts):
@@ -158,7 +167,6 @@ def _plain(cfg, m, where, group, breakable: bool):
 def _steer(cfg, m, where, group, in_graph: bool = False):
     from steer.engine.vllm import VLLMEngine
     from steer.plan import Plan
-    from steer.schema import VllmConf
     from steer.tap import Tap
 
     spec = workload.spec(m, "bench", where)
@@ -176,14 +184,8 @@ def _steer(cfg, m, where, group, in_graph: bool = False):
             plans[key] = (edit, p)
         return plans[key][1]
 
-    k = _llm_kwargs(cfg, m)
-    engine = VLLMEngine(spec, VllmConf(gpu_memory_utilization=k["gpu_memory_utilization"],
-                                       max_model_len=k["max_model_len"], max_num_seqs=k["max_num_seqs"],
-                                       load_format=m.load_format,
-                                       max_cudagraph_capture_size=k["max_num_seqs"],
-                                       cudagraph_capture_sizes=cfg.capture_sizes,
-                                       tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph),
-                        taps, _declared(cfg, spec, group, plan) if in_graph else ())
+    engine = VLLMEngine(spec, _vllm_conf(cfg, m, in_graph), taps,
+                        _declared(cfg, spec, group, plan) if in_graph else ())
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)

@@ -51,6 +51,7 @@ class VLLMEngine:
         from transformers import AutoTokenizer
         from vllm import LLM
 
+        compilation = compilation_config(conf)
         self.spec = spec
         self.taps = {t.path: t for t in taps}
         self.bank = EditBank()
@@ -79,7 +80,7 @@ class VLLMEngine:
             max_logprobs=-1,
             seed=0,
             tensor_parallel_size=conf.tensor_parallel_size,
-            **({"compilation_config": _compilation(conf)} if _compilation(conf) else {}),
+            **({"compilation_config": compilation} if compilation else {}),
         )
         self._keys = 0
 
@@ -177,7 +178,7 @@ class VLLMEngine:
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
 
 
-def _compilation(conf: VllmConf) -> dict:
+def compilation_config(conf: VllmConf) -> dict:
     """vLLM's compilation settings from ours: which step sizes get a graph."""
     out = {}
     if conf.cudagraph_capture_sizes:
