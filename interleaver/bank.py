@@ -150,6 +150,7 @@ class StepRows:
         self.num_tokens: Optional[int] = None
         self.weights: Optional[torch.Tensor] = None  # [num_tokens, columns] on the device
         self.live: Optional[np.ndarray] = None  # bool per column: does any row use it this step
+        self.all_live = False  # every column is live: a tap need not ask which of its groups are
         self.capturing: Dict[str, List[Span]] = {}  # location -> spans of requests that keep its value
 
     def set(self, spans: Sequence[Span], num_tokens: int, n_stages: int, device) -> None:
@@ -174,7 +175,8 @@ class StepRows:
         if batch.dense is not None:
             w = _weights(starts, counts, positions, batch, num_tokens)
             self.live = w.any(0)
-            if self.live.any():
+            self.all_live = bool(self.live.all())
+            if self.all_live or self.live.any():
                 self.weights = self._upload(w, device)
         if self.static is not None:
             self._to_static(num_tokens)

@@ -42,6 +42,7 @@ class _Group:
     expand: Optional[torch.Tensor] = None  # project: direction row -> group column, when some stage has k > 1
     centred: bool = True  # scale: some stage has a centre
     ablate_only: bool = False  # project: every target is 0, no bounds
+    neg_basis: Optional[torch.Tensor] = None  # project: -basis
     slope: Optional[torch.Tensor] = None  # project: per direction row
     offset: Optional[torch.Tensor] = None
     lo: Optional[torch.Tensor] = None
@@ -70,7 +71,12 @@ class TapProgram:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
         keep = step.capturing.get(self.location) if step.capturing else None
         on = step.live
-        groups = [g for g in self.groups if on[g.live].any()] if on is not None else ()
+        if on is None:
+            groups = ()
+        elif step.all_live:
+            groups = self.groups
+        else:
+            groups = [g for g in self.groups if on[g.live].any()]
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
@@ -101,7 +107,7 @@ def _run(groups: List[_Group], hidden: torch.Tensor, x: Optional[torch.Tensor], 
          keep_stream: bool) -> Optional[torch.Tensor]:
     """Land the groups' deltas on `hidden`, a later index seeing the stream after the earlier ones. Returns the
     stream after all of them when `keep_stream` (a capture wants it), else the stream the last level saw."""
-    levels = [list(level) for _, level in groupby(groups, key=lambda g: g.index)]
+    levels = [groups] if len(groups) == 1 else [list(level) for _, level in groupby(groups, key=lambda g: g.index)]
     acc = None
     for k, level in enumerate(levels):
         delta = None
@@ -120,6 +126,9 @@ def _delta(g: _Group, x: Optional[torch.Tensor], w: torch.Tensor, acc: Optional[
     has at most one stage of a group, so the group's stages are computed side by side."""
     if g.family == "add":
         return w @ g.basis if acc is None else acc.addmm_(w, g.basis)
+    if g.ablate_only and acc is None:  # -(p w) d as one product, with p taken against -d: no zeroed buffer
+        p = x @ g.neg_basis.T
+        return torch.mm(p.mul_(w if g.expand is None else w[:, g.expand]), g.basis)
     if acc is None:
         acc = torch.zeros_like(x)
     if g.family == "scale":  # unit scale 2: delta = w * (x - centre)
@@ -155,6 +164,7 @@ def _group(stages: List[Stage], col, device) -> _Group:
         if len(rows) != len(stages):
             g.expand = torch.tensor([i for i, _, _ in rows], device=device)
         g.ablate_only = all(s.edit.kind == EditKind.ablate for s in stages)
+        g.neg_basis = -g.basis
         inf = float("inf")
 
         def per_row(f):

@@ -9,7 +9,7 @@ from steer import results
 from steer.bench.schema import CONFIGS, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
-           "status", "detail"]
+           "passes", "status", "detail"]
 
 
 def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
@@ -30,7 +30,7 @@ def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
                     rows.append({"model": model, "requests": req, "new_tokens": tok, "scenario": scen,
                                  "config": config, "tok_s": t, "vs_a": _ratio(t, base["a"]),
                                  "vs_b": _ratio(t, base["b"]), "wall_s": r.get("wall_s"), "spread": r.get("spread"),
-                                 "status": r["status"],
+                                 "passes": len(r.get("walls_s") or ()) or None, "status": r["status"],
                                  "detail": r.get("detail", "")})
     return rows
 
@@ -55,9 +55,10 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
-             f"Output tokens per second, the median of {cfg.repeats} timed passes after a warm-up "
+             f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}, and at least "
+             f"{cfg.min_timed_s:g} s of them, at most {cfg.max_repeats}) after a warm-up "
              f"({'a whole pass' if cfg.warmup_tokens is None else f'{cfg.warmup_tokens} tokens'}); `x/a`, `x/b`: "
-             "ratio to configuration a, b; bench.csv has each cell's spread ((max - min) / median).", ""]
+             "ratio to configuration a, b; bench.csv has each cell's passes and spread ((max - min) / median).", ""]
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs]

@@ -2,8 +2,8 @@
 
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
 each sets its own vLLM environment before importing it). A cell's figure is output tokens per second of one
-`generate` over the whole batch (the median of `repeats` passes, after a warm-up pass of the same batch and
-edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight
+`generate` over the whole batch (the median of at least `repeats` passes and at least `min_timed_s` seconds of
+them, after a warm-up pass of the same batch and edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight
 model samples ids its small tokenizer does not have), so every configuration does the same work.
 """
 
@@ -73,8 +73,8 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
             if profile:
                 profile()
-            walls = []
-            for _ in range(cfg.repeats):
+            walls: List[float] = []
+            while _more(walls, cfg):
                 _sync()
                 t0 = time.perf_counter()
                 produced = runner(prompts, scen, tokens)
@@ -95,6 +95,14 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             traceback.print_exc()
             records.append({**cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]})
     _write(out, records, _machine())
+
+
+def _more(walls: List[float], cfg: BenchConf) -> bool:
+    """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` timed in all
+    (up to `max_repeats` passes)."""
+    if len(walls) < cfg.repeats:
+        return True
+    return len(walls) < cfg.max_repeats and sum(walls) < cfg.min_timed_s
 
 
 def _sync() -> None:

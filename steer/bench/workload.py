@@ -61,6 +61,10 @@ def check(cfg: BenchConf) -> None:
     for name in ("prompt_len", "repeats", "tensor_parallel_size"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_repeats < cfg.repeats:
+        raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
+    if cfg.min_timed_s < 0:
+        raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
     for i, size in enumerate(cfg.capture_sizes or []):
         if size < 1:
             raise ConfigError(f"capture_sizes[{i}]", f"a step size must be >= 1, got {size}")

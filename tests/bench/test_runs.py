@@ -38,7 +38,7 @@ def stand_in(monkeypatch):
 
 
 def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_dir):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", cache_dir=cache_dir)
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0", cache_dir=cache_dir)
     m = cfg.models["tiny"]
     from steer.bench import workload
 
@@ -52,6 +52,28 @@ def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_
     assert stand_in[:3] == [(4, "add", 6), (4, "add", 6), (4, "add", 6)]  # a whole warm-up pass, two timed
     assert len(by["add"]["walls_s"]) == 2 and by["add"]["spread"] >= 0
     assert got["machine"] == {"gpu": "stand-in"}
+
+
+def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, cache_dir, monkeypatch):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7", cache_dir=cache_dir)
+    clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
+    monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock) * 0.125)
+    from steer.bench import workload
+
+    where = workload.model_dir(cfg.models["tiny"], cache_dir)
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group.cells = [c for c in group.cells if c["scenario"] == "add"]
+    runs.run_group(cfg, cfg.models["tiny"], str(where), group, str(tmp_path / "out.json"))
+    rec = json.loads((tmp_path / "out.json").read_text())["records"][0]
+    assert rec["walls_s"] == [0.125] * 7  # 1 s would take 8 passes: max_repeats stops it at 7
+    assert len(stand_in) == 1 + 7  # and one warm-up pass
+
+
+@pytest.mark.parametrize("walls,more", [([], True), ([9.0], True), ([0.1, 0.1], True), ([3.0, 3.0], False),
+                                        ([0.1] * 5, False)])
+def test_more_passes_until_repeats_and_seconds(walls, more):
+    cfg = bench_conf("repeats=2", "min_timed_s=1.0", "max_repeats=5")
+    assert runs._more(walls, cfg) is more
 
 
 def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):

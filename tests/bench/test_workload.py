@@ -34,7 +34,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ("scenarios=[add,k0]", "scenarios[1]"), ("batches=[[64]]", "batches[0]"),
                                             ("models.tiny.source=/no/such/dir", "models.tiny.source"),
                                             ("capture_sizes=[1,64]", "capture_sizes"),
-                                            ("repeats=0", "repeats")])
+                                            ("repeats=0", "repeats"), ("max_repeats=2", "max_repeats"),
+                                            ("min_timed_s=-1", "min_timed_s")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
