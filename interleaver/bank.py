@@ -181,6 +181,12 @@ class StepRows:
         if self.static is not None:
             self._to_static(num_tokens)
 
+    def use_static(self, rows: int, columns: int, device) -> None:
+        """Give the step a zeroed `[rows, columns]` weight buffer at a fixed address, filled every step from now
+        on (for programs captured into graphs)."""
+        self.static = torch.zeros(rows, max(columns, 1), device=device)
+        self._high = 0
+
     def _to_static(self, num_tokens: int) -> None:
         end = num_tokens if self.weights is not None else 0
         if end:

@@ -38,6 +38,8 @@ class VLLMInterleaver(Interleaver):
         self.clock = None  # a vllm_internals._Clock when profiling
         # Edits captured into the graphs (no eager break at the taps): programs read `step.static`.
         self.in_graph = False
+        # A tap_graphs.TapGraphs: at a break, a tap's program is replayed as a graph of its own where it can be.
+        self.tap_graphs = None
 
     def instrument(self, envoy: Any) -> None:
         """Route the module through this interleaver and, for taps on an operation inside its forward
@@ -97,10 +99,18 @@ class VLLMInterleaver(Interleaver):
 
     def _timed_replay(self, location: str, live: Any) -> None:
         if self.clock is None:
-            return self.replay(location, live)
+            return self._break(location, live)
         t0 = time.perf_counter()
-        self.replay(location, live)
+        self._break(location, live)
         self.clock.add("replay", time.perf_counter() - t0)
+
+    def _break(self, location: str, live: Any) -> None:
+        """Serve a tap at a replayed graph's eager break (`live`: its whole padded value)."""
+        graphs = self.tap_graphs
+        if graphs is not None and not (self.interleaving and self.busy):
+            if graphs.serve(location, self.programs.get(location), live, self.step):
+                return
+        self.replay(location, live)
 
     def replay(self, location: str, live: Any) -> None:
         """Serve `location` from a replayed graph: trim to the step's rows (a view), run the compiled program,

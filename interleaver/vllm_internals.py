@@ -59,6 +59,8 @@ def weak(t: torch.Tensor) -> torch.Tensor:
 TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...], fixed before graph capture
 # additional_config key of an in-graph engine: its whole stage list [(id, location, index, edit dict)], captured
 IN_GRAPH_KEY = "steer_in_graph"
+# additional_config key: true to replay each tap's program at its break as a CUDA graph of its own (tap_graphs.py)
+TAP_GRAPHS_KEY = "steer_tap_graphs"
 
 
 def tap_location(path: str) -> str:
@@ -81,9 +83,15 @@ class _TapWorkerMixin:
         from interleaver.bank import EditBank
         from interleaver.interleaver import VLLMInterleaver
 
-        taps = [(p, bool(r)) for p, r in (self.vllm_config.additional_config or {}).get(TAPS_KEY, [])]
+        extra = self.vllm_config.additional_config or {}
+        taps = [(p, bool(r)) for p, r in extra.get(TAPS_KEY, [])]
         runner = self.model_runner
         self.steer_il = VLLMInterleaver(taps=[tap_location(p) for p, _ in taps])
+        declared = extra.get(IN_GRAPH_KEY)
+        if extra.get(TAP_GRAPHS_KEY) and declared is None:
+            from interleaver.tap_graphs import TapGraphs
+
+            self.steer_il.tap_graphs = TapGraphs()
         self.steer_bank = EditBank()
         self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
@@ -94,15 +102,13 @@ class _TapWorkerMixin:
             if path not in modules:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
             modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
-        declared = (self.vllm_config.additional_config or {}).get(IN_GRAPH_KEY)
         self.steer_declared = None
         self.steer_set_stages(declared or [])  # every tap gets a program, so capture-only requests are served too
         if declared is not None:
             # Captured edits read their weights from one buffer at a fixed address, filled every step.
             self.steer_il.in_graph = True
             self.steer_declared = len(declared)
-            self.steer_il.step.static = torch.zeros(runner.max_num_tokens, max(len(declared), 1),
-                                                    device=runner.device)
+            self.steer_il.step.use_static(runner.max_num_tokens, len(declared), runner.device)
         prepare, execute = runner._prepare_inputs, runner.execute_model
 
         clock = self.steer_clock = _Clock() if os.environ.get("STEER_PROFILE") == "1" else None
@@ -178,6 +184,9 @@ class _TapWorkerMixin:
         self.steer_batch_key = None  # column order changed: rebuild the batch's weights
         columns = {int(sid): col for col, sid in enumerate(order)}
         # Every tap gets a program, those with no edits too: they still serve capture-only requests.
+        if il.tap_graphs is not None:  # the graphs read the old programs' tensors and the old weight buffer
+            il.tap_graphs.clear()
+            il.step.use_static(self.model_runner.max_num_tokens, len(bank.stages), device)
         il.programs = {loc: TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device)
                        for loc in il.taps}
         return len(bank.stages)

@@ -47,6 +47,9 @@ def prepare(cfg: SteerConf) -> ModelSpec:
         raise ConfigError("vllm.edits_in_graph", "a steer run scores with the tap's values (projection metrics), "
                                                  "which an engine with its edits in the graph cannot keep; the mode "
                                                  "is for the bench and the API (VLLMEngine(..., declare=plans))")
+    if cfg.vllm.tap_graphs and engine != "vllm":
+        raise ConfigError("vllm.tap_graphs", f"replays CUDA graphs at vLLM's taps: it needs engine=vllm (this run "
+                                             f"resolves to engine={engine})")
     g = cfg.gen
     if g.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")

@@ -26,7 +26,7 @@ class Group:
     """What one engine process runs: a configuration, the taps it starts with, and its cells."""
 
     model: str
-    config: str  # a..e
+    config: str  # a..g
     layers: List[int]  # tapped decoder layers ([] for none)
     cells: List[Dict] = field(default_factory=list)  # {"scenario", "requests", "tokens"}
 
@@ -138,7 +138,7 @@ def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
                 compilation_config=CompilationConfig(**compilation_config(v)))
 
 
-def _vllm_conf(cfg: BenchConf, m: BenchModelConf, in_graph: bool = False):
+def _vllm_conf(cfg: BenchConf, m: BenchModelConf, in_graph: bool = False, tap_graphs: bool = False):
     """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
     from steer.schema import VllmConf
 
@@ -146,7 +146,7 @@ def _vllm_conf(cfg: BenchConf, m: BenchModelConf, in_graph: bool = False):
     return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
                     max_num_seqs=biggest, load_format=m.load_format, max_cudagraph_capture_size=biggest,
                     cudagraph_capture_sizes=cfg.capture_sizes, tensor_parallel_size=cfg.tensor_parallel_size,
-                    edits_in_graph=in_graph)
+                    edits_in_graph=in_graph, tap_graphs=tap_graphs)
 
 
 def _token_prompts(prompts):
@@ -172,7 +172,7 @@ def _plain(cfg, m, where, group, breakable: bool):
     return run
 
 
-def _steer(cfg, m, where, group, in_graph: bool = False):
+def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False):
     from steer.engine.vllm import VLLMEngine
     from steer.plan import Plan
     from steer.tap import Tap
@@ -192,7 +192,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False):
             plans[key] = (edit, p)
         return plans[key][1]
 
-    engine = VLLMEngine(spec, _vllm_conf(cfg, m, in_graph), taps,
+    engine = VLLMEngine(spec, _vllm_conf(cfg, m, in_graph, tap_graphs), taps,
                         _declared(cfg, spec, group, plan) if in_graph else ())
 
     def run(prompts, scen, tokens):
@@ -242,4 +242,5 @@ _RUNNERS = {
     "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),
     "e": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=False),
     "f": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True),
+    "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
 }

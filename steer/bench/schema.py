@@ -15,6 +15,7 @@ CONFIGS = {
     "d": "nnsight 0.8.1 taps, edit as a trace (tracer.all, in place)",
     "e": "vLLM eager, edit through nnsight",
     "f": "steer, edits captured into the graph (no eager break)",
+    "g": "steer, each tap's edits a CUDA graph of their own at the break (vllm.tap_graphs)",
 }
 
 

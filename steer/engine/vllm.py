@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import IN_GRAPH_KEY, TAPS_KEY, tap_location, worker_cls
+from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, tap_location, worker_cls
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf, VllmConf
@@ -57,6 +57,11 @@ class VLLMEngine:
         self.bank = EditBank()
         self.in_graph = conf.edits_in_graph
         extra = {TAPS_KEY: [[t.path, t.residual] for t in taps]}
+        if conf.tap_graphs:
+            if self.in_graph:
+                raise ValueError("vllm.tap_graphs: an engine with vllm.edits_in_graph has no breaks to replay "
+                                 "graphs at; set one of the two")
+            extra[TAP_GRAPHS_KEY] = True
         if self.in_graph:
             for p in declare:
                 self._edits(p)

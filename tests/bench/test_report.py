@@ -15,7 +15,7 @@ def records(cfg):
             out += [{"model": model, "config": c, "scenario": "unsteered", "requests": req, "tokens": tok,
                      "status": "ok", "tok_s": t, "wall_s": 1.0} for c, t in (("a", 1000.0), ("b", 980.0))]
             for scen in cfg.scenarios:
-                for c, t in (("c", 950.0), ("d", 300.0), ("e", 200.0), ("f", 975.0)):
+                for c, t in (("c", 950.0), ("d", 300.0), ("e", 200.0), ("g", 960.0), ("f", 975.0)):
                     out.append({"model": model, "config": c, "scenario": scen, "requests": req, "tokens": tok,
                                 "status": "ok", "tok_s": t, "wall_s": 1.0})
     out[-1] = {**out[-1], "status": "error", "tok_s": None, "detail": "RuntimeError: boom"}
@@ -43,7 +43,7 @@ def test_report_files(tmp_path):
     report.write(tmp_path, rows, goals, md, cfg)
     assert {p.name for p in tmp_path.iterdir()} == {"bench.md", "bench.csv", "bench.png"}
     table = list(csv.DictReader(open(tmp_path / "bench.csv")))
-    assert len(table) == 2 * 2 * 5 * 6
-    assert "| add | 1,000 | 980 | 950 | 300 | 200 | 975 |" in md and "NVIDIA H200" in md
+    assert len(table) == 2 * 2 * 5 * 7
+    assert "| add | 1,000 | 980 | 950 | 960 | 975 | 300 | 200 |" in md and "NVIDIA H200" in md
     assert "f: error RuntimeError: boom" in md
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,6 +17,8 @@ def test_groups_start_each_engine_once():
     assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64"}
     assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all"}
     assert len(groups[("e", ())].cells) == 5 * 2
+    graphed = {(g.config, tuple(g.layers)) for g in runs.plan_groups(bench_conf("configs=[g]"), "tiny", 4)}
+    assert graphed == {("g", (2,)), ("g", (0, 1, 2, 3))}  # tap graphs: engines as c's
 
 
 @pytest.fixture

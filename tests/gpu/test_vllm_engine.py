@@ -122,3 +122,32 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     with pytest.raises(ValueError, match="was not declared"):
         in_graph.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
     assert in_graph.generate(*jobs[0][:2], GEN, 0) == graph.generate(*jobs[0][:2], GEN, 0)  # still serves
+
+
+def test_tap_graphs_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
+    """vllm.tap_graphs: each tap's program replayed as a graph of its own at the break gives the eager programs'
+    tokens (a mixed batch, a long prompt's eager prefill), keeps every break, serves captures eagerly, and takes
+    edits registered after its graphs were made."""
+    e = edits(direction)
+    two = plan(tiny_spec, 1, e["add"])
+    two.add(resolve(TapConf(layer=2), tiny_spec), e["clamp"])
+    plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), None, two,
+             plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["scale"])]
+    graphed = vllm_engine(tiny_spec, taps, max_cudagraph_capture_size=MAX_GRAPH, tap_graphs=True)
+    replayed, with_graphs = (engine.llm.collective_rpc(eager_breaks)[0] for engine in (graph, graphed))
+    assert with_graphs == replayed
+    prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
+    jobs = [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
+    assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+    assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)  # now from replayed tap graphs
+    long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+    assert graphed.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+    cont = hf.encode(" and the sky was clear")
+    tap = taps[0].path
+    lp_graph, kept_graph = graph.score(jobs[0][0], cont, plans[0], capture=(tap,))
+    lp_tg, kept_tg = graphed.score(jobs[0][0], cont, plans[0], capture=(tap,))
+    torch.testing.assert_close(lp_tg, lp_graph, atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(kept_tg[tap], kept_graph[tap], atol=1e-2, rtol=1e-2)
+    late = plan(tiny_spec, 2, compile_edit(EditKind.add, 5.0, direction))  # new stages: the graphs are remade
+    assert graphed.generate(jobs[1][0], late, GEN, 0) == graph.generate(jobs[1][0], late, GEN, 0)
+    assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
