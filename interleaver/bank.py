@@ -144,6 +144,9 @@ class StepRows:
         self._high = 0  # rows of `static` written by the last step
         self._pinned: List[Optional[torch.Tensor]] = [None] * self._RING
         self._turn = 0
+        # (batch, rows, weights, live, all_live) of the last decode step whose rows were all generated tokens: the
+        # next such step of the same batch has the same weights, already on the device (and in `static`).
+        self._steady: Optional[tuple] = None
         self.clear()
 
     def clear(self) -> None:
@@ -172,12 +175,20 @@ class StepRows:
             for loc in e.capture:
                 self.capturing.setdefault(loc, []).append(
                     Span(int(starts[i]), int(counts[i]), int(positions[i]), int(batch.plen[i]), e))
-        if batch.dense is not None:
+        if batch.dense is None:
+            self._steady = None
+        else:
+            steady = counts.size == num_tokens and bool((positions >= batch.plen).all()) and (counts == 1).all()
+            last = self._steady
+            if steady and last is not None and last[0] is batch and last[1] == num_tokens:
+                self.weights, self.live, self.all_live = last[2:]
+                return  # `static` still holds these rows
             w = _weights(starts, counts, positions, batch, num_tokens)
             self.live = w.any(0)
             self.all_live = bool(self.live.all())
             if self.all_live or self.live.any():
                 self.weights = self._upload(w, device)
+            self._steady = (batch, num_tokens, self.weights, self.live, self.all_live) if steady else None
         if self.static is not None:
             self._to_static(num_tokens)
 
@@ -186,6 +197,7 @@ class StepRows:
         on (for programs captured into graphs)."""
         self.static = torch.zeros(rows, max(columns, 1), device=device)
         self._high = 0
+        self._steady = None
 
     def _to_static(self, num_tokens: int) -> None:
         end = num_tokens if self.weights is not None else 0

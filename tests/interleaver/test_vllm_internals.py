@@ -179,6 +179,32 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
     torch.testing.assert_close(out, x + v[0])  # c joined (and took a's slot): both rows are generated tokens
 
 
+def test_steady_decode_steps_reuse_the_device_weights(worker):
+    """Once every row of a batch is a generated token, a decode step's weights are the last step's: the same
+    device tensor serves, until a row is a prompt token again or the batch changes."""
+    v = torch.randn(1, H)
+    bank = EditBank()
+    both = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v)]))
+    gen = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 2.0, v,
+                                                                              tokens=Tokens.generated)]))
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    rows = worker.steer_il.step
+    rows.use_static(8, len(bank.stages), "cpu")  # as graphed programs read them
+    seen = []
+    fill = worker._steer_fill_step
+    worker._steer_fill_step = lambda so: (fill(so), seen.append(rows.weights))
+    x = torch.randn(2, H)
+    a, b = {"steer": both.to_args()}, {"steer": gen.to_args()}
+    for pos in (5, 6, 7):
+        out = step(worker.model_runner, [("a", 1, pos, 4, a), ("b", 1, pos, 4, b)], x)
+        torch.testing.assert_close(out, x + torch.stack([v[0], 2 * v[0]]))
+    assert seen[1] is seen[0] and seen[2] is seen[0]
+    assert torch.equal(rows.static[:2], seen[0]) and not rows.static[2:].any()
+    out = step(worker.model_runner, [("a", 1, 8, 4, a), ("c", 1, 2, 4, b)], x)  # c is still in its prompt
+    torch.testing.assert_close(out[0], x[0] + v[0])
+    assert torch.equal(out[1], x[1]) and seen[3] is not seen[0]
+
+
 def test_an_in_graph_worker_serves_only_its_declared_stages():
     from interleaver.vllm_internals import IN_GRAPH_KEY
 
