@@ -49,9 +49,9 @@ class BenchConf:
     batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
     prompt_len: int = 32
     warmup_tokens: Optional[int] = None  # null: the warm-up is a whole untimed pass of the cell
-    repeats: int = 3  # at least this many timed passes per cell; the report gives their median and spread
+    repeats: int = 5  # at least this many timed passes per cell; the report gives their median and spread
     # ... and more, until the timed passes add up to this many seconds (a tiny-model pass is a fraction of a
-    # second, and one hiccup moves a median of 3), at most max_repeats
+    # second, and one hiccup moves a short median), at most max_repeats
     min_timed_s: float = 5.0
     max_repeats: int = 30
     # "model/config/scenario/RxT" fnmatch patterns left out of this run (reported as not run, with the pattern)
