@@ -183,10 +183,10 @@ class _TapWorkerMixin:
         il.step.order = order
         self.steer_batch_key = None  # column order changed: rebuild the batch's weights
         columns = {int(sid): col for col, sid in enumerate(order)}
-        # Every tap gets a program, those with no edits too: they still serve capture-only requests.
         if il.tap_graphs is not None:  # the graphs read the old programs' tensors and the old weight buffer
             il.tap_graphs.clear()
             il.step.use_static(self.model_runner.max_num_tokens, len(bank.stages), device)
+        # Every tap gets a program, those with no edits too: they still serve capture-only requests.
         il.programs = {loc: TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device)
                        for loc in il.taps}
         return len(bank.stages)
