@@ -91,12 +91,12 @@ def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):
     assert [r["status"] for r in records] == ["error"] and "no GPU here" in records[0]["detail"]
 
 
-def test_in_graph_configuration_starts_one_engine_per_scenario():
+def test_in_graph_configuration_starts_one_engine_per_tap_set():
     cfg = bench_conf("configs=[b,f]", "batches=[[64,128],[256,256]]")
     f = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "f"]
     assert [(tuple(g.layers), {c["scenario"] for c in g.cells}) for g in f] == [
-        ((2,), {"add"}), ((0, 1, 2, 3), {"ablate_all"}), ((2,), {"k1"}), ((2,), {"k8"}), ((2,), {"k64"})]
-    assert all(len(g.cells) == 2 for g in f)
+        ((2,), {"add", "k1", "k8", "k64"}), ((0, 1, 2, 3), {"ablate_all"})]
+    assert [len(g.cells) for g in f] == [8, 2]
 
 
 def test_declared_plans_name_every_edit_of_the_group(cache_dir):
@@ -104,8 +104,9 @@ def test_declared_plans_name_every_edit_of_the_group(cache_dir):
     from steer.plan import Plan
 
     cfg = bench_conf("configs=[f]", "batches=[[16,4]]", cache_dir=cache_dir)
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.cells[0]["scenario"] == "k8")
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.layers == [2])
     spec = workload.spec(cfg.models["tiny"], "tiny", workload.model_dir(cfg.models["tiny"], cache_dir))
     seen = []
     plans = runs._declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
-    assert len(plans) == 16 and len({id(e) for e, _ in seen}) == 8 and {at for _, at in seen} == {(2,)}
+    # add, k1, k8, k64 for 16 requests each: 1 + 1 + 8 + 16 distinct edits, all at the one tap
+    assert len(plans) == 4 * 16 and len({id(e) for e, _ in seen}) == 26 and {at for _, at in seen} == {(2,)}
