@@ -77,5 +77,6 @@ def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str]]:
     names = {n: m for n, m in model.named_modules() if n}
     stacks = [n for n, m in names.items() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers]
     if not stacks:
-        raise ConfigError("model", f"found no list of {config.num_hidden_layers} decoder layers in {type(model).__name__}")
+        raise ConfigError("model", f"found no list of {config.num_hidden_layers} decoder layers in "
+                                   f"{type(model).__name__}")
     return stacks[0], frozenset(names)

@@ -167,7 +167,8 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     for job in jobs:
         cfg = job.cfg
         pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-        plan = build(cfg, job.spec, default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
+        plan = build(cfg, job.spec,
+                     default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
         active = plan.active()
         prompts = list(cfg.prompts.steer)
         work.append(_Work(job, plan, active if active.edits else None, prompts, [engine.encode(p) for p in prompts],

@@ -70,8 +70,9 @@ def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
     if not v.is_floating_point():
         raise ConfigError(where, f"dtype {v.dtype} is not a floating-point type")
     if v.dim() not in (1, 2) or v.shape[-1] != hidden or v.numel() == 0:
+        last = v.shape[-1] if v.dim() else "none"
         raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: expected [{hidden}] or "
-                                 f"[k, {hidden}] (the model's hidden size is {hidden}, the vector's {v.shape[-1] if v.dim() else 'none'})")
+                                 f"[k, {hidden}] (the model's hidden size is {hidden}, the vector's {last})")
     bad = ~torch.isfinite(v)
     if bad.any():
         kinds = sorted({"nan" if x else "inf" for x in torch.isnan(v[bad]).tolist()})

@@ -3,8 +3,9 @@
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
 each sets its own vLLM environment before importing it). A cell's figure is output tokens per second of one
 `generate` over the whole batch (the median of at least `repeats` passes and at least `min_timed_s` seconds of
-them, after a warm-up pass of the same batch and edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight
-model samples ids its small tokenizer does not have), so every configuration does the same work.
+them, after a warm-up pass of the same batch and edits); every request generates exactly its new tokens
+(ignore_eos) and none is detokenized (a dummy-weight model samples ids its small tokenizer does not have), so
+every configuration does the same work.
 """
 
 import os

@@ -105,7 +105,8 @@ class HFEngine:
         mask = torch.tensor([True] * len(prompt_ids) + [False] * len(cont_ids))
         with self._hooks(plan, store):
             res = self._forward(list(prompt_ids) + list(cont_ids), mask, cache=False)
-        return res.logits[0].float().cpu(), {p: v[0].reshape(-1, v[0].shape[-1]).float().cpu() for p, v in store.items()}
+        caps = {p: v[0].reshape(-1, v[0].shape[-1]).float().cpu() for p, v in store.items()}
+        return res.logits[0].float().cpu(), caps
 
 
 def _primary(output):
