@@ -178,12 +178,13 @@ class StepRows:
         if batch.dense is None:
             self._steady = None
         else:
-            steady = counts.size == num_tokens and bool((positions >= batch.plen).all()) and (counts == 1).all()
+            decode = counts.size == num_tokens and bool((counts == 1).all())  # row i is request i
+            steady = decode and bool((positions >= batch.plen).all())
             last = self._steady
             if steady and last is not None and last[0] is batch and last[1] == num_tokens:
                 self.weights, self.live, self.all_live = last[2:]
                 return  # `static` still holds these rows
-            w = _weights(starts, counts, positions, batch, num_tokens)
+            w = _weights(starts, counts, positions, batch, num_tokens, decode)
             self.live = w.any(0)
             self.all_live = bool(self.live.all())
             if self.all_live or self.live.any():
@@ -222,10 +223,10 @@ class StepRows:
         return staged.to(device, non_blocking=True)
 
 
-def _weights(starts, counts, positions, batch: BatchEdits, num_tokens) -> np.ndarray:
-    """The `[num_tokens, columns]` float32 weights of a step."""
+def _weights(starts, counts, positions, batch: BatchEdits, num_tokens, decode: bool) -> np.ndarray:
+    """The `[num_tokens, columns]` float32 weights of a step (`decode`: one row per request, in order)."""
     dense, plen = batch.dense, batch.plen
-    if counts.size == num_tokens and (counts == 1).all():  # a pure decode step: row i is request i
+    if decode:
         is_prompt = (positions < plen)[:, None]
         return dense[:, 0] + np.where(is_prompt, dense[:, 1], dense[:, 2])
     n = counts.size

@@ -166,9 +166,12 @@ class VLLMInterleaver(Interleaver):
 
 def _trim(value: Any, n: int) -> Any:
     """Views of the first `n` rows (the step's real ones; a graph's value is padded past them)."""
+    def cut(t):
+        return t[:n] if t.dim() and t.shape[0] > n else t
+
     if type(value) is tuple and all(type(t) is torch.Tensor for t in value):  # a layer's (hidden, residual)
-        return tuple(t[:n] if t.dim() and t.shape[0] > n else t for t in value)
-    return _apply(value, lambda t: t[:n] if t.dim() and t.shape[0] > n else t)
+        return tuple(cut(t) for t in value)
+    return _apply(value, cut)
 
 
 def _apply(value: Any, fn) -> Any:

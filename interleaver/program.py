@@ -126,19 +126,17 @@ def _delta(g: _Group, x: Optional[torch.Tensor], w: torch.Tensor, acc: Optional[
     has at most one stage of a group, so the group's stages are computed side by side."""
     if g.family == "add":
         return w @ g.basis if acc is None else acc.addmm_(w, g.basis)
-    if g.ablate_only and acc is None:  # -(p w) d as one product, with p taken against -d: no zeroed buffer
-        p = x @ g.neg_basis.T
-        return torch.mm(p.mul_(w if g.expand is None else w[:, g.expand]), g.basis)
+    if g.family == "project" and g.expand is not None:
+        w = w[:, g.expand]
+    if g.ablate_only:  # -(p w) d, with p taken against -d (exact): one product, no zeroed buffer
+        pw = (x @ g.neg_basis.T).mul_(w)
+        return torch.mm(pw, g.basis) if acc is None else acc.addmm_(pw, g.basis)
     if acc is None:
         acc = torch.zeros_like(x)
     if g.family == "scale":  # unit scale 2: delta = w * (x - centre)
         acc.addcmul_(w.sum(1, keepdim=True), x)
         return acc.addmm_(w, g.basis, alpha=-1.0) if g.centred else acc
     p = x @ g.basis.T
-    if g.expand is not None:
-        w = w[:, g.expand]
-    if g.ablate_only:
-        return acc.addmm_(p.mul_(w), g.basis, alpha=-1.0)
     target = torch.clamp(torch.addcmul(g.offset, g.slope, p), g.lo, g.hi)
     return acc.addmm_(target.sub_(p).mul_(w), g.basis)
 

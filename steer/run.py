@@ -28,6 +28,11 @@ from steer.schema import SteerConf, Task
 from steer.tap import resolve
 
 
+def _needs_vllm(engine: str, field: str, what: str) -> None:
+    if engine != "vllm":
+        raise ConfigError(field, f"{what} needs engine=vllm (this run resolves to engine={engine})")
+
+
 def prepare(cfg: SteerConf) -> ModelSpec:
     """Validate everything that can be checked without weights; return the model's spec."""
     engine = engines.resolve(cfg.engine)
@@ -37,9 +42,7 @@ def prepare(cfg: SteerConf) -> ModelSpec:
     if tp > 1:
         import torch
 
-        if engine != "vllm":
-            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine needs engine=vllm (this run "
-                                                           f"resolves to engine={engine})")
+        _needs_vllm(engine, "vllm.tensor_parallel_size", f"{tp} GPUs per engine")
         if torch.cuda.device_count() < tp:
             raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
                                                            f"{torch.cuda.device_count()}")
@@ -47,9 +50,8 @@ def prepare(cfg: SteerConf) -> ModelSpec:
         raise ConfigError("vllm.edits_in_graph", "a steer run scores with the tap's values (projection metrics), "
                                                  "which an engine with its edits in the graph cannot keep; the mode "
                                                  "is for the bench and the API (VLLMEngine(..., declare=plans))")
-    if cfg.vllm.tap_graphs and engine != "vllm":
-        raise ConfigError("vllm.tap_graphs", f"replays CUDA graphs at vLLM's taps: it needs engine=vllm (this run "
-                                             f"resolves to engine={engine})")
+    if cfg.vllm.tap_graphs:
+        _needs_vllm(engine, "vllm.tap_graphs", "replaying CUDA graphs at vLLM's taps")
     g = cfg.gen
     if g.max_new_tokens < 1:
         raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")
