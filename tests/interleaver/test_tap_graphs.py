@@ -4,17 +4,16 @@ and step size, and the eager path wherever a step needs the host at the tap."""
 
 from types import SimpleNamespace
 
-import nnsight
 import numpy as np
 import pytest
 import torch
 
-from fake import H, PAD, FakeRecording, Graphed
-from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver, vllm_internals
-from interleaver.bank import layout
+import mixed
+from fake import H, PAD, FakeRecording
+from interleaver import EditBank, RequestEdits, Span, vllm_internals
 from interleaver.tap_graphs import TapGraphs
 from steer.edit import compile_edit
-from steer.schema import EditKind, Tokens
+from steer.schema import EditKind
 
 TAPS = ["model.layers.0.output", "model.layers.1.output"]
 
@@ -46,14 +45,8 @@ class Capture:
 
 
 def engine(edits, capture=None):
-    il = VLLMInterleaver(taps=TAPS)
-    module = Graphed(il)
-    nnsight.NNsight(module, interleaver=il)
-    bank = EditBank()
-    reqs = [RequestEdits(bank.register(loc, e)) if e else None for e in edits for loc in [TAPS[len(e or []) % 2]]]
-    il.step.order = layout(bank.stages)
-    columns = {int(s): c for c, s in enumerate(il.step.order)}
-    il.programs = {t: TapProgram(t, bank.at(t), residual=False, columns=columns) for t in TAPS}
+    # one edit: layer 1; two edits: layer 0, so that both taps serve requests
+    module, il, bank, reqs = mixed.engine(TAPS, edits, tap_of=lambda e: len(e or []) % 2)
     if capture is not None:
         il.tap_graphs = TapGraphs(capture)
         il.step.use_static(PAD, len(bank.stages), "cpu")
@@ -61,29 +54,15 @@ def engine(edits, capture=None):
     return module, il, bank, reqs
 
 
-def run(module, il, bank, steps):
-    outs = []
-    for spans, x in steps:
-        il.step.set(spans, x.shape[0], len(bank.stages), "cpu")
-        outs.append(module(x).clone())
-        il.step.clear()
-    return outs
-
-
 def edits_and_steps():
-    g = torch.Generator().manual_seed(0)
-    v, d = torch.randn(1, H, generator=g), torch.randn(1, H, generator=g)
-    # one edit: layer 1; two edits: layer 0 (engine() spreads requests over both taps)
-    edits = [[compile_edit(EditKind.add, 2.0, v)], [compile_edit(EditKind.ablate, 1.0, d)],
-             [compile_edit(EditKind.clamp, 1.0, d, lo=-0.1, hi=0.1)], None,
-             [compile_edit(EditKind.add, 3.0, v, tokens=Tokens.generated), compile_edit(EditKind.set, 1.0, d)]]
-    x5, x3, x2 = (torch.randn(n, H, generator=g) for n in (5, 3, 2))
-    return edits, lambda reqs: [
-        ([Span(i, 1, 6, 3, r) for i, r in enumerate(reqs)], x5),  # five decode rows
-        ([Span(0, 2, 0, 4, reqs[4]), Span(2, 1, 9, 3, reqs[0])], x3),  # a prefill chunk and a decode row
-        ([Span(i, 1, 7, 3, r) for i, r in enumerate(reqs)], x5),  # five decode rows again: replayed graphs
-        ([Span(0, 1, 7, 3, None), Span(1, 1, 7, 3, None)], x2),  # nobody steered
-    ]
+    edits, (x5, x3, x2) = mixed.edits_and_inputs()
+
+    def steps(reqs):
+        decode, prefill, nobody = mixed.steps(reqs, x5, x3, x2)
+        again = ([Span(i, 1, 7, 3, r) for i, r in enumerate(reqs)], x5)  # five decode rows again: replayed graphs
+        return [decode, prefill, again, nobody]
+
+    return edits, steps
 
 
 def test_tap_graphs_edit_like_the_eager_replay():
@@ -92,14 +71,14 @@ def test_tap_graphs_edit_like_the_eager_replay():
     for graphs in (False, True):
         capture = Capture() if graphs else None
         module, il, bank, reqs = engine(edits, capture)
-        outs[graphs] = run(module, il, bank, steps(reqs))
+        outs[graphs] = mixed.run(module, il, bank, steps(reqs))
         if graphs:
             # two taps, one step size (the fake pads every step to PAD rows): captured once, replayed after
             assert (capture.captures, capture.replays, len(il.tap_graphs)) == (2, 4, 2)
     for a, b in zip(outs[False], outs[True]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     module, il, bank, _ = engine([None])
-    plain = run(module, il, bank, [(spans[:2], x) for spans, x in steps([None] * 5)])
+    plain = mixed.run(module, il, bank, [(spans[:2], x) for spans, x in steps([None] * 5)])
     assert torch.equal(outs[True][3], plain[3])  # stale weights were cleared: bit for bit the plain model
     assert not torch.allclose(outs[True][0], plain[0])  # and the steered steps did edit
 
@@ -120,10 +99,10 @@ def test_a_step_that_keeps_a_tap_value_runs_that_tap_eagerly():
 def test_a_failed_capture_leaves_that_tap_eager_and_edits_once():
     edits, steps = edits_and_steps()
     eager_module, eager_il, eager_bank, eager_reqs = engine(edits)
-    want = run(eager_module, eager_il, eager_bank, steps(eager_reqs))
+    want = mixed.run(eager_module, eager_il, eager_bank, steps(eager_reqs))
     capture = Capture(fail=True)
     module, il, bank, reqs = engine(edits, capture)
-    got = run(module, il, bank, steps(reqs))
+    got = mixed.run(module, il, bank, steps(reqs))
     assert capture.captures == 2 and capture.replays == 0
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
