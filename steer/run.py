@@ -50,6 +50,9 @@ def prepare(cfg: SteerConf) -> ModelSpec:
         raise ConfigError("vllm.edits_in_graph", "a steer run scores with the tap's values (projection metrics), "
                                                  "which an engine with its edits in the graph cannot keep; the mode "
                                                  "is for the bench and the API (VLLMEngine(..., declare=plans))")
+    kv = cfg.vllm.kv_cache_memory_bytes
+    if kv is not None and kv < 1:
+        raise ConfigError("vllm.kv_cache_memory_bytes", f"must be a positive number of bytes or null, got {kv}")
     if cfg.vllm.tap_graphs:
         _needs_vllm(engine, "vllm.tap_graphs", "replaying CUDA graphs at vLLM's taps")
     g = cfg.gen

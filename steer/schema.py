@@ -114,6 +114,9 @@ class ExtractConf:
 class VllmConf:
     enforce_eager: bool = False  # eager only when asked: graphs are the point
     gpu_memory_utilization: float = 0.3
+    # The KV cache in bytes, instead of what gpu_memory_utilization leaves after vLLM profiles the model. Several
+    # engines starting on one GPU at once (the bench) need it: each profile would count the others' memory.
+    kv_cache_memory_bytes: Optional[int] = None
     max_model_len: Optional[int] = None  # null: the model's own
     max_num_seqs: int = 256
     load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)

@@ -4,11 +4,13 @@
     python -m steer.bench run=[tiny] batches=[[64,128]]     # a smaller one
     python -m steer.bench 'skip=[llama3_8b/e/*]'            # leave cells out (reported as not run)
 
-Each engine configuration runs in a process of its own; the report (bench.md, bench.csv, bench.png) lands in the
+Each engine configuration runs in a process of its own; up to a model's `engines_at_once` start side by side and
+are then timed one at a time (steer/bench/waves.py). The report (bench.md, bench.csv, bench.png) lands in the
 run directory and is rewritten after every engine, so a run cut short keeps what it measured.
 """
 
 import multiprocessing
+import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,57 +40,79 @@ def app(cfg: DictConfig) -> None:
 
 
 def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -> None:
-    import json
-
-    from steer.bench import report, workload
-    from steer.bench.runs import plan_groups, run_group
+    from steer.bench import waves, workload
+    from steer.bench.runs import plan_groups
     from steer.engine.vllm import available
-    from steer.results import write_jsonl
 
     workload.check(conf)
     if not available():
         raise ConfigError("engine", "steer.bench runs vLLM: it needs CUDA and vLLM (pip install -e '.[vllm]')")
-    records, machine = [], {}
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    ctx = multiprocessing.get_context("spawn")
+    book = _Book(conf, out_dir, console, command)
     for name in conf.run:
         m = conf.models[name]
         where = workload.model_dir(m, conf.cache_dir)
-        layers = workload.spec(m, name, where).layers
-        for group in plan_groups(conf, name, layers):
+        groups = []
+        for group in plan_groups(conf, name, workload.spec(m, name, where).layers):
             todo = []
             for cell in group.cells:
                 pattern = workload.skipped(conf, name, group.config, cell["scenario"],
                                            (cell["requests"], cell["tokens"]))
                 if pattern:
-                    records.append({**cell, "model": name, "config": group.config, "status": "skipped",
-                                    "detail": f"skip pattern {pattern!r}"})
+                    book.records.append({**cell, "model": name, "config": group.config, "status": "skipped",
+                                         "detail": f"skip pattern {pattern!r}"})
                 else:
                     todo.append(cell)
-            if not todo:
-                continue
-            group.cells = todo
-            out = out_dir / f".{name}-{group.config}-{len(group.layers)}taps.json"
-            console.print(f"[bold]{name}[/] config {group.config} ({schema.CONFIGS[group.config]}), "
-                          f"taps at {len(group.layers)} layer(s), {len(todo)} cell(s)")
-            p = ctx.Process(target=run_group, args=(conf, m, str(where), group, str(out)))
-            p.start()
-            p.join(conf.timeout_s)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            got = json.loads(out.read_text()) if out.exists() else None
-            if got is None:
-                why = f"engine process ended with code {p.exitcode} and no records"
-                got = {"records": [{**c, "status": "error", "detail": why} for c in todo], "machine": {}}
-            out.unlink(missing_ok=True)
-            machine = got["machine"] or machine
-            records += [{**r, "model": name, "config": group.config} for r in got["records"]]
-            write_jsonl(out_dir / "records.jsonl", records)
-            _report(records, conf, machine, when, command, out_dir)
-    md = _report(records, conf, machine, when, command, out_dir)
+            if todo:
+                group.cells = todo
+                groups.append(group)
+        # Engines starting together share the cores their compilers get.
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // m.engines_at_once))
+        waves.run(groups, m.engines_at_once, lambda g, m=m, w=where: book.start(g, m, w), book.finish,
+                  conf.timeout_s)
+    md = book.report()
     console.print(md, highlight=False, markup=False)
     console.print(f"report in {out_dir}")
+
+
+class _Book:
+    """The run's records: each engine process's handed back as it ends, and the report rewritten then."""
+
+    def __init__(self, conf: schema.BenchConf, out_dir: Path, console: Console, command: str):
+        self.conf, self.out_dir, self.console, self.command = conf, out_dir, console, command
+        self.records, self.machine = [], {}
+        self.when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        self.ctx = multiprocessing.get_context("spawn")
+
+    def _out(self, group) -> Path:
+        return self.out_dir / f".{group.model}-{group.config}-{len(group.layers)}taps.json"
+
+    def start(self, group, m, where):
+        from steer.bench import waves
+        from steer.bench.runs import run_group
+
+        self._out(group).unlink(missing_ok=True)
+        self.console.print(f"[bold]{group.model}[/] config {group.config} ({schema.CONFIGS[group.config]}), "
+                           f"taps at {len(group.layers)} layer(s), {len(group.cells)} cell(s): starting")
+        return waves.Process(self.ctx, run_group, (self.conf, m, str(where), group, str(self._out(group))))
+
+    def finish(self, group, engine) -> None:
+        import json
+
+        from steer.results import write_jsonl
+
+        out = self._out(group)
+        got = json.loads(out.read_text()) if out.exists() else None
+        if got is None:
+            why = f"engine process ended with code {engine.exitcode} and no records"
+            got = {"records": [{**c, "status": "error", "detail": why} for c in group.cells], "machine": {}}
+        out.unlink(missing_ok=True)
+        self.machine = got["machine"] or self.machine
+        self.records += [{**r, "model": group.model, "config": group.config} for r in got["records"]]
+        write_jsonl(self.out_dir / "records.jsonl", self.records)
+        self.report()
+
+    def report(self) -> str:
+        return _report(self.records, self.conf, self.machine, self.when, self.command, self.out_dir)
 
 
 def _report(records, conf, machine, when, command, out_dir) -> str:

@@ -53,11 +53,12 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
 
 
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
+    warm = "a whole pass" if cfg.warmup_tokens is None else f"{cfg.warmup_tokens} new tokens"
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
              f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}, and at least "
-             f"{cfg.min_timed_s:g} s of them, at most {cfg.max_repeats}) after a warm-up "
-             f"({'a whole pass' if cfg.warmup_tokens is None else f'{cfg.warmup_tokens} tokens'}); `x/a`, `x/b`: "
+             f"{cfg.min_timed_s:g} s of them, at most {cfg.max_repeats}, and none once {cfg.max_timed_s:g} s are "
+             f"timed) after a warm-up pass ({warm}); `x/a`, `x/b`: "
              "ratio to configuration a, b; bench.csv has each cell's passes and spread ((max - min) / median).", ""]
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs

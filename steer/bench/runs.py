@@ -1,11 +1,13 @@
 """One engine configuration in one process: start it, then time every scenario and batch it serves.
 
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
-each sets its own vLLM environment before importing it). A cell's figure is output tokens per second of one
-`generate` over the whole batch (the median of at least `repeats` passes and at least `min_timed_s` seconds of
-them, after a warm-up pass of the same batch and edits); every request generates exactly its new tokens
-(ignore_eos) and none is detokenized (a dummy-weight model samples ids its small tokenizer does not have), so
-every configuration does the same work.
+each sets its own vLLM environment before importing it). A process started beside others (steer/bench/waves.py)
+says when its engine is ready and times nothing until it is told to go, so no pass is timed while another engine
+compiles or captures. A cell's figure is output tokens per second of one `generate` over the whole batch (the
+median of at least `repeats` passes and at least `min_timed_s` seconds of them, none begun after `max_timed_s`,
+after a warm-up pass of the same batch and edits); every request generates exactly its new tokens (ignore_eos)
+and none is detokenized (a dummy-weight model samples ids its small tokenizer does not have), so every
+configuration does the same work.
 """
 
 import os
@@ -54,8 +56,13 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
     return list(groups.values())
 
 
-def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str) -> None:
-    """Child process entry: run the group's cells and write their records to `out` (JSON, atomically)."""
+def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, ready=None, go=None) -> None:
+    """Child process entry: start the engine, set `ready` and wait for `go` (events; None: no waiting), then run
+    the group's cells and write their records to `out` (JSON, atomically)."""
+    # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
+    # configuration and tap set keeps them apart and is still reused by the next run on the machine.
+    os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /
+                                        f"{group.model}-{group.config}-{len(group.layers)}taps")
     records = []
     try:
         runner = _RUNNERS[group.config](cfg, m, Path(where), group)
@@ -64,6 +71,9 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         traceback.print_exc()
         records = [{**c, "status": "error", "detail": err} for c in group.cells]
         return _write(out, records, {})
+    if ready is not None:
+        ready.set()
+        go.wait()
     spec = workload.spec(m, group.model, Path(where))
     for cell in group.cells:
         n, tokens = cell["requests"], cell["tokens"]
@@ -71,7 +81,7 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         scen = None if cell["scenario"] == "unsteered" else workload.scenario(
             cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
         try:
-            runner(prompts, scen, cfg.warmup_tokens or tokens)  # warm-up: same batch and edits
+            runner(prompts, scen, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
             profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
             if profile:
                 profile()
@@ -101,7 +111,11 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:
     """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` timed in all
-    (up to `max_repeats` passes)."""
+    (up to `max_repeats` passes); never once `max_timed_s` are timed, always when none is."""
+    if not walls:
+        return True
+    if sum(walls) >= cfg.max_timed_s:
+        return False
     if len(walls) < cfg.repeats:
         return True
     return len(walls) < cfg.max_repeats and sum(walls) < cfg.min_timed_s
@@ -127,27 +141,29 @@ def _machine() -> Dict:
             "nnsight": getattr(nnsight, "__version__", "?")}
 
 
-def _llm_kwargs(cfg: BenchConf, m: BenchModelConf) -> Dict:
-    """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c and f."""
+def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path) -> Dict:
+    """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c, f and g."""
     from vllm.config import CompilationConfig
 
     from steer.engine.vllm import compilation_config
 
-    v = _vllm_conf(cfg, m)
+    v = _vllm_conf(cfg, m, where)
     return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
-                max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs, enable_prefix_caching=False,
+                kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len, max_num_seqs=v.max_num_seqs, enable_prefix_caching=False,
                 seed=cfg.seed, tensor_parallel_size=v.tensor_parallel_size,
                 compilation_config=CompilationConfig(**compilation_config(v)))
 
 
-def _vllm_conf(cfg: BenchConf, m: BenchModelConf, in_graph: bool = False, tap_graphs: bool = False):
+def _vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False):
     """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
     from steer.schema import VllmConf
 
+    sizes = sorted(set(cfg.capture_sizes or [r for r, _ in cfg.batches]))
     biggest = max(r for r, _ in cfg.batches)
-    return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=cfg.max_model_len,
-                    max_num_seqs=biggest, load_format=m.load_format, max_cudagraph_capture_size=biggest,
-                    cudagraph_capture_sizes=cfg.capture_sizes, tensor_parallel_size=cfg.tensor_parallel_size,
+    return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    kv_cache_memory_bytes=workload.kv_cache_bytes(cfg, where, m.dtype), max_model_len=cfg.max_model_len,
+                    max_num_seqs=biggest, load_format=m.load_format, max_cudagraph_capture_size=max(sizes),
+                    cudagraph_capture_sizes=sizes, tensor_parallel_size=cfg.tensor_parallel_size,
                     edits_in_graph=in_graph, tap_graphs=tap_graphs)
 
 
@@ -165,7 +181,7 @@ def _plain(cfg, m, where, group, breakable: bool):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(where), **_llm_kwargs(cfg, m))
+    llm = LLM(model=str(where), **_llm_kwargs(cfg, m, where))
 
     def run(prompts, scen, tokens):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -194,7 +210,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
             plans[key] = (edit, p)
         return plans[key][1]
 
-    engine = VLLMEngine(spec, _vllm_conf(cfg, m, in_graph, tap_graphs), taps,
+    engine = VLLMEngine(spec, _vllm_conf(cfg, m, where, in_graph, tap_graphs), taps,
                         _declared(cfg, spec, group, plan) if in_graph else ())
 
     def run(prompts, scen, tokens):
@@ -223,7 +239,7 @@ def _nnsight(cfg, m, where, group, taps: bool):
 
     from steer.bench.trace import generate
 
-    k = _llm_kwargs(cfg, m)
+    k = _llm_kwargs(cfg, m, where)
     if not taps:
         k.pop("compilation_config")
     model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in group.layers] if taps else (),

@@ -26,6 +26,9 @@ class BenchModelConf:
     source: str = "tiny"
     dtype: str = "bfloat16"
     load_format: str = "auto"
+    # Engines of this model started at once (each then waits, holding its GPU memory, to be timed alone): as many
+    # as fit in GPU and host memory side by side.
+    engines_at_once: int = 1
     tiny: TinyConf = field(default_factory=TinyConf)
 
 
@@ -48,23 +51,30 @@ class BenchConf:
     scenarios: List[str] = field(default_factory=lambda: ["add", "ablate_all", "k1", "k8", "k64"])
     batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
     prompt_len: int = 32
-    warmup_tokens: Optional[int] = None  # null: the warm-up is a whole untimed pass of the cell
-    repeats: int = 5  # at least this many timed passes per cell; the report gives their median and spread
+    # The warm-up: an untimed pass of the cell's batch and edits with this many new tokens (null: a whole pass).
+    # The graphs are captured when an engine starts; what is left to warm is per step, so a short pass does.
+    warmup_tokens: Optional[int] = 32
+    repeats: int = 3  # at least this many timed passes per cell; the report gives their median and spread
     # ... and more, until the timed passes add up to this many seconds (a tiny-model pass is a fraction of a
     # second, and one hiccup moves a short median), at most max_repeats
-    min_timed_s: float = 5.0
+    min_timed_s: float = 4.0
     max_repeats: int = 30
+    # No further pass once the timed ones add up to this (an eager 8B pass can take a minute); one pass at least
+    max_timed_s: float = 15.0
     # "model/config/scenario/RxT" fnmatch patterns left out of this run (reported as not run, with the pattern)
     skip: List[str] = field(default_factory=list)
     targets: List[TargetConf] = field(default_factory=list)
-    gpu_memory_utilization: float = 0.4
+    # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by
+    # kv_cache_tokens, the same for every engine, so engines starting side by side cannot starve each other.
+    gpu_memory_utilization: float = 0.05
+    kv_cache_tokens: Optional[int] = None  # null: every request of the largest batch at full length, and a quarter
     tensor_parallel_size: int = 1  # GPUs per engine, for every configuration
-    # Step sizes every graph configuration captures (null: vLLM's default sizes up to the largest batch). A
-    # batch decodes in lockstep (ignore_eos), so its own size is the one a timed step uses.
+    # Step sizes every graph configuration captures (null: the batches' sizes). A batch decodes in lockstep
+    # (ignore_eos), so its own size is the one every timed decode step uses; fewer sizes start faster.
     capture_sizes: Optional[List[int]] = None
     max_model_len: int = 1024
     seed: int = 0
-    timeout_s: int = 1800  # per engine process
+    timeout_s: int = 1800  # per engine process: to start, and then to time its cells
     cache_dir: str = MISSING
 
 

@@ -65,6 +65,15 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
     if cfg.min_timed_s < 0:
         raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
+    if cfg.max_timed_s <= 0:
+        raise ConfigError("max_timed_s", f"must be > 0 (one pass is always timed), got {cfg.max_timed_s}")
+    for name, m in cfg.models.items():
+        if m.engines_at_once < 1:
+            raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
+    need = max(r * (cfg.prompt_len + t) for r, t in cfg.batches)
+    if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
+        raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
+                                             f"length ({need}); requests would be preempted mid-pass")
     for i, size in enumerate(cfg.capture_sizes or []):
         if size < 1:
             raise ConfigError(f"capture_sizes[{i}]", f"a step size must be >= 1, got {size}")
@@ -106,6 +115,18 @@ def model_dir(m: BenchModelConf, cache_dir: str) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
     return dest
+
+
+def kv_cache_bytes(cfg: BenchConf, where: Path, dtype: str) -> int:
+    """The KV cache every engine of the model at `where` gets: `kv_cache_tokens` (null: the largest batch at full
+    length, and a quarter more, so no configuration is ever preempted)."""
+    c = json.loads((where / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    per_token = 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * head_dim
+    per_token *= torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    tokens = cfg.kv_cache_tokens or max(r * (cfg.prompt_len + t) for r, t in cfg.batches) * 5 // 4
+    return per_token * max(tokens, cfg.max_model_len)
 
 
 def spec(m: BenchModelConf, name: str, where: Path):

@@ -76,6 +76,7 @@ class VLLMEngine:
             dtype=str(spec.dtype).replace("torch.", ""),
             enforce_eager=conf.enforce_eager,
             gpu_memory_utilization=conf.gpu_memory_utilization,
+            kv_cache_memory_bytes=conf.kv_cache_memory_bytes,
             max_model_len=conf.max_model_len,
             max_num_seqs=conf.max_num_seqs,
             enable_prefix_caching=False,

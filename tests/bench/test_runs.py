@@ -72,10 +72,42 @@ def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, cach
 
 
 @pytest.mark.parametrize("walls,more", [([], True), ([9.0], True), ([0.1, 0.1], True), ([3.0, 3.0], False),
-                                        ([0.1] * 5, False)])
+                                        ([0.1] * 5, False), ([25.0], False), ([12.0], False)])
 def test_more_passes_until_repeats_and_seconds(walls, more):
-    cfg = bench_conf("repeats=2", "min_timed_s=1.0", "max_repeats=5")
+    cfg = bench_conf("repeats=2", "min_timed_s=1.0", "max_repeats=5", "max_timed_s=12")
     assert runs._more(walls, cfg) is more
+
+
+def test_a_process_started_beside_others_times_nothing_before_go(stand_in, tmp_path, cache_dir):
+    import threading
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", cache_dir=cache_dir)
+    m = cfg.models["tiny"]
+    from steer.bench import workload
+
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group.cells = group.cells[:1]
+    ready, go = threading.Event(), threading.Event()
+    child = threading.Thread(target=runs.run_group, args=(cfg, m, str(workload.model_dir(m, cache_dir)), group,
+                                                          str(tmp_path / "out.json"), ready, go))
+    child.start()
+    assert ready.wait(30)
+    child.join(0.2)
+    assert child.is_alive() and stand_in == []  # started, waiting: no pass run
+    go.set()
+    child.join(30)
+    assert len(stand_in) == 2 and json.loads((tmp_path / "out.json").read_text())["records"][0]["status"] == "ok"
+
+
+def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_dir):
+    from steer.bench import workload
+
+    cfg = bench_conf("batches=[[64,128],[256,256]]", cache_dir=cache_dir)
+    where = workload.model_dir(cfg.models["llama3_8b"], cache_dir)
+    v = runs._vllm_conf(cfg, cfg.models["llama3_8b"], where, tap_graphs=True)
+    # Llama-3-8B: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 128 KiB a token; 256 x (32 + 256) x 5/4 tokens
+    assert v.kv_cache_memory_bytes == 128 * 1024 * (256 * 288 * 5 // 4)
+    assert v.cudagraph_capture_sizes == [64, 256] and v.max_cudagraph_capture_size == 256 and v.tap_graphs
 
 
 def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):

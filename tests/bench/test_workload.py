@@ -35,7 +35,9 @@ def test_committed_bench_config_composes_and_checks():
                                             ("models.tiny.source=/no/such/dir", "models.tiny.source"),
                                             ("capture_sizes=[1,64]", "capture_sizes"),
                                             ("repeats=0", "repeats"), ("max_repeats=2", "max_repeats"),
-                                            ("min_timed_s=-1", "min_timed_s")])
+                                            ("min_timed_s=-1", "min_timed_s"), ("max_timed_s=0", "max_timed_s"),
+                                            ("models.tiny.engines_at_once=0", "models.tiny.engines_at_once"),
+                                            ("kv_cache_tokens=1000", "kv_cache_tokens")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
