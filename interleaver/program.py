@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from interleaver import kernels
 from interleaver.bank import Stage, StepRows
 from steer.schema import EditKind
 
@@ -64,6 +65,11 @@ class TapProgram:
         self.groups = [_group(list(g), col, device) for _, g in groupby(sorted(stages, key=lambda s: (*key(s), col(s))),
                                                                         key=key)]
         self._needs_x = any(g.family != "add" for g in self.groups)
+        # One launch for the whole tap on a GPU, where every group is of one index (they all see one stream).
+        self._fused = (_fused(self.groups) if self.groups and len({g.index for g in self.groups}) == 1
+                       and kernels.available(device) else None)
+        if self._fused is not None:
+            self._fused.warm()
         # request key -> row blocks kept for it (scoring passes only; clones, since the graph rewrites the slab)
         self.kept: Dict[str, List[torch.Tensor]] = {}
 
@@ -80,6 +86,8 @@ class TapProgram:
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
+        if not keep and self._fused is not None and self._fused(hidden, residual, step.weights):
+            return
         x = None
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
             # Never in place: .float() of a float32 hidden is hidden itself.
@@ -97,6 +105,8 @@ class TapProgram:
         if not self.groups:
             return
         hidden, residual = _split(live, self.residual)
+        if self._fused is not None and self._fused(hidden, residual, weights):
+            return
         x = None
         if self._needs_x:
             x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
@@ -173,6 +183,25 @@ def _group(stages: List[Stage], col, device) -> _Group:
         g.lo = per_row(lambda e: e.lo if e.kind == EditKind.clamp and e.lo is not None else -inf)
         g.hi = per_row(lambda e: e.hi if e.kind == EditKind.clamp and e.hi is not None else inf)
     return g
+
+
+def _fused(groups: List[_Group]) -> kernels.Fused:
+    """The groups as one direction table for the fused kernel (see interleaver/kernels.py)."""
+    code = {"add": kernels.ADD, "scale": kernels.SCALE, "project": kernels.PROJECT}
+    col, kind, params = [], [], []
+    for g in groups:
+        cols = list(range(g.cols.start, g.cols.stop)) if isinstance(g.cols, slice) else g.cols.tolist()
+        if g.family == "project":  # a direction row's column is its stage's
+            cols = [cols[i] for i in (g.expand.tolist() if g.expand is not None else range(len(cols)))]
+            params.append((g.slope, g.offset, g.lo, g.hi))
+        else:
+            params.append((torch.zeros(len(cols), device=g.basis.device),) * 4)
+        col += cols
+        kind += [code[g.family]] * len(cols)
+    device = groups[0].basis.device
+    slope, offset, lo, hi = (torch.cat(p) for p in zip(*params))
+    return kernels.Fused(torch.cat([g.basis for g in groups]), torch.tensor(col, device=device),
+                         torch.tensor(kind, device=device), slope, offset, lo, hi)
 
 
 def _split(live: Any, residual: bool):

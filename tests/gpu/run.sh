@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, for the GPU machine (see DEVELOPERS.md). Stages, in the order given (default: all):
-#   tests  the GPU tests (pytest -m gpu; TESTS_K=expr runs those pytest -k selects)
+#   tests  the GPU tests (pytest -m gpu tests; TESTS_K=expr runs those pytest -k selects)
 #   cli    the acceptance CLI run on the vLLM and HF engines, steered tokens compared
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
@@ -13,7 +13,7 @@ runs=/tmp/steer-runs; rm -rf "$runs"; mkdir -p "$runs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 
 tests() {
-  python -m pytest -m gpu -v -rA tests/gpu ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/gpu-junit.xml" 2>&1 | tee "$OUT/gpu-tests.log" \
+  python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/gpu-junit.xml" 2>&1 | tee "$OUT/gpu-tests.log" \
     | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
 }
 

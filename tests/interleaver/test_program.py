@@ -12,19 +12,20 @@ H = 16
 TAP = "model.layers.1.output"
 
 
-def _mixed_edits(k, g):
+def _mixed_edits(k, g, hidden=H):
     kinds = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
     out = []
     for i in range(k):
         kind = kinds[i % len(kinds)]
-        v = torch.randn(2 if kind == EditKind.ablate and i % 2 else 1, H, generator=g)
+        v = torch.randn(2 if kind == EditKind.ablate and i % 2 else 1, hidden, generator=g)
         kw = {"lo": -0.2, "hi": 0.3} if kind == EditKind.clamp else {"value": 1.5} if kind == EditKind.set else {}
         out.append(compile_edit(kind, 0.5 + i / k, v, **kw))
     return out
 
 
-def _run(program_edits, residual, order=True):
-    """One step of rows: request i owns 2 rows and asks for program_edits[i] (a list, in order) or nothing."""
+def _run(program_edits, residual, order=True, device="cpu", dtype=torch.float32, fused=True, hidden=H):
+    """One step of rows: request i owns 2 rows and asks for program_edits[i] (a list, in order) or nothing.
+    `fused=False` keeps a GPU program on its torch form."""
     g = torch.Generator().manual_seed(0)
     bank = EditBank()
     reqs = [RequestEdits(bank.register(TAP, e)) if e else None for e in program_edits]
@@ -35,11 +36,14 @@ def _run(program_edits, residual, order=True):
     if order:
         step.order = layout(bank.stages)
         columns = {int(s): c for c, s in enumerate(step.order)}
-    step.set(spans, n, len(bank.stages), "cpu")
-    hidden, res = torch.randn(n, H, generator=g), torch.randn(n, H, generator=g)
-    before = (hidden.clone(), res.clone())
-    TapProgram(TAP, bank.at(TAP), residual, columns)((hidden, res) if residual else hidden, step)
-    return before, hidden, res
+    step.set(spans, n, len(bank.stages), device)
+    h, res = (torch.randn(n, hidden, generator=g).to(device, dtype) for _ in range(2))
+    before = (h.clone(), res.clone())
+    program = TapProgram(TAP, bank.at(TAP), residual, columns, device=device)
+    if not fused:
+        program._fused = None
+    program((h, res) if residual else h, step)
+    return before, h, res
 
 
 def test_many_distinct_configs_in_one_step_equal_each_applied_alone():

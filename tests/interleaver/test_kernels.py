@@ -1,0 +1,79 @@
+"""The fused kernel's direction table, on CPU: the kernel's arithmetic in torch stands in for the Triton launch,
+so a program that takes the fused path must still equal each request's edits applied one by one."""
+
+import pytest
+import torch
+
+from interleaver import kernels
+from interleaver.program import TapProgram
+from steer.edit import compile_edit
+from steer.schema import EditKind
+from test_program import TAP, _mixed_edits, _run
+
+
+def _in_torch(self, hidden, residual, weights):
+    """The kernel's arithmetic (interleaver/kernels.py), row by row in float32, written with torch."""
+    x = hidden.float() + (residual.float() if residual is not None else 0.0)
+    w = weights[: hidden.shape[0]][:, self.col]
+    p = x @ self.basis.T
+    t = torch.minimum(torch.maximum(self.offset + self.slope * p, self.lo), self.hi)
+    coef = torch.where(self.kind == kernels.ADD, w, torch.where(self.kind == kernels.SCALE, -w, (t - p) * w))
+    on_x = (w * (self.kind == kernels.SCALE)).sum(1, keepdim=True)
+    hidden.copy_((hidden.float() + coef @ self.basis + on_x * x).to(hidden.dtype))
+    return True
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels.Fused, "__call__", lambda *a: calls.append(1) or _in_torch(*a))
+    monkeypatch.setattr(kernels.Fused, "warm", lambda self: None)  # its launches: the GPU test's
+    return calls
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("order", [False, True])
+def test_one_index_programs_take_the_fused_table_and_equal_each_edit_alone(fused, residual, order):
+    edits = _mixed_edits(64, torch.Generator().manual_seed(1))
+    (h0, r0), hidden, res = _run([[e] for e in edits] + [None], residual, order)
+    assert fused == [1]
+    for i, e in enumerate(edits):
+        rows = slice(2 * i, 2 * i + 2)
+        expected = (h0[rows] + r0[rows]) if residual else h0[rows].clone()
+        e.apply_(expected)
+        got = hidden[rows] + res[rows] if residual else hidden[rows]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(hidden[-2:], h0[-2:]) and torch.equal(res, r0)  # unsteered rows, bit for bit
+
+
+def test_programs_of_several_indices_keep_the_torch_form(fused):
+    g = torch.Generator().manual_seed(3)
+    a, b = (compile_edit(EditKind.add, 1.0, torch.randn(1, 16, generator=g)) for _ in range(2))
+    _run([[a, b]], residual=True)  # two edits of one request at one tap: indices 0 and 1
+    assert fused == []
+
+
+def test_without_a_gpu_no_program_is_fused():
+    edit = compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))
+    from interleaver.bank import EditBank
+
+    bank = EditBank()
+    bank.register(TAP, [edit])
+    assert TapProgram(TAP, bank.at(TAP), True)._fused is None and not kernels.available("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [16, 4096])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_triton_kernel_equals_the_torch_form(residual, dtype, hidden):
+    assert kernels.available("cuda")
+    edits = _mixed_edits(64, torch.Generator().manual_seed(1), hidden)
+    reqs = [[e] for e in edits] + [None]
+    (h0, r0), fused, res = _run(reqs, residual, device="cuda", dtype=dtype, hidden=hidden)
+    _, plain, _ = _run(reqs, residual, device="cuda", dtype=dtype, fused=False, hidden=hidden)
+    # float32 deltas either way, summed in another order; one rounding into hidden's dtype
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(fused.float(), plain.float(), **tol)
+    assert not torch.equal(fused, h0) and torch.equal(fused[-2:], h0[-2:]) and torch.equal(res, r0)
