@@ -72,6 +72,9 @@ class TapProgram:
             self._fused.warm()
         # request key -> row blocks kept for it (scoring passes only; clones, since the graph rewrites the slab)
         self.kept: Dict[str, List[torch.Tensor]] = {}
+        # How the calls edited: the fused kernel or the torch form (a profile says which a GPU engine took;
+        # an in-graph or tap-graph call is counted when it is captured, not at each replay).
+        self.ran = {"fused": 0, "torch": 0}
 
     def __call__(self, live: Any, step: StepRows) -> None:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
@@ -87,7 +90,9 @@ class TapProgram:
             return
         hidden, residual = _split(live, self.residual)
         if not keep and self._fused is not None and self._fused(hidden, residual, step.weights):
+            self.ran["fused"] += 1
             return
+        self.ran["torch"] += 1
         x = None
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
             # Never in place: .float() of a float32 hidden is hidden itself.
@@ -106,7 +111,9 @@ class TapProgram:
             return
         hidden, residual = _split(live, self.residual)
         if self._fused is not None and self._fused(hidden, residual, weights):
+            self.ran["fused"] += 1
             return
+        self.ran["torch"] += 1
         x = None
         if self._needs_x:
             x = hidden.float() if residual is None else torch.add(hidden.float(), residual)

@@ -192,9 +192,19 @@ class _TapWorkerMixin:
         return len(bank.stages)
 
     def steer_profile(self) -> dict:
-        """Host seconds spent per section since the last call (STEER_PROFILE=1 in the engine's environment)."""
+        """Host seconds spent per section since the last call (STEER_PROFILE=1 in the engine's environment), and
+        how many tap program calls took the fused kernel and the torch form (`edits_fused`, `edits_torch`)."""
         clock = getattr(self, "steer_clock", None)
-        return clock.take() if clock else {}
+        if not clock:
+            return {}
+        out = clock.take()
+        for form in ("fused", "torch"):
+            n = sum(p.ran[form] for p in self.steer_il.programs.values())
+            if n:
+                out[f"edits_{form}"] = {"seconds": 0.0, "calls": n}
+        for p in self.steer_il.programs.values():
+            p.ran = {"fused": 0, "torch": 0}
+        return out
 
     def steer_take_kept(self):
         """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}, as

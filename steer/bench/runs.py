@@ -100,8 +100,9 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             print(f"[bench] {group.model} {group.config} {cell['scenario']} {n}x{tokens}: "
                   f"{n * tokens / wall:,.0f} tok/s (spread {records[-1]['spread']:.1%})", flush=True)
             if profile:
-                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"],
-                                                   "calls": v["calls"]} for k, v in profile().items()}
+                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
+                                               if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
+                                               for k, v in profile().items()}
                 print(f"[bench] host profile: {records[-1]['host_profile']}", flush=True)
         except Exception as e:
             traceback.print_exc()

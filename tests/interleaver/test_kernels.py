@@ -67,13 +67,30 @@ def test_without_a_gpu_no_program_is_fused():
 @pytest.mark.parametrize("hidden", [16, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
-def test_the_triton_kernel_equals_the_torch_form(residual, dtype, hidden):
+def test_the_triton_kernel_equals_the_torch_form(residual, dtype, hidden, monkeypatch):
     assert kernels.available("cuda")
+    launched, call = [], kernels.Fused.__call__
+    monkeypatch.setattr(kernels.Fused, "__call__", lambda *a: launched.append(call(*a)) or launched[-1])
     edits = _mixed_edits(64, torch.Generator().manual_seed(1), hidden)
     reqs = [[e] for e in edits] + [None]
     (h0, r0), fused, res = _run(reqs, residual, device="cuda", dtype=dtype, hidden=hidden)
+    assert launched[-1] is True  # the step's own launch (after the warm-up's), not a fallback to the torch form
     _, plain, _ = _run(reqs, residual, device="cuda", dtype=dtype, fused=False, hidden=hidden)
     # float32 deltas either way, summed in another order; one rounding into hidden's dtype
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
     torch.testing.assert_close(fused.float(), plain.float(), **tol)
     assert not torch.equal(fused, h0) and torch.equal(fused[-2:], h0[-2:]) and torch.equal(res, r0)
+
+
+def test_a_program_counts_which_form_edited(fused):
+    from interleaver.bank import EditBank, RequestEdits, Span, StepRows
+
+    bank = EditBank()
+    req = RequestEdits(bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    step = StepRows()
+    step.set([Span(0, 2, 0, 4, req)], 2, len(bank.stages), "cpu")
+    program = TapProgram(TAP, bank.at(TAP), False)
+    program(torch.randn(2, 16), step)
+    program._fused = None
+    program(torch.randn(2, 16), step)
+    assert program.ran == {"fused": 1, "torch": 1}
