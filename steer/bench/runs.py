@@ -151,7 +151,8 @@ def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path) -> Dict:
     v = _vllm_conf(cfg, m, where)
     return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
-                max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed, tensor_parallel_size=v.tensor_parallel_size,
+                max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
+                tensor_parallel_size=v.tensor_parallel_size,
                 compilation_config=CompilationConfig(**compilation_config(v)))
 
 
@@ -163,9 +164,9 @@ def _vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = 
     biggest = max(r for r, _ in cfg.batches)
     return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization,
                     kv_cache_memory_bytes=workload.kv_cache_bytes(cfg, where, m.dtype),
-                    max_model_len=cfg.max_model_len, max_num_seqs=biggest, load_format=m.load_format, max_cudagraph_capture_size=max(sizes),
-                    cudagraph_capture_sizes=sizes, tensor_parallel_size=cfg.tensor_parallel_size,
-                    edits_in_graph=in_graph, tap_graphs=tap_graphs)
+                    max_model_len=cfg.max_model_len, max_num_seqs=biggest, load_format=m.load_format,
+                    max_cudagraph_capture_size=max(sizes), cudagraph_capture_sizes=sizes,
+                    tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph, tap_graphs=tap_graphs)
 
 
 def _token_prompts(prompts):
