@@ -36,7 +36,7 @@ def test_ratios_and_targets():
 
 
 def test_report_files(tmp_path):
-    cfg = bench_conf()
+    cfg = bench_conf("configs=[a,b,c,g,f,d,e]")
     rows = report.cells(records(cfg), cfg)
     goals = report.targets(rows, cfg)
     md = report.markdown(rows, goals, cfg, {"gpu": "NVIDIA H200"}, "2026-11-29 10:00 UTC", "python -m steer.bench")
