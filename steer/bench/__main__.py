@@ -101,10 +101,11 @@ class _Book:
         from steer.results import write_jsonl
 
         out = self._out(group)
-        got = json.loads(out.read_text()) if out.exists() else None
-        if got is None:
-            why = f"engine process ended with code {engine.exitcode} and no records"
-            got = {"records": [{**c, "status": "error", "detail": why} for c in group.cells], "machine": {}}
+        got = json.loads(out.read_text()) if out.exists() else {"records": [], "machine": {}}
+        # Cells the process never recorded (it died, or was stopped, before them) say so.
+        done = len(got["records"])
+        why = f"engine process ended with code {engine.exitcode} before this cell"
+        got["records"] += [{**c, "status": "error", "detail": why} for c in group.cells[done:]]
         out.unlink(missing_ok=True)
         self.machine = got["machine"] or self.machine
         self.records += [{**r, "model": group.model, "config": group.config} for r in got["records"]]

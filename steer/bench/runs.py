@@ -58,7 +58,7 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
 
 def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, ready=None, go=None) -> None:
     """Child process entry: start the engine, set `ready` and wait for `go` (events; None: no waiting), then run
-    the group's cells and write their records to `out` (JSON, atomically)."""
+    the group's cells and write their records to `out` (JSON, atomically, after every cell)."""
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.
     os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /
@@ -75,6 +75,7 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         ready.set()
         go.wait()
     spec = workload.spec(m, group.model, Path(where))
+    machine: Dict = {}
     for cell in group.cells:
         n, tokens = cell["requests"], cell["tokens"]
         prompts = workload.prompts(n, cfg.prompt_len, cfg.seed)
@@ -107,7 +108,9 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         except Exception as e:
             traceback.print_exc()
             records.append({**cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]})
-    _write(out, records, _machine())
+        # After every cell: a process killed later (a run cut short) still hands back what it measured.
+        machine = machine or _machine()
+        _write(out, records, machine)
 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:

@@ -142,3 +142,38 @@ def test_declared_plans_name_every_edit_of_the_group(cache_dir):
     plans = runs._declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
     # add, k1, k8, k64 for 16 requests each: 1 + 1 + 8 + 16 distinct edits, all at the one tap
     assert len(plans) == 4 * 16 and len({id(e) for e, _ in seen}) == 26 and {at for _, at in seen} == {(2,)}
+
+
+def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(monkeypatch, tmp_path, cache_dir):
+    from rich.console import Console
+
+    from steer.bench import workload
+    from steer.bench.__main__ import _Book
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", cache_dir=cache_dir)
+
+    def start(cfg, m, where, group):
+        def run(prompts, scen, tokens):
+            if scen.name == "k1":
+                raise KeyboardInterrupt  # stands in for the process being killed: nothing after this runs
+            return len(prompts) * tokens
+
+        return run
+
+    monkeypatch.setitem(runs._RUNNERS, "c", start)
+    monkeypatch.setattr(runs, "_machine", lambda: {"gpu": "stand-in"})
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    assert [c["scenario"] for c in group.cells] == ["add", "k1", "k8", "k64"]
+    book = _Book(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    with pytest.raises(KeyboardInterrupt):
+        runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
+                       str(book._out(group)))
+
+    class Killed:
+        exitcode = -9
+
+    book.finish(group, Killed())
+    assert [(r["scenario"], r["status"]) for r in book.records] == [
+        ("add", "ok"), ("k1", "error"), ("k8", "error"), ("k64", "error")]
+    assert "ended with code -9 before this cell" in book.records[1]["detail"]
+    assert book.machine == {"gpu": "stand-in"} and (tmp_path / "bench.md").exists()
