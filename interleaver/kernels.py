@@ -63,7 +63,7 @@ def _kernel():
         delta += on_x * x
         tl.store(h_ptr + row * stride_h + offs, (h.to(tl.float32) + delta).to(h.dtype), mask=mask)
 
-    return triton, tap_edit
+    return tap_edit
 
 
 class Fused:
@@ -75,6 +75,9 @@ class Fused:
         self.col, self.kind = col.to(torch.int64).contiguous(), kind.to(torch.int32).contiguous()
         self.slope, self.offset = slope.float().contiguous(), offset.float().contiguous()
         self.lo, self.hi = lo.float().contiguous(), hi.float().contiguous()
+        # A row in one block (the next power of two of the hidden size), so the launch computes nothing per call.
+        self._block = 1 << (self.basis.shape[1] - 1).bit_length()
+        self._warps = max(1, min(8, self._block // 512))
 
     def warm(self) -> None:
         """Compile and load the kernel for every activation dtype, with and without a residual, on a row of
@@ -90,13 +93,12 @@ class Fused:
         """Edit `hidden`'s rows in place; False (nothing done) where the kernel does not apply."""
         if not _fits(hidden, residual, weights, self.basis):
             return False
-        triton, kernel = _kernel()
-        block = triton.next_power_of_2(hidden.shape[1])
+        kernel = _kernel()
         r = residual if residual is not None else hidden
         kernel[(hidden.shape[0],)](hidden, r, weights, self.basis, self.col, self.kind, self.slope, self.offset,
                                    self.lo, self.hi, self.col.shape[0], hidden.shape[1], hidden.stride(0),
-                                   r.stride(0), weights.stride(0), HAS_R=residual is not None, BLOCK=block,
-                                   num_warps=max(1, min(8, block // 512)))
+                                   r.stride(0), weights.stride(0), HAS_R=residual is not None, BLOCK=self._block,
+                                   num_warps=self._warps)
         return True
 
 

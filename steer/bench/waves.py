@@ -37,20 +37,16 @@ def run(groups: Sequence[G], width: int, start: Callable[[G], Engine], finish: C
         _await(engines, timeout_s, poll_s)
         retry: List[G] = []
         for g, e in zip(wave, engines):
-            if e.ready():
-                _time(e, timeout_s)
-            else:
+            if not e.ready() and len(wave) > 1:
                 e.kill()
-                if len(wave) > 1:
-                    retry.append(g)
-                    continue
+                retry.append(g)
+                continue
+            _time(e, timeout_s)
             finish(g, e)
         for g in retry:
             e = start(g)
             _await([e], timeout_s, poll_s)
-            if e.ready():
-                _time(e, timeout_s)
-            e.kill()
+            _time(e, timeout_s)
             finish(g, e)
 
 
@@ -62,8 +58,10 @@ def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
 
 
 def _time(e: Engine, timeout_s: float) -> None:
-    e.go()
-    e.join(timeout_s)
+    """Let a ready engine time its cells, then make sure its process is gone (ready or not)."""
+    if e.ready():
+        e.go()
+        e.join(timeout_s)
     e.kill()
 
 

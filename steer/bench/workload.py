@@ -70,7 +70,7 @@ def check(cfg: BenchConf) -> None:
     for name, m in cfg.models.items():
         if m.engines_at_once < 1:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
-    need = max(r * (cfg.prompt_len + t) for r, t in cfg.batches)
+    need = _largest_batch_tokens(cfg)
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
                                              f"length ({need}); requests would be preempted mid-pass")
@@ -125,8 +125,13 @@ def kv_cache_bytes(cfg: BenchConf, where: Path, dtype: str) -> int:
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     per_token = 2 * c["num_hidden_layers"] * (c.get("num_key_value_heads") or heads) * head_dim
     per_token *= torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    tokens = cfg.kv_cache_tokens or max(r * (cfg.prompt_len + t) for r, t in cfg.batches) * 5 // 4
+    tokens = cfg.kv_cache_tokens or _largest_batch_tokens(cfg) * 5 // 4
     return per_token * max(tokens, cfg.max_model_len)
+
+
+def _largest_batch_tokens(cfg: BenchConf) -> int:
+    """Tokens the largest batch holds at full length: every request's prompt and all its new tokens."""
+    return max(r * (cfg.prompt_len + t) for r, t in cfg.batches)
 
 
 def spec(m: BenchModelConf, name: str, where: Path):

@@ -8,7 +8,7 @@ from interleaver import kernels
 from interleaver.program import TapProgram
 from steer.edit import compile_edit
 from steer.schema import EditKind
-from test_program import TAP, _mixed_edits, _run
+from test_program import TAP, _each_alone, _mixed_edits, _run
 
 
 def _in_torch(self, hidden, residual, weights):
@@ -36,15 +36,9 @@ def fused(monkeypatch):
 @pytest.mark.parametrize("order", [False, True])
 def test_one_index_programs_take_the_fused_table_and_equal_each_edit_alone(fused, residual, order):
     edits = _mixed_edits(64, torch.Generator().manual_seed(1))
-    (h0, r0), hidden, res = _run([[e] for e in edits] + [None], residual, order)
+    stepped = _run([[e] for e in edits] + [None], residual, order)
     assert fused == [1]
-    for i, e in enumerate(edits):
-        rows = slice(2 * i, 2 * i + 2)
-        expected = (h0[rows] + r0[rows]) if residual else h0[rows].clone()
-        e.apply_(expected)
-        got = hidden[rows] + res[rows] if residual else hidden[rows]
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(hidden[-2:], h0[-2:]) and torch.equal(res, r0)  # unsteered rows, bit for bit
+    _each_alone(edits, residual, *stepped)
 
 
 def test_programs_of_several_indices_keep_the_torch_form(fused):

@@ -49,14 +49,20 @@ def _run(program_edits, residual, order=True, device="cpu", dtype=torch.float32,
 def test_many_distinct_configs_in_one_step_equal_each_applied_alone():
     edits = _mixed_edits(64, torch.Generator().manual_seed(1))
     for residual in (False, True):
-        (h0, r0), hidden, res = _run([[e] for e in edits] + [None], residual)
-        for i, e in enumerate(edits):
-            rows = slice(2 * i, 2 * i + 2)
-            expected = (h0[rows] + r0[rows]) if residual else h0[rows].clone()
-            e.apply_(expected)
-            got = hidden[rows] + res[rows] if residual else hidden[rows]
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-        assert torch.equal(hidden[-2:], h0[-2:]) and torch.equal(res, r0)  # unsteered rows, bit for bit
+        _each_alone(edits, residual, *_run([[e] for e in edits] + [None], residual))
+
+
+def _each_alone(edits, residual, before, hidden, res):
+    """Request i's two rows (the step of `_run`) equal edits[i] applied alone; the last request's, unsteered, are
+    bit for bit as they were, and so is `residual`."""
+    h0, r0 = before
+    for i, e in enumerate(edits):
+        rows = slice(2 * i, 2 * i + 2)
+        expected = (h0[rows] + r0[rows]) if residual else h0[rows].clone()
+        e.apply_(expected)
+        got = hidden[rows] + res[rows] if residual else hidden[rows]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(hidden[-2:], h0[-2:]) and torch.equal(res, r0)
 
 
 def test_a_requests_edits_at_one_tap_run_in_its_own_order():
