@@ -5,13 +5,15 @@
     python -m steer.bench 'skip=[llama3_8b/e/*]'            # leave cells out (reported as not run)
 
 Each engine configuration runs in a process of its own; up to a model's `engines_at_once` start side by side and
-are then timed one at a time (steer/bench/waves.py). The report (bench.md, bench.csv, bench.png) lands in the
+are then timed one at a time (steer/bench/waves.py). With several `lanes`, each lane does that on GPUs of its own,
+side by side with the others. The report (bench.md, bench.csv, bench.png) lands in the
 run directory and is rewritten after every engine, so a run cut short keeps what it measured.
 """
 
 import multiprocessing
 import os
 import sys
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -48,10 +50,11 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
     if not available():
         raise ConfigError("engine", "steer.bench runs vLLM: it needs CUDA and vLLM (pip install -e '.[vllm]')")
     book = _Book(conf, out_dir, console, command)
+    lanes = [[] for _ in conf.lanes]  # per lane: (model, its groups) in run order
     for name in conf.run:
         m = conf.models[name]
         where = workload.model_dir(m, conf.cache_dir)
-        groups = []
+        mine = [[] for _ in conf.lanes]
         for group in plan_groups(conf, name, workload.spec(m, name, where).layers):
             todo = []
             for cell in group.cells:
@@ -64,14 +67,40 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
                     todo.append(cell)
             if todo:
                 group.cells = todo
-                groups.append(group)
-        # Engines starting together share the cores their compilers get.
-        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // m.engines_at_once))
-        waves.run(groups, m.engines_at_once, lambda g, m=m, w=where: book.start(g, m, w), book.finish,
-                  conf.timeout_s)
+                mine[workload.lane(conf, name, group.config)].append(group)
+        for i, groups in enumerate(mine):
+            if groups:
+                lanes[i].append((m, where, groups))
+    threads = [threading.Thread(target=_lane, args=(conf, i, work, book), name=f"lane{i}", daemon=True)
+               for i, work in enumerate(lanes) if work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if book.failed:
+        raise book.failed[0]
     md = book.report()
     console.print(md, highlight=False, markup=False)
     console.print(f"report in {out_dir}")
+
+
+def _lane(conf: schema.BenchConf, i: int, work, book: "_Book") -> None:
+    """One lane: each model's engines in waves on the lane's GPUs, one model after another."""
+    from steer.bench import waves
+
+    lane = conf.lanes[i]
+    try:
+        for m, where, groups in work:
+            # Engines starting together (in every lane) share the cores their compilers get.
+            env = {"TORCHINDUCTOR_COMPILE_THREADS":
+                   str(max(1, (os.cpu_count() or 1) // (m.engines_at_once * len(conf.lanes))))}
+            if lane.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = lane.gpus
+            waves.run(groups, m.engines_at_once, lambda g, m=m, w=where, env=env: book.start(g, m, w, env),
+                      book.finish, conf.timeout_s)
+        book.console.print(f"[bench] lane {i} done", highlight=False, markup=False)
+    except BaseException as e:  # handed to the main thread, which raises it once every lane has stopped
+        book.failed.append(e)
 
 
 class _Book:
@@ -79,21 +108,23 @@ class _Book:
 
     def __init__(self, conf: schema.BenchConf, out_dir: Path, console: Console, command: str):
         self.conf, self.out_dir, self.console, self.command = conf, out_dir, console, command
-        self.records, self.machine = [], {}
+        self.records, self.machine, self.failed = [], {}, []
+        self.lock = threading.Lock()  # lanes finish engines from threads of their own
         self.when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         self.ctx = multiprocessing.get_context("spawn")
 
     def _out(self, group) -> Path:
         return self.out_dir / f".{group.model}-{group.config}-{len(group.layers)}taps.json"
 
-    def start(self, group, m, where):
+    def start(self, group, m, where, env):
         from steer.bench import waves
         from steer.bench.runs import run_group
 
         self._out(group).unlink(missing_ok=True)
+        gpus = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in env else ""
         self.console.print(f"[bold]{group.model}[/] config {group.config} ({schema.CONFIGS[group.config]}), "
-                           f"taps at {len(group.layers)} layer(s), {len(group.cells)} cell(s): starting")
-        return waves.Process(self.ctx, run_group, (self.conf, m, str(where), group, str(self._out(group))))
+                           f"taps at {len(group.layers)} layer(s), {len(group.cells)} cell(s): starting{gpus}")
+        return waves.Process(self.ctx, run_group, (self.conf, m, str(where), group, str(self._out(group)), env))
 
     def finish(self, group, engine) -> None:
         import json
@@ -107,10 +138,11 @@ class _Book:
         why = f"engine process ended with code {engine.exitcode} before this cell"
         got["records"] += [{**c, "status": "error", "detail": why} for c in group.cells[done:]]
         out.unlink(missing_ok=True)
-        self.machine = got["machine"] or self.machine
-        self.records += [{**r, "model": group.model, "config": group.config} for r in got["records"]]
-        write_jsonl(self.out_dir / "records.jsonl", self.records)
-        self.report()
+        with self.lock:
+            self.machine = got["machine"] or self.machine
+            self.records += [{**r, "model": group.model, "config": group.config} for r in got["records"]]
+            write_jsonl(self.out_dir / "records.jsonl", self.records)
+            self.report()
 
     def report(self) -> str:
         return _report(self.records, self.conf, self.machine, self.when, self.command, self.out_dir)

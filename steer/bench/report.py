@@ -60,6 +60,9 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
              f"{cfg.min_timed_s:g} s of them, at most {cfg.max_repeats}, and none once {cfg.max_timed_s:g} s are "
              f"timed) after a warm-up pass ({warm}); `x/a`, `x/b`: "
              "ratio to configuration a, b; bench.csv has each cell's passes and spread ((max - min) / median).", ""]
+    if len(cfg.lanes) > 1:
+        lines[-1:-1] = ["Lanes, each starting and timing its own engines one at a time, side by side with the other: "
+                        + "; ".join(f"GPU {ln.gpus} runs {', '.join(ln.runs)}" for ln in cfg.lanes) + "."]
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs]

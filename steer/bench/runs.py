@@ -56,9 +56,11 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
     return list(groups.values())
 
 
-def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, ready=None, go=None) -> None:
-    """Child process entry: start the engine, set `ready` and wait for `go` (events; None: no waiting), then run
+def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict] = None,
+              ready=None, go=None) -> None:
+    """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine, set `ready` and wait for `go` (events; None: no waiting), then run
     the group's cells and write their records to `out` (JSON, atomically, after every cell)."""
+    os.environ.update(env or {})  # before anything touches CUDA
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.
     os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /

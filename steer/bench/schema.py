@@ -33,6 +33,14 @@ class BenchModelConf:
 
 
 @dataclass
+class LaneConf:
+    # CUDA_VISIBLE_DEVICES for this lane's engines, e.g. "1" or "0,1" (null: whatever the run was given)
+    gpus: Optional[str] = None
+    # "model/config" fnmatch patterns of the engines this lane runs; an engine goes to the first lane that names it
+    runs: List[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
 class TargetConf:
     scenario: str = MISSING
     model: Optional[str] = None  # null: every model
@@ -74,6 +82,10 @@ class BenchConf:
     capture_sizes: Optional[List[int]] = None
     max_model_len: int = 1024
     seed: int = 0
+    # Lanes run side by side, each on GPUs of its own: a lane starts its engines in waves and times them one at a
+    # time, as one GPU does, while the other lanes do the same on theirs. One lane (the default) times nothing side
+    # by side; more lanes trade that for time (engines of different lanes share the host's cores).
+    lanes: List[LaneConf] = field(default_factory=lambda: [LaneConf()])
     timeout_s: int = 1800  # per engine process: to start, and then to time its cells
     cache_dir: str = MISSING
 

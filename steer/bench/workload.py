@@ -74,6 +74,7 @@ def check(cfg: BenchConf) -> None:
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
                                              f"length ({need}); requests would be preempted mid-pass")
+    _check_lanes(cfg)
     for i, size in enumerate(cfg.capture_sizes or []):
         if size < 1:
             raise ConfigError(f"capture_sizes[{i}]", f"a step size must be >= 1, got {size}")
@@ -127,6 +128,41 @@ def kv_cache_bytes(cfg: BenchConf, where: Path, dtype: str) -> int:
     per_token *= torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     tokens = cfg.kv_cache_tokens or _largest_batch_tokens(cfg) * 5 // 4
     return per_token * max(tokens, cfg.max_model_len)
+
+
+def lane(cfg: BenchConf, model_name: str, config: str) -> int:
+    """The index of the first lane whose patterns name `model/config`, or -1."""
+    return next((i for i, ln in enumerate(cfg.lanes) if any(fnmatch.fnmatchcase(f"{model_name}/{config}", p)
+                                                            for p in ln.runs)), -1)
+
+
+def _check_lanes(cfg: BenchConf) -> None:
+    if not cfg.lanes:
+        raise ConfigError("lanes", "needs at least one lane, e.g. [{gpus: null, runs: ['*']}]")
+    seen = {}
+    for i, ln in enumerate(cfg.lanes):
+        if ln.gpus is None:
+            continue
+        ids = ln.gpus.split(",")
+        if not all(x.strip().isdigit() for x in ids):
+            raise ConfigError(f"lanes[{i}].gpus", f"expected GPU indices separated by commas (\"0\" or \"0,1\"), "
+                                                  f"got {ln.gpus!r}")
+        if len(ids) < cfg.tensor_parallel_size:
+            raise ConfigError(f"lanes[{i}].gpus", f"{len(ids)} GPU(s) cannot hold an engine of "
+                                                  f"tensor_parallel_size={cfg.tensor_parallel_size}")
+        for x in ids:
+            if int(x) in seen:
+                raise ConfigError(f"lanes[{i}].gpus", f"GPU {int(x)} is also lane {seen[int(x)]}'s: lanes time side "
+                                                      "by side, so they must not share a GPU")
+            seen[int(x)] = i
+    if len(cfg.lanes) > 1 and any(ln.gpus is None for ln in cfg.lanes):
+        raise ConfigError("lanes", "with more than one lane, every lane names its gpus")
+    if seen and torch.cuda.is_available() and max(seen) >= torch.cuda.device_count():
+        raise ConfigError("lanes", f"names GPU {max(seen)}, but this machine has {torch.cuda.device_count()}")
+    for name in cfg.run:
+        for c in cfg.configs:
+            if lane(cfg, name, c) < 0:
+                raise ConfigError("lanes", f"no lane runs {name}/{c}; add a pattern that matches it (e.g. '*')")
 
 
 def _largest_batch_tokens(cfg: BenchConf) -> int:

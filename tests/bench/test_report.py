@@ -47,3 +47,11 @@ def test_report_files(tmp_path):
     assert "| add | 1,000 | 980 | 950 | 960 | 975 | 300 | 200 |" in md and "NVIDIA H200" in md
     assert "f: error RuntimeError: boom" in md
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_says_which_lanes_ran_side_by_side():
+    cfg = bench_conf('lanes=[{gpus:"0",runs:["*/[abcf]"]},{gpus:"1",runs:["*/[de]"]}]')
+    md = report.markdown(report.cells([], cfg), [], cfg, {}, "2026-11-29 10:00 UTC", "python -m steer.bench")
+    assert "GPU 0 runs */[abcf]; GPU 1 runs */[de]." in md
+    one = bench_conf()
+    assert "side by side" not in report.markdown(report.cells([], one), [], one, {}, "now", "cmd")

@@ -89,7 +89,7 @@ def test_a_process_started_beside_others_times_nothing_before_go(stand_in, tmp_p
     group.cells = group.cells[:1]
     ready, go = threading.Event(), threading.Event()
     child = threading.Thread(target=runs.run_group, args=(cfg, m, str(workload.model_dir(m, cache_dir)), group,
-                                                          str(tmp_path / "out.json"), ready, go))
+                                                          str(tmp_path / "out.json"), None, ready, go))
     child.start()
     assert ready.wait(30)
     child.join(0.2)
@@ -177,3 +177,43 @@ def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(monkeypatch, tmp_p
         ("add", "ok"), ("k1", "error"), ("k8", "error"), ("k64", "error")]
     assert "ended with code -9 before this cell" in book.records[1]["detail"]
     assert book.machine == {"gpu": "stand-in"} and (tmp_path / "bench.md").exists()
+
+
+def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cache_dir):
+    import threading
+
+    import steer.engine.vllm
+    from rich.console import Console
+
+    from steer.bench import __main__ as bench_main
+
+    cfg = bench_conf("run=[tiny]", "configs=[a,b,c,d]", "scenarios=[add]", "batches=[[4,6]]",
+                     'lanes=[{gpus:"0",runs:["*/[abc]"]},{gpus:"1",runs:["*/d"]}]', cache_dir=cache_dir)
+    both = threading.Barrier(2, timeout=30)  # passed only if the two lanes time at the same moment
+    seen = []
+
+    class Engine:
+        def __init__(self, group, env):
+            self.group, self.env = group, env
+
+        def ready(self):
+            return True
+
+        alive = ready
+
+        def go(self):
+            if self.group.config in ("c", "d"):  # the last engine of each lane
+                both.wait()
+            seen.append((self.group.config, self.env["CUDA_VISIBLE_DEVICES"], threading.current_thread().name))
+
+        def join(self, timeout):
+            pass
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(steer.engine.vllm, "available", lambda: True)
+    monkeypatch.setattr(bench_main._Book, "start", lambda self, g, m, w, env: Engine(g, env))
+    monkeypatch.setattr(bench_main._Book, "finish", lambda self, g, e: None)
+    bench_main.run(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    assert sorted(seen) == [("a", "0", "lane0"), ("b", "0", "lane0"), ("c", "0", "lane0"), ("d", "1", "lane1")]

@@ -37,11 +37,23 @@ def test_committed_bench_config_composes_and_checks():
                                             ("repeats=0", "repeats"), ("max_repeats=2", "max_repeats"),
                                             ("min_timed_s=-1", "min_timed_s"), ("max_timed_s=0", "max_timed_s"),
                                             ("models.tiny.engines_at_once=0", "models.tiny.engines_at_once"),
-                                            ("kv_cache_tokens=1000", "kv_cache_tokens")])
+                                            ("kv_cache_tokens=1000", "kv_cache_tokens"),
+                                            ('lanes=[{gpus:"0",runs:["*/[abc]"]},{gpus:"1",runs:["*/d"]}]', "lanes"),
+                                            ('lanes=[{gpus:"x",runs:["*"]}]', "lanes[0].gpus"),
+                                            ('lanes=[{gpus:"0",runs:["*/a"]},{gpus:"1,0",runs:["*"]}]',
+                                             "lanes[1].gpus"),
+                                            ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
+                                            ("lanes=[]", "lanes")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
     assert e.value.field == field
+
+
+def test_an_engine_goes_to_the_first_lane_that_names_it():
+    cfg = bench_conf('lanes=[{gpus:"0",runs:["*/[abcf]"]},{gpus:"1",runs:["*"]}]')
+    workload.check(cfg)
+    assert [workload.lane(cfg, "llama3_8b", c) for c in "abcfde"] == [0, 0, 0, 0, 1, 1]
 
 
 def test_skip_patterns_match_cells():

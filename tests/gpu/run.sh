@@ -5,10 +5,15 @@
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
+#   lanes  two GPUs: the bench in two lanes side by side (a b c f g on GPU 0, the slow d e on GPU 1), then the GPU
+#          tests on GPU 0 once its lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
 export STEER_CACHE=${STEER_CACHE:-/tmp/steer-cache} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# The GPU machines keep NVLink multicast off (a program using it can take a shared host's GPUs down); vLLM's
+# symmetric-memory all-reduce is the part of it that would reach for multicast, so TP runs use NCCL's and vLLM's own.
+export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 runs=/tmp/steer-runs; rm -rf "$runs"; mkdir -p "$runs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 
@@ -63,6 +68,18 @@ tp() {
   python -m steer.bench 'run=[llama3_8b]' 'configs=[b,c]' 'scenarios=[add]' tensor_parallel_size=2 \
     hydra.run.dir="$OUT/bench-tp2" > "$OUT/bench-tp2.log" 2>&1; echo "bench tp2 rc=$?"
   grep -E "^\[bench\]" "$OUT/bench-tp2.log"
+}
+
+lanes() {
+  # shellcheck disable=SC2086
+  set -f
+  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} 'lanes=[{gpus:"0",runs:["*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
+    hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
+  pid=$!; set +f
+  until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
+  echo "== tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 tests
+  wait $pid; echo "bench rc=$?"
+  grep -E "^\[bench\]" "$OUT/bench.log"
 }
 
 for stage in "${@:-tests cli sweep bench}"; do
