@@ -195,8 +195,11 @@ def _group(stages: List[Stage], col, device) -> _Group:
 def _fused(groups: List[_Group]) -> kernels.Fused:
     """The groups as one direction table for the fused kernel (see interleaver/kernels.py)."""
     code = {"add": kernels.ADD, "scale": kernels.SCALE, "project": kernels.PROJECT}
-    col, kind, params = [], [], []
+    col, kind, params, bases = [], [], [], []
+    width = max(g.basis.shape[1] for g in groups)
     for g in groups:
+        # A scale group with no centre holds [m, 1] zeros (it never needed the width); the table needs full rows.
+        bases.append(g.basis if g.basis.shape[1] == width else g.basis.new_zeros(g.basis.shape[0], width))
         cols = list(range(g.cols.start, g.cols.stop)) if isinstance(g.cols, slice) else g.cols.tolist()
         if g.family == "project":  # a direction row's column is its stage's
             cols = [cols[i] for i in (g.expand.tolist() if g.expand is not None else range(len(cols)))]
@@ -207,7 +210,7 @@ def _fused(groups: List[_Group]) -> kernels.Fused:
         kind += [code[g.family]] * len(cols)
     device = groups[0].basis.device
     slope, offset, lo, hi = (torch.cat(p) for p in zip(*params))
-    return kernels.Fused(torch.cat([g.basis for g in groups]), torch.tensor(col, device=device),
+    return kernels.Fused(torch.cat(bases), torch.tensor(col, device=device),
                          torch.tensor(kind, device=device), slope, offset, lo, hi)
 
 
