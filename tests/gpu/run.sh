@@ -5,8 +5,8 @@
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
-#   lanes  two GPUs: the bench in two lanes side by side (a b c f g on GPU 0, the slow d e on GPU 1), then the GPU
-#          tests on GPU 0 once its lane is done
+#   lanes  two GPUs: the bench in two lanes side by side (the tiny model and the 8B shape's a b c f g on GPU 0, the 8B
+#          shape's slow d and e on GPU 1, about 20 minutes each), then the GPU tests on GPU 0 once its lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
@@ -73,7 +73,7 @@ tp() {
 lanes() {
   # shellcheck disable=SC2086
   set -f
-  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} 'lanes=[{gpus:"0",runs:["*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
+  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} 'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
     hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
