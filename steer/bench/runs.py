@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import workload
+from steer.results import write_text
 from steer.bench.schema import BenchConf, BenchModelConf
 
 
@@ -32,6 +33,7 @@ class Group:
     config: str  # a..g
     layers: List[int]  # tapped decoder layers ([] for none)
     cells: List[Dict] = field(default_factory=list)  # {"scenario", "requests", "tokens"}
+    trace_dir: Optional[str] = None  # vLLM's profiler output, where a cell is traced (set in the engine process)
 
 
 def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
@@ -58,14 +60,20 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
 
 def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict] = None,
               ready=None, go=None) -> None:
-    """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine, set `ready` and wait for `go` (events; None: no waiting), then run
-    the group's cells and write their records to `out` (JSON, atomically, after every cell)."""
+    """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine, set `ready` and wait
+    for `go` (events; None: no waiting), then run the group's cells and write their records to `out` (JSON,
+    atomically, after every cell), and last the traces of those `cfg.trace` names."""
     os.environ.update(env or {})  # before anything touches CUDA
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.
     os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /
                                         f"{group.model}-{group.config}-{len(group.layers)}taps")
     records = []
+    traced = [c for c in group.cells if workload.traced(cfg, group.model, group.config, c["scenario"],
+                                                          (c["requests"], c["tokens"]))]
+    if traced and group.config in TRACEABLE:
+        group.trace_dir = str(Path(out).parent / "traces" / Path(out).stem.lstrip("."))
+        Path(group.trace_dir).mkdir(parents=True, exist_ok=True)
     try:
         runner = _RUNNERS[group.config](cfg, m, Path(where), group)
     except Exception as e:  # the engine did not start: every cell says why
@@ -80,9 +88,7 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
     machine: Dict = {}
     for cell in group.cells:
         n, tokens = cell["requests"], cell["tokens"]
-        prompts = workload.prompts(n, cfg.prompt_len, cfg.seed)
-        scen = None if cell["scenario"] == "unsteered" else workload.scenario(
-            cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
+        prompts, scen = _inputs(cfg, spec, cell)
         try:
             runner(prompts, scen, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
             profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
@@ -113,6 +119,47 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         # After every cell: a process killed later (a run cut short) still hands back what it measured.
         machine = machine or _machine()
         _write(out, records, machine)
+    # Traces come after every timed pass: once vLLM's profiler has run, each later step pays for its annotations.
+    for cell, rec in zip(group.cells, records):
+        if cell in traced and hasattr(runner, "trace") and rec["status"] == "ok":
+            n, tokens = cell["requests"], cell["tokens"]
+            name = f"trace-{group.model}-{group.config}-{cell['scenario']}-{n}x{tokens}.txt"
+            try:
+                text = runner.trace(*_inputs(cfg, spec, cell), min(cfg.trace_tokens, tokens))
+            except Exception as e:
+                traceback.print_exc()
+                rec["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
+            else:
+                write_text(Path(out).parent / name, text)
+                rec["trace"] = name
+            _write(out, records, machine)
+
+
+def _inputs(cfg: BenchConf, spec, cell: Dict):
+    """A cell's prompts and scenario (None: unsteered), the same in every configuration."""
+    n = cell["requests"]
+    scen = None if cell["scenario"] == "unsteered" else workload.scenario(
+        cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
+    return workload.prompts(n, cfg.prompt_len, cfg.seed), scen
+
+
+TRACEABLE = ("a", "b", "c", "f", "g")  # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
+
+
+def _traceable(run, llm, trace_dir: Optional[str]):
+    """Give `run` a `trace(prompts, scen, tokens)` (one pass under vLLM's profiler, its kernel table handed back)
+    where the engine was started with a profiler directory."""
+    if trace_dir:
+        def trace(prompts, scen, tokens) -> str:
+            llm.start_profile()
+            try:
+                run(prompts, scen, tokens)
+            finally:
+                llm.stop_profile()  # writes the table (rank 0's), before it returns
+            return (Path(trace_dir) / "profiler_out_0.txt").read_text()
+
+        run.trace = trace
+    return run
 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:
@@ -147,14 +194,15 @@ def _machine() -> Dict:
             "nnsight": getattr(nnsight, "__version__", "?")}
 
 
-def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path) -> Dict:
+def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Optional[str] = None) -> Dict:
     """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c, f and g."""
     from vllm.config import CompilationConfig
 
-    from steer.engine.vllm import compilation_config
+    from steer.engine.vllm import compilation_config, profiler_config
 
     v = _vllm_conf(cfg, m, where)
-    return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
+    trace = {"profiler_config": profiler_config(trace_dir)} if trace_dir else {}
+    return dict(**trace,dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
                 tensor_parallel_size=v.tensor_parallel_size,
@@ -188,13 +236,13 @@ def _plain(cfg, m, where, group, breakable: bool):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(where), **_llm_kwargs(cfg, m, where))
+    llm = LLM(model=str(where), **_llm_kwargs(cfg, m, where, group.trace_dir))
 
     def run(prompts, scen, tokens):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
-    return run
+    return _traceable(run, llm, group.trace_dir)
 
 
 def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False):
@@ -218,7 +266,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
         return plans[key][1]
 
     engine = VLLMEngine(spec, _vllm_conf(cfg, m, where, in_graph, tap_graphs), taps,
-                        _declared(cfg, spec, group, plan) if in_graph else ())
+                        _declared(cfg, spec, group, plan) if in_graph else (), profile_dir=group.trace_dir)
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
@@ -227,7 +275,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
         return _count(engine.llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
     run.profile = lambda: engine.llm.collective_rpc("steer_profile")[0]
-    return run
+    return _traceable(run, engine.llm, group.trace_dir)
 
 
 def _declared(cfg, spec, group, plan) -> list:

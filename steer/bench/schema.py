@@ -71,6 +71,11 @@ class BenchConf:
     max_timed_s: float = 15.0
     # "model/config/scenario/RxT" fnmatch patterns left out of this run (reported as not run, with the pattern)
     skip: List[str] = field(default_factory=list)
+    # Cells (the same patterns) that, after their timed passes, run one more pass of trace_tokens new tokens under
+    # vLLM's torch profiler; its table of kernels by device time lands in the run dir as trace-<cell>.txt (the
+    # configurations that run vLLM directly: a, b, c, f, g)
+    trace: List[str] = field(default_factory=list)
+    trace_tokens: int = 16
     targets: List[TargetConf] = field(default_factory=list)
     # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by
     # kv_cache_tokens, the same for every engine, so engines starting side by side cannot starve each other.

@@ -58,7 +58,7 @@ def check(cfg: BenchConf) -> None:
         for key in ("of", "over"):
             if getattr(t, key) not in CONFIGS:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
-    for name in ("prompt_len", "repeats", "tensor_parallel_size"):
+    for name in ("prompt_len", "repeats", "tensor_parallel_size", "trace_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
     if cfg.max_repeats < cfg.repeats:
@@ -88,8 +88,17 @@ def check(cfg: BenchConf) -> None:
 
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
     """The skip pattern that leaves this cell out, or None."""
+    return _matching(cfg.skip, model_name, config, scenario, batch)
+
+
+def traced(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
+    """The trace pattern that names this cell, or None."""
+    return _matching(cfg.trace, model_name, config, scenario, batch)
+
+
+def _matching(patterns: List[str], model_name: str, config: str, scenario: str, batch) -> Optional[str]:
     cell = f"{model_name}/{config}/{scenario}/{batch[0]}x{batch[1]}"
-    return next((p for p in cfg.skip if fnmatch.fnmatchcase(cell, p)), None)
+    return next((p for p in patterns if fnmatch.fnmatchcase(cell, p)), None)
 
 
 def model_dir(m: BenchModelConf, cache_dir: str) -> Path:

@@ -35,9 +35,11 @@ def available() -> bool:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan] = ()):
+    def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan] = (),
+                 profile_dir: Optional[str] = None):
         """Start vLLM with `taps`. With `conf.edits_in_graph`, the edits of `declare` (every plan the engine will
-        serve) are captured into the graphs, and the engine serves those alone."""
+        serve) are captured into the graphs, and the engine serves those alone. With `profile_dir`, vLLM's torch
+        profiler is ready for `self.llm.start_profile()` (see `profiler_config`)."""
         # Breakable graphs are what let a tap run at its point of every replay; read when the engine starts.
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -87,6 +89,7 @@ class VLLMEngine:
             seed=0,
             tensor_parallel_size=conf.tensor_parallel_size,
             **({"compilation_config": compilation} if compilation else {}),
+            **({"profiler_config": profiler_config(profile_dir)} if profile_dir else {}),
         )
         self._keys = 0
 
@@ -182,6 +185,12 @@ class VLLMEngine:
 
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan], capture: Tuple[str, ...] = ()):
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
+
+
+def profiler_config(directory: str) -> dict:
+    """vLLM's torch profiler, armed by `llm.start_profile()` and stopped by `llm.stop_profile()`: the trace and a
+    table of kernels by device time (`profiler_out_<rank>.txt`) land in `directory` (an absolute path)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": False}
 
 
 def compilation_config(conf: VllmConf) -> dict:

@@ -56,6 +56,67 @@ def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_
     assert got["machine"] == {"gpu": "stand-in"}
 
 
+def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table(monkeypatch, tmp_path, cache_dir):
+    from steer.bench import workload
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[tiny/c/k1/*]", "trace_tokens=3",
+                     cache_dir=cache_dir)
+    passes, dirs = [], []
+
+    def start(cfg, m, where, group):
+        dirs.append(group.trace_dir)
+
+        def run(prompts, scen, tokens):
+            passes.append((scen.name, tokens))
+            return len(prompts) * tokens
+
+        return runs._traceable(run, _Profiled(passes, group.trace_dir), group.trace_dir)
+
+    monkeypatch.setitem(runs._RUNNERS, "c", start)
+    monkeypatch.setattr(runs, "_machine", lambda: {})
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group.cells = group.cells[:2][::-1]  # k1, then add
+    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
+                   str(tmp_path / ".tiny-c-1taps.json"))
+    assert dirs == [str(tmp_path / "traces" / "tiny-c-1taps")]
+    # warm-up and one timed pass each, and only then the traced pass of trace_tokens, between start and stop
+    assert passes == [("k1", 6), ("k1", 6), ("add", 6), ("add", 6), "start", ("k1", 3), "stop"]
+    recs = json.loads((tmp_path / ".tiny-c-1taps.json").read_text())["records"]
+    assert recs[0]["trace"] == "trace-tiny-c-k1-4x6.txt" and "trace" not in recs[1]
+    assert (tmp_path / "trace-tiny-c-k1-4x6.txt").read_text() == "kernel table 1"
+
+
+def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_path, cache_dir, monkeypatch):
+    from steer.bench import workload
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", cache_dir=cache_dir)
+    seen = []
+    monkeypatch.setitem(runs._RUNNERS, "d", lambda cfg, m, w, group: seen.append(group.trace_dir) or
+                        (lambda prompts, scen, tokens: None))
+    group = next(g for g in runs.plan_groups(bench_conf("configs=[d]"), "tiny", 4) if len(g.layers) == 1)
+    group.cells = group.cells[:1]
+    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
+                   str(tmp_path / "out.json"))
+    assert seen == [None] and not list(tmp_path.glob("trace-*"))
+
+
+class _Profiled:
+    """An LLM's profiler calls, as the stand-in sees them: stop writes rank 0's table, as vLLM's does."""
+
+    def __init__(self, passes, trace_dir):
+        self.passes, self.dir = passes, trace_dir
+
+    def start_profile(self):
+        self.passes.append("start")
+
+    def stop_profile(self):
+        self.passes.append("stop")
+        from pathlib import Path
+
+        Path(self.dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.dir) / "profiler_out_0.txt").write_text(f"kernel table {self.passes.count('stop')}")
+
+
 def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, cache_dir, monkeypatch):
     cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7", cache_dir=cache_dir)
     clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock

@@ -73,7 +73,9 @@ tp() {
 lanes() {
   # shellcheck disable=SC2086
   set -f
-  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} 'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
+  # The traces: where the 8B shape's ablate_all spends its GPU time, against b's steps (DEVELOPERS.md)
+  STEER_PROFILE=1 python -m steer.bench 'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
+    'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cf]/ablate_all/64x128"]' ${BENCH_ARGS:-} \
     hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
