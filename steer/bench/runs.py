@@ -11,9 +11,12 @@ configuration does the same work.
 """
 
 import os
+import signal
 import statistics
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -125,7 +128,8 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             n, tokens = cell["requests"], cell["tokens"]
             name = f"trace-{group.model}-{group.config}-{cell['scenario']}-{n}x{tokens}.txt"
             try:
-                text = runner.trace(*_inputs(cfg, spec, cell), min(cfg.trace_tokens, tokens))
+                with _deadline(cfg.trace_timeout_s):
+                    text = runner.trace(*_inputs(cfg, spec, cell), min(cfg.trace_tokens, tokens))
             except Exception as e:
                 traceback.print_exc()
                 rec["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
@@ -133,6 +137,26 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
                 write_text(Path(out).parent / name, text)
                 rec["trace"] = name
             _write(out, records, machine)
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise TimeoutError in this (main) thread once `seconds` have passed: a profiler that never hands its table
+    back must not hold the lane, whose engine's timed cells are already written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise TimeoutError(f"no trace after {seconds:g} s (trace_timeout_s)")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _inputs(cfg: BenchConf, spec, cell: Dict):

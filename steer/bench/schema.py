@@ -76,6 +76,7 @@ class BenchConf:
     # configurations that run vLLM directly: a, b, c, f, g)
     trace: List[str] = field(default_factory=list)
     trace_tokens: int = 16
+    trace_timeout_s: float = 300.0  # a trace not back by then is given up (the cell's figure stands)
     targets: List[TargetConf] = field(default_factory=list)
     # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by
     # kv_cache_tokens, the same for every engine, so engines starting side by side cannot starve each other.

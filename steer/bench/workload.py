@@ -65,6 +65,8 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
     if cfg.min_timed_s < 0:
         raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
+    if cfg.trace_timeout_s <= 0:
+        raise ConfigError("trace_timeout_s", f"must be > 0, got {cfg.trace_timeout_s}")
     if cfg.max_timed_s <= 0:
         raise ConfigError("max_timed_s", f"must be > 0 (one pass is always timed), got {cfg.max_timed_s}")
     for name, m in cfg.models.items():

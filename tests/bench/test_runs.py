@@ -100,6 +100,31 @@ def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_p
     assert seen == [None] and not list(tmp_path.glob("trace-*"))
 
 
+def test_a_trace_that_never_comes_back_is_given_up(monkeypatch, tmp_path, cache_dir):
+    import time as clock
+
+    from steer.bench import workload
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", "trace_timeout_s=0.2",
+                     cache_dir=cache_dir)
+
+    def start(cfg, m, where, group):
+        run = lambda prompts, scen, tokens: len(prompts) * tokens  # noqa: E731
+        run.trace = lambda prompts, scen, tokens: clock.sleep(30)  # a profiler stuck in its stop
+        return run
+
+    monkeypatch.setitem(runs._RUNNERS, "c", start)
+    monkeypatch.setattr(runs, "_machine", lambda: {})
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group.cells = group.cells[:1]
+    t0 = clock.monotonic()
+    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
+                   str(tmp_path / "out.json"))
+    rec = json.loads((tmp_path / "out.json").read_text())["records"][0]
+    assert clock.monotonic() - t0 < 10 and rec["status"] == "ok"
+    assert rec["trace"].startswith("failed: TimeoutError: no trace after 0.2 s")
+
+
 class _Profiled:
     """An LLM's profiler calls, as the stand-in sees them: stop writes rank 0's table, as vLLM's does."""
 

@@ -43,7 +43,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{gpus:"1,0",runs:["*"]}]',
                                              "lanes[1].gpus"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
-                                            ("lanes=[]", "lanes"), ("trace_tokens=0", "trace_tokens")])
+                                            ("lanes=[]", "lanes"), ("trace_tokens=0", "trace_tokens"),
+                                            ("trace_timeout_s=0", "trace_timeout_s")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
