@@ -5,8 +5,10 @@
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
+#   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   lanes  two GPUs: the bench in two lanes side by side (the tiny model and the 8B shape's a b c f g on GPU 0, the 8B
-#          shape's slow d and e on GPU 1, about 20 minutes each), then the GPU tests on GPU 0 once its lane is done
+#          shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
+#          lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
@@ -70,6 +72,10 @@ tp() {
   grep -E "^\[bench\]" "$OUT/bench-tp2.log"
 }
 
+kernel() {
+  python -m steer.bench.kernel > "$OUT/kernel.txt" 2>&1; echo "kernel rc=$?"; cat "$OUT/kernel.txt" | tail -12
+}
+
 lanes() {
   # shellcheck disable=SC2086
   set -f
@@ -79,7 +85,7 @@ lanes() {
     hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
-  echo "== tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 tests
+  echo "== kernel and tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 kernel; CUDA_VISIBLE_DEVICES=0 tests
   wait $pid; echo "bench rc=$?"
   grep -E "^\[bench\]" "$OUT/bench.log"
 }
