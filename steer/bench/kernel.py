@@ -73,9 +73,9 @@ def measure(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: 
     program, weights = _program(scen_name, rows, hidden, device)
     g = torch.Generator(device=device).manual_seed(0)
     h, r = (torch.randn(rows, hidden, generator=g, device=device).to(dtype) * 0.01 for _ in range(2))
-    plain, fused = program._fused, program._fused is not None
+    plain = program._fused
     forms = {"floor": lambda: h.add_(r)}
-    if fused:
+    if plain is not None:
         forms["fused"] = lambda: program.in_graph((h, r), weights)
 
     def torch_form():

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import workload
-from steer.results import write_text
 from steer.bench.schema import BenchConf, BenchModelConf
+from steer.results import write_text
 
 
 @dataclass
@@ -226,11 +226,11 @@ def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Optio
 
     v = _vllm_conf(cfg, m, where)
     trace = {"profiler_config": profiler_config(trace_dir)} if trace_dir else {}
-    return dict(**trace,dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
+    return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
                 tensor_parallel_size=v.tensor_parallel_size,
-                compilation_config=CompilationConfig(**compilation_config(v)))
+                compilation_config=CompilationConfig(**compilation_config(v)), **trace)
 
 
 def _vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False):

@@ -73,7 +73,7 @@ tp() {
 }
 
 kernel() {
-  python -m steer.bench.kernel > "$OUT/kernel.txt" 2>&1; echo "kernel rc=$?"; cat "$OUT/kernel.txt" | tail -12
+  python -m steer.bench.kernel > "$OUT/kernel.txt" 2>&1; echo "kernel rc=$?"; tail -12 "$OUT/kernel.txt"
 }
 
 lanes() {
