@@ -60,9 +60,7 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
     worker.load_model()
     bank, loc = EditBank(), tap_location(_TAP)
     edits = scenario(scen_name, hidden, 1, n, 0).edits
-    per_request = {}
-    for i, e in enumerate(edits):
-        per_request[i] = per_request.get(id(e)) or RequestEdits(bank.register(loc, [e]))
+    per_request = [RequestEdits(bank.register(loc, [e])) for e in edits]  # the bank keeps one stage per edit
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     for i, rid in enumerate(runner.input_batch.req_ids):
         args = {"steer": per_request[i].to_args()}

@@ -27,13 +27,9 @@ _TAP = "layers.0"
 
 def _program(scen_name: str, rows: int, hidden: int, device) -> tuple:
     """A tap program for `rows` decode rows steered by `scen_name`, and the step's weights."""
-    bank = EditBank()
-    per_edit: Dict[int, RequestEdits] = {}
-    spans = []
-    for i, e in enumerate(scenario(scen_name, hidden, 1, rows, 0).edits):
-        if id(e) not in per_edit:
-            per_edit[id(e)] = RequestEdits(bank.register(_TAP, [e]))
-        spans.append(Span(i, 1, 40, 32, per_edit[id(e)]))  # one generated row each: a decode step
+    bank = EditBank()  # registers each distinct edit once, however many requests ask for it
+    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register(_TAP, [e])))  # one generated row each: a decode step
+             for i, e in enumerate(scenario(scen_name, hidden, 1, rows, 0).edits)]
     step = StepRows()
     step.order = layout(bank.stages)
     step.set(spans, rows, len(bank.stages), device)
