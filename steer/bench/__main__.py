@@ -73,10 +73,13 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
                 lanes[i].append((m, where, groups))
     threads = [threading.Thread(target=_lane, args=(conf, i, work, book), name=f"lane{i}", daemon=True)
                for i, work in enumerate(lanes) if work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        waves.kill_all()
     if book.failed:
         raise book.failed[0]
     md = book.report()
@@ -133,6 +136,9 @@ class _Book:
 
         out = self._out(group)
         got = json.loads(out.read_text()) if out.exists() else {"records": [], "machine": {}}
+        if getattr(engine, "killed", False):
+            self.console.print(f"[bench] {group.model} {group.config}: engine process still running when its lane "
+                               "moved on; killed with its process group", highlight=False, markup=False)
         # Cells the process never recorded (it died, or was stopped, before them) say so.
         done = len(got["records"])
         why = f"engine process ended with code {engine.exitcode} before this cell"

@@ -10,6 +10,8 @@ and none is detokenized (a dummy-weight model samples ids its small tokenizer do
 configuration does the same work.
 """
 
+import faulthandler
+import gc
 import os
 import signal
 import statistics
@@ -23,7 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from steer.bench import workload
+from steer.bench import waves, workload
 from steer.bench.schema import BenchConf, BenchModelConf
 from steer.results import write_text
 
@@ -62,10 +64,26 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
 
 
 def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict] = None,
-              ready=None, go=None) -> None:
+              ready=None, go=None, done=None) -> None:
     """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine, set `ready` and wait
     for `go` (events; None: no waiting), then run the group's cells and write their records to `out` (JSON,
-    atomically, after every cell), and last the traces of those `cfg.trace` names."""
+    atomically, after every cell), last the traces of those `cfg.trace` names, and set `done`."""
+    try:
+        _run_group(cfg, m, where, group, out, env, ready, go)
+    finally:
+        # The engine shuts down when its last reference goes, and a traced runner is a cycle (run.trace calls run):
+        # left to exit, this process would wait forever on vLLM's engine core, which nothing then stops
+        # (2026-11-29: a traced engine held its lane until the device time ran out).
+        gc.collect()
+        if done is not None:
+            # Should the way out hang, the scheduler kills this process after waves.EXIT_S; its threads' stacks,
+            # dumped halfway there, say where it hung.
+            faulthandler.dump_traceback_later(waves.EXIT_S / 2, exit=False)
+            done.set()
+
+
+def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict], ready,
+               go) -> None:
     os.environ.update(env or {})  # before anything touches CUDA
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.

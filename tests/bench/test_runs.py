@@ -1,5 +1,6 @@
 """Which engines a bench starts, and how one engine process times its cells (a stand-in engine, on CPU)."""
 
+import faulthandler
 import json
 
 import pytest
@@ -142,6 +143,36 @@ class _Profiled:
         (Path(self.dir) / "profiler_out_0.txt").write_text(f"kernel table {self.passes.count('stop')}")
 
 
+def test_a_traced_engine_is_let_go_when_its_cells_are_done(monkeypatch, tmp_path, cache_dir):
+    # vLLM stops its engine core when the LLM's last reference goes; a process that still holds one on its way
+    # out waits for that engine core forever. A traced runner is a reference cycle, which counting never frees.
+    import gc
+    import weakref
+
+    from steer.bench import workload
+
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", cache_dir=cache_dir)
+    engines = []
+
+    def start(cfg, m, where, group):
+        llm = _Profiled([], group.trace_dir)
+        engines.append(weakref.ref(llm))
+        return runs._traceable(lambda prompts, scen, tokens: len(prompts) * tokens, llm, group.trace_dir)
+
+    monkeypatch.setitem(runs._RUNNERS, "c", start)
+    monkeypatch.setattr(runs, "_machine", lambda: {})
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group.cells = group.cells[:1]
+    gc.disable()  # only run_group's own collection may free it
+    try:
+        runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
+                       str(tmp_path / "out.json"))
+        assert len(engines) == 1 and engines[0]() is None
+    finally:
+        gc.enable()
+    assert json.loads((tmp_path / "out.json").read_text())["records"][0]["trace"].startswith("trace-")
+
+
 def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, cache_dir, monkeypatch):
     cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7", cache_dir=cache_dir)
     clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
@@ -173,16 +204,18 @@ def test_a_process_started_beside_others_times_nothing_before_go(stand_in, tmp_p
 
     group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
     group.cells = group.cells[:1]
-    ready, go = threading.Event(), threading.Event()
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
     child = threading.Thread(target=runs.run_group, args=(cfg, m, str(workload.model_dir(m, cache_dir)), group,
-                                                          str(tmp_path / "out.json"), None, ready, go))
+                                                          str(tmp_path / "out.json"), None, ready, go, done))
     child.start()
     assert ready.wait(30)
     child.join(0.2)
-    assert child.is_alive() and stand_in == []  # started, waiting: no pass run
+    assert child.is_alive() and stand_in == [] and not done.is_set()  # started, waiting: no pass run
     go.set()
-    child.join(30)
+    assert done.wait(30)
+    faulthandler.cancel_dump_traceback_later()  # armed for a process on its way out; this one goes on
     assert len(stand_in) == 2 and json.loads((tmp_path / "out.json").read_text())["records"][0]["status"] == "ok"
+    child.join(30)
 
 
 def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_dir):
@@ -285,7 +318,7 @@ def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cach
         def ready(self):
             return True
 
-        alive = ready
+        alive = done = ready
 
         def go(self):
             if self.group.config in ("c", "d"):  # the last engine of each lane

@@ -1,5 +1,7 @@
 """The bench's scheduler: engines start a wave at a time and are timed alone (fake engines, no processes)."""
 
+import time
+
 import pytest
 
 from steer.bench import waves
@@ -8,9 +10,9 @@ from steer.bench import waves
 class Fake:
     """An engine that is ready after `polls` looks (never, if None), or dies while starting when `dies`."""
 
-    def __init__(self, name, log, polls=1, dies=False):
-        self.name, self.log, self.polls, self.dies = name, log, polls, dies
-        self.exitcode, self.killed, self.looks = None, False, 0
+    def __init__(self, name, log, polls=1, dies=False, lingers=False):
+        self.name, self.log, self.polls, self.dies, self.lingers = name, log, polls, dies, lingers
+        self.exitcode, self.killed, self.looks, self.went, self.ended = None, False, 0, False, False
         log.append(("start", name))
 
     def ready(self):
@@ -20,15 +22,22 @@ class Fake:
         return self.looks > self.polls
 
     def alive(self):
-        return not self.dies and not self.killed
+        return not self.dies and not self.killed and not self.ended
 
     def go(self):
+        self.went = True
         self.log.append(("go", self.name))
+
+    def done(self):
+        return self.went
 
     def join(self, timeout):
         self.log.append(("timed", self.name))
+        self.ended = not self.lingers
 
     def kill(self):
+        if self.alive():
+            self.log.append(("killed", self.name))
         self.killed = True
 
 
@@ -60,28 +69,81 @@ def test_a_start_that_fails_beside_others_is_tried_again_alone():
     assert [g for g, _ in done] == ["a", "c", "b"]
 
 
-@pytest.mark.parametrize("make", [lambda g, n: {"dies": True}, lambda g, n: {"polls": None}])
-def test_a_start_that_fails_alone_is_finished_as_failed(make):
+@pytest.mark.parametrize("make, log_", [(lambda g, n: {"dies": True}, [("start", "a")]),
+                                       (lambda g, n: {"polls": None}, [("start", "a"), ("killed", "a")])])
+def test_a_start_that_fails_alone_is_finished_as_failed(make, log_):
     log, done = schedule(["a"], 4, make, timeout_s=0.05)
-    assert log == [("start", "a")] and done == [("a", False)]
+    assert log == log_ and done == [("a", False)]
 
 
 def test_a_start_that_never_gets_ready_is_killed_and_retried_once():
     log, done = schedule(["a", "b"], 2, lambda g, n: {"polls": None if g == "a" else 0}, timeout_s=0.05)
-    assert log == [("start", "a"), ("start", "b"), ("go", "b"), ("timed", "b"), ("start", "a")]
+    assert log == [("start", "a"), ("start", "b"), ("killed", "a"), ("go", "b"), ("timed", "b"), ("start", "a"),
+                   ("killed", "a")]
     assert done == [("b", True), ("a", False)]
 
 
-def _child(path, ready, go):
+def test_an_engine_that_is_done_but_never_ends_is_killed_and_the_next_goes():
+    log, done = schedule(list("ab"), 2, lambda g, n: {"lingers": g == "a"})
+    assert log == [("start", "a"), ("start", "b"), ("go", "a"), ("timed", "a"), ("killed", "a"), ("go", "b"),
+                   ("timed", "b")]
+    assert [g for g, _ in done] == ["a", "b"]
+
+
+def _child(path, ready, go, done):
     ready.set()
     go.wait(30)
     with open(path, "w") as f:
         f.write("timed")
+    done.set()
+
+
+def _hangs_on_its_way_out(path, ready, go, done):
+    """Starts a grandchild (as vLLM starts its engine core), says it is done, and never ends."""
+    import subprocess
+    import sys
+
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(path, "w") as f:
+        f.write(str(grandchild.pid))
+    ready.set()
+    go.wait(30)
+    done.set()
+    time.sleep(600)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, waiting to be reaped
+    except FileNotFoundError:
+        return False
+
+
+def test_a_done_process_that_hangs_is_killed_with_what_it_started(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    engines = []
+
+    def start(g):
+        engines.append(waves.Process(ctx, _hangs_on_its_way_out, (str(tmp_path / "pid"),)))
+        return engines[-1]
+
+    finished = []
+    t0 = time.monotonic()
+    waves.run(["a"], 1, start, lambda g, e: finished.append(g), timeout_s=60, poll_s=0.05, exit_s=0.5)
+    grandchild = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert finished == ["a"] and engines[0].killed and not engines[0].alive()
+    assert not _running(grandchild)
+    assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
 
 
 def test_a_child_process_waits_for_go(tmp_path):
     import multiprocessing
-    import time
 
     p = waves.Process(multiprocessing.get_context("spawn"), _child, (str(tmp_path / "out"),))
     deadline = time.monotonic() + 60
@@ -91,3 +153,4 @@ def test_a_child_process_waits_for_go(tmp_path):
     p.go()
     p.join(30)
     assert (tmp_path / "out").read_text() == "timed" and p.exitcode == 0 and not p.alive()
+    assert p.done() and not p.killed

@@ -6,8 +6,8 @@
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
-#   lanes  two GPUs: the bench in two lanes side by side (the tiny model and the 8B shape's a b c f g on GPU 0, the 8B
-#          shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
+#   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g, then the tiny model, on GPU 0, the
+#          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
 set -uo pipefail
@@ -79,10 +79,13 @@ kernel() {
 lanes() {
   # shellcheck disable=SC2086
   set -f
-  # The traces: where the 8B shape's ablate_all spends its GPU time, against b's steps (DEVELOPERS.md)
-  STEER_PROFILE=1 python -m steer.bench 'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
-    'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cf]/ablate_all/64x128"]' ${BENCH_ARGS:-} \
-    hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
+  # The 8B shape first: its c and f carry the targets the traces are for. The traces: where the 8B shape's ablate_all
+  # spends its GPU time against b's steps, and where the tiny model's f (no break) spends the host time c does not
+  # (DEVELOPERS.md)
+  STEER_PROFILE=1 python -m steer.bench 'run=[llama3_8b,tiny]' \
+    'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
+    'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cf]/ablate_all/64x128",tiny/b/*/256x256,tiny/f/add/256x256]' \
+    ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
   echo "== kernel and tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 kernel; CUDA_VISIBLE_DEVICES=0 tests
