@@ -197,11 +197,25 @@ def _traceable(run, llm, trace_dir: Optional[str]):
             try:
                 run(prompts, scen, tokens)
             finally:
-                llm.stop_profile()  # writes the table (rank 0's), before it returns
-            return (Path(trace_dir) / "profiler_out_0.txt").read_text()
+                llm.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
+            table = (Path(trace_dir) / "profiler_out_0.txt").read_text()
+            return table + "\n" + _timeline(Path(trace_dir))
 
         run.trace = trace
     return run
+
+
+def _timeline(trace_dir: Path) -> str:
+    """The decode steps' GPU busy and idle time and host calls, from the newest Chrome trace in `trace_dir`."""
+    from steer.bench import timeline
+
+    path = timeline.latest(trace_dir)
+    if path is None:
+        return "timeline: no Chrome trace in the profiler's directory\n"
+    try:
+        return f"{timeline.summary(timeline.load(path))}(from {path.name})\n"
+    except Exception as e:  # the kernel table above stands on its own
+        return f"timeline: {path.name} unreadable: {type(e).__name__}: {e}\n"
 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from steer.bench import runs
+from test_timeline import synthetic_trace
 from test_workload import bench_conf
 
 
@@ -84,7 +85,8 @@ def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table
     assert passes == [("k1", 6), ("k1", 6), ("add", 6), ("add", 6), "start", ("k1", 3), "stop"]
     recs = json.loads((tmp_path / ".tiny-c-1taps.json").read_text())["records"]
     assert recs[0]["trace"] == "trace-tiny-c-k1-4x6.txt" and "trace" not in recs[1]
-    assert (tmp_path / "trace-tiny-c-k1-4x6.txt").read_text() == "kernel table 1"
+    table = (tmp_path / "trace-tiny-c-k1-4x6.txt").read_text()
+    assert table.startswith("kernel table 1\ntimeline: 2 decode steps of 4 requests") and "worker.1" in table
 
 
 def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_path, cache_dir, monkeypatch):
@@ -141,6 +143,7 @@ class _Profiled:
 
         Path(self.dir).mkdir(parents=True, exist_ok=True)
         (Path(self.dir) / "profiler_out_0.txt").write_text(f"kernel table {self.passes.count('stop')}")
+        (Path(self.dir) / "worker.1.pt.trace.json").write_text(json.dumps({"traceEvents": synthetic_trace()}))
 
 
 def test_a_traced_engine_is_let_go_when_its_cells_are_done(monkeypatch, tmp_path, cache_dir):

@@ -1,0 +1,120 @@
+"""What a traced pass's decode steps spent, read from the torch profiler's Chrome trace (vLLM writes one beside its
+kernel table).
+
+vLLM's table sums each kernel's device time; it cannot say whether a step's GPU time is kernels or the gaps
+between them (graph segments launched one after another, a host that falls behind). The trace can: vLLM marks
+each step on the GPU stream (`execute_context_<n>(<tokens>)_generation_<n>(<tokens>)`), so for every decode step
+this gives the marked span (first kernel to last), how much of it some kernel was running, the gaps, the time
+from one step's last kernel to the next step's first, and the host calls inside the step's host span (inclusive
+times, by name).
+"""
+
+import gzip
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST = ("cpu_op", "cuda_runtime", "cuda_driver")
+
+
+def load(path: Path) -> List[dict]:
+    """The complete events ("ph": "X") of a Chrome trace file, gzipped or not."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def decode_steps(events: List[dict], cat: str) -> Dict[int, List[Tuple[float, float]]]:
+    """Spans (start, end in us) of the steps that only decode, by their request count, from vLLM's step marks of
+    category `cat` (gpu_user_annotation: on the GPU stream; user_annotation: on the host)."""
+    out: Dict[int, List[Tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        m = _STEP.fullmatch(e.get("name", "")) if e.get("cat") == cat else None
+        if m and int(m.group(1)) == 0 and int(m.group(3)) > 0:
+            out[int(m.group(3))].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    return {n: sorted(s) for n, s in out.items()}
+
+
+def busy(intervals: List[Tuple[float, float]], lo: float, hi: float) -> Tuple[float, List[float]]:
+    """How long within [lo, hi] at least one interval runs, and the idle gaps there (between lo, the merged
+    intervals and hi)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, gaps, at = 0.0, [], lo
+    for a, b in clipped:
+        if a > at:
+            gaps.append(a - at)
+        if b > at:
+            total += b - max(a, at)
+            at = b
+    if hi > at:
+        gaps.append(hi - at)
+    return total, gaps
+
+
+def summary(events: List[dict], top: int = 12) -> str:
+    """A text summary of the decode steps of the busiest batch size (see the module docstring)."""
+    gpu_steps = decode_steps(events, "gpu_user_annotation")
+    cpu_steps = decode_steps(events, "user_annotation")
+    if not gpu_steps:
+        return "timeline: no decode step marks on the GPU stream in the trace\n"
+    n = max(gpu_steps, key=lambda k: (len(gpu_steps[k]), k))
+    steps = gpu_steps[n]
+    device = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in _DEVICE]
+    spans, busies, gaps_all, launches = [], [], [], []
+    for lo, hi in steps:
+        b, gaps = busy(device, lo, hi)
+        spans.append(hi - lo)
+        busies.append(b)
+        gaps_all += gaps
+        launches.append(sum(1 for a, _ in device if lo <= a < hi))
+    k = len(steps)
+    span, work = sum(spans) / k, sum(busies) / k
+    lines = [f"timeline: {k} decode steps of {n} requests (GPU marks)",
+             f"  step span {span / 1e3:.3f} ms, kernels running {work / 1e3:.3f} ms, idle {(span - work) / 1e3:.3f} ms "
+             f"({(span - work) / span:.1%}), {sum(launches) / k:.0f} device ops a step",
+             f"  idle gaps a step: {len(gaps_all) / k:.0f}; over 5 us: {sum(g > 5 for g in gaps_all) / k:.1f} "
+             f"({sum(g for g in gaps_all if g > 5) / k:.0f} us); the largest: "
+             + ", ".join(f"{g:.1f}" for g in sorted(gaps_all, reverse=True)[:8]) + " us"]
+    between = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+    if between:  # the GPU waiting on the host from one step to the next (a host-bound model's time goes here)
+        lines.append(f"  between consecutive steps: {sum(between) / len(between) / 1e3:.3f} ms a step")
+    host = cpu_steps.get(n, [])
+    if host:
+        totals: Counter = Counter()
+        calls: Counter = Counter()
+        for e in events:
+            if e.get("cat") not in _HOST:
+                continue
+            t = float(e["ts"])
+            if _inside(host, t):
+                totals[e["name"]] += float(e["dur"])
+                calls[e["name"]] += 1
+        h = len(host)
+        lines.append(f"  host: {h} decode steps marked, {sum(b - a for a, b in host) / h / 1e3:.3f} ms a step; "
+                     "calls inside them, inclusive us a step (calls a step):")
+        for name, t in totals.most_common(top):
+            lines.append(f"    {t / h:10.1f} us ({calls[name] / h:6.1f})  {name[:90]}")
+    return "\n".join(lines) + "\n"
+
+
+def _inside(spans: List[Tuple[float, float]], t: float) -> bool:
+    lo, hi = 0, len(spans)
+    while lo < hi:  # the last span starting at or before t
+        mid = (lo + hi) // 2
+        if spans[mid][0] <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo > 0 and t < spans[lo - 1][1]
+
+
+def latest(directory: Path) -> Optional[Path]:
+    """The newest Chrome trace torch's profiler wrote under `directory`, or None."""
+    found = sorted(Path(directory).rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
