@@ -5,7 +5,7 @@
     python -m steer.bench 'skip=[llama3_8b/e/*]'            # leave cells out (reported as not run)
 
 Each engine configuration runs in a process of its own; up to a model's `engines_at_once` start side by side and
-are then timed one at a time (steer/bench/waves.py). With several `lanes`, each lane does that on GPUs of its own,
+are then timed in rounds, one engine at a time (steer/bench/waves.py). With several `lanes`, each lane does that on GPUs of its own,
 side by side with the others. The report (bench.md, bench.csv, bench.png) lands in the run directory and is
 rewritten after every engine, so a run cut short keeps what it measured.
 """
@@ -139,10 +139,11 @@ class _Book:
         if getattr(engine, "killed", False):
             self.console.print(f"[bench] {group.model} {group.config}: engine process still running when its lane "
                                "moved on; killed with its process group", highlight=False, markup=False)
-        # Cells the process never recorded (it died, or was stopped, before them) say so.
-        done = len(got["records"])
-        why = f"engine process ended with code {engine.exitcode} before this cell"
-        got["records"] += [{**c, "status": "error", "detail": why} for c in group.cells[done:]]
+        # Cells the process never finished (it died, or was stopped, before they had their passes) say so.
+        have = {(r["scenario"], r["requests"], r["tokens"]) for r in got["records"]}
+        why = f"engine process ended with code {engine.exitcode} before this cell had its passes"
+        got["records"] += [{**c, "status": "error", "detail": why} for c in group.cells
+                           if (c["scenario"], c["requests"], c["tokens"]) not in have]
         out.unlink(missing_ok=True)
         with self.lock:
             self.machine = got["machine"] or self.machine

@@ -58,10 +58,12 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
              f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}, and at least "
              f"{cfg.min_timed_s:g} s of them, at most {cfg.max_repeats}, and none once {cfg.max_timed_s:g} s are "
-             f"timed) after a warm-up pass ({warm}); `x/a`, `x/b`: "
-             "ratio to configuration a, b; bench.csv has each cell's passes and spread ((max - min) / median).", ""]
+             f"timed) after a warm-up pass ({warm}), timed in rounds: a model's engines that start together take "
+             "turns, one pass of each cell an engine still needs per turn, so they sample the same stretch of the "
+             "run; `x/a`, `x/b`: ratio to configuration a, b; bench.csv has each cell's passes and spread "
+             "((max - min) / median).", ""]
     if len(cfg.lanes) > 1:
-        lines[-1:-1] = ["Lanes, each starting and timing its own engines one at a time, side by side with the other: "
+        lines[-1:-1] = ["Lanes, each starting and timing its own engines as above, side by side with the other: "
                         + "; ".join(f"GPU {ln.gpus} runs {', '.join(ln.runs)}" for ln in cfg.lanes) + "."]
     lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
     configs = cfg.configs

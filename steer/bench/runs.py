@@ -2,8 +2,8 @@
 
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
 each sets its own vLLM environment before importing it). A process started beside others (steer/bench/waves.py)
-says when its engine is ready and times nothing until it is told to go, so no pass is timed while another engine
-compiles or captures. A cell's figure is output tokens per second of one `generate` over the whole batch (the
+says when its engine is ready and times nothing until it is asked for a round, so no pass is timed while another
+engine compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure is output tokens per second of one `generate` over the whole batch (the
 median of at least `repeats` passes and at least `min_timed_s` seconds of them, none begun after `max_timed_s`,
 after a warm-up pass of the same batch and edits); every request generates exactly its new tokens (ignore_eos)
 and none is detokenized (a dummy-weight model samples ids its small tokenizer does not have), so every
@@ -64,32 +64,45 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
 
 
 def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict] = None,
-              ready=None, go=None, done=None) -> None:
-    """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine, set `ready` and wait
-    for `go` (events; None: no waiting), then run the group's cells and write their records to `out` (JSON,
-    atomically, after every cell), last the traces of those `cfg.trace` names, and set `done`."""
+              ready=None, turns: Optional[waves.Turns] = None) -> None:
+    """Child process entry: set `env` (its lane's GPUs, compiler threads), start the engine and set `ready` (an
+    event; None: none), then time the group's cells in rounds, each round when `turns` asks for it (None: one
+    after another): one timed pass of every cell still short of its passes, a cell's warm-up before its first.
+    The finished cells' records go to `out` (JSON, atomically) as each finishes; after the last round come the
+    traces of those `cfg.trace` names, and `turns` is told no more rounds are wanted."""
     try:
-        _run_group(cfg, m, where, group, out, env, ready, go)
+        _run_group(cfg, m, where, group, out, env, ready, turns)
     finally:
         # The engine shuts down when its last reference goes, and a traced runner is a cycle (run.trace calls run):
         # left to exit, this process would wait forever on vLLM's engine core, which nothing then stops
         # (2026-11-29: a traced engine held its lane until the device time ran out).
         gc.collect()
-        if done is not None:
+        if turns is not None:
             # Should the way out hang, the scheduler kills this process after waves.EXIT_S; its threads' stacks,
             # dumped halfway there, say where it hung.
             faulthandler.dump_traceback_later(waves.EXIT_S / 2, exit=False)
-            done.set()
+            turns.answer(False)
+
+
+@dataclass
+class _Timing:
+    """One cell's passes so far, and its record once it is finished (timed, or failed)."""
+
+    cell: Dict
+    inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
+    walls: List[float] = field(default_factory=list)
+    warmed: bool = False
+    host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
+    record: Optional[Dict] = None
 
 
 def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict], ready,
-               go) -> None:
+               turns: Optional[waves.Turns]) -> None:
     os.environ.update(env or {})  # before anything touches CUDA
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.
     os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /
                                         f"{group.model}-{group.config}-{len(group.layers)}taps")
-    records = []
     traced = [c for c in group.cells if workload.traced(cfg, group.model, group.config, c["scenario"],
                                                           (c["requests"], c["tokens"]))]
     if traced and group.config in TRACEABLE:
@@ -100,61 +113,81 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
     except Exception as e:  # the engine did not start: every cell says why
         err = f"engine start failed: {type(e).__name__}: {e}"
         traceback.print_exc()
-        records = [{**c, "status": "error", "detail": err} for c in group.cells]
-        return _write(out, records, {})
+        return _write(out, [{**c, "status": "error", "detail": err} for c in group.cells], {})
     if ready is not None:
         ready.set()
-        go.wait()
     spec = workload.spec(m, group.model, Path(where))
+    cells = [_Timing(c, _inputs(cfg, spec, c)) for c in group.cells]
     machine: Dict = {}
-    for cell in group.cells:
-        n, tokens = cell["requests"], cell["tokens"]
-        prompts, scen = _inputs(cfg, spec, cell)
-        try:
-            runner(prompts, scen, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
-            profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
-            if profile:
-                profile()
-            walls: List[float] = []
-            while _more(walls, cfg):
-                _sync()
-                t0 = time.perf_counter()
-                produced = runner(prompts, scen, tokens)
-                _sync()
-                walls.append(time.perf_counter() - t0)
-                if produced is not None and produced != n * tokens:
-                    raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
-            wall = statistics.median(walls)
-            records.append({**cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
-                            "spread": (max(walls) - min(walls)) / wall, "walls_s": walls})
-            print(f"[bench] {group.model} {group.config} {cell['scenario']} {n}x{tokens}: "
-                  f"{n * tokens / wall:,.0f} tok/s (spread {records[-1]['spread']:.1%})", flush=True)
-            if profile:
-                records[-1]["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
-                                               if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
-                                               for k, v in profile().items()}
-                print(f"[bench] host profile: {records[-1]['host_profile']}", flush=True)
-        except Exception as e:
-            traceback.print_exc()
-            records.append({**cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]})
-        # After every cell: a process killed later (a run cut short) still hands back what it measured.
-        machine = machine or _machine()
-        _write(out, records, machine)
+    while True:
+        if turns is not None and not turns.wait():
+            return  # the scheduler is gone
+        for t in cells:
+            if t.record is None:
+                _pass(cfg, group, runner, t)
+                if t.record is not None:  # after every cell: a process killed later keeps what it finished
+                    machine = machine or _machine()
+                    _write(out, [t.record for t in cells if t.record is not None], machine)
+        if all(t.record is not None for t in cells):
+            break
+        if turns is not None:
+            turns.answer(True)
     # Traces come after every timed pass: once vLLM's profiler has run, each later step pays for its annotations.
-    for cell, rec in zip(group.cells, records):
-        if cell in traced and hasattr(runner, "trace") and rec["status"] == "ok":
-            n, tokens = cell["requests"], cell["tokens"]
-            name = f"trace-{group.model}-{group.config}-{cell['scenario']}-{n}x{tokens}.txt"
+    for t in cells:
+        if t.cell in traced and hasattr(runner, "trace") and t.record["status"] == "ok":
+            n, tokens = t.cell["requests"], t.cell["tokens"]
+            name = f"trace-{group.model}-{group.config}-{t.cell['scenario']}-{n}x{tokens}.txt"
             try:
                 with _deadline(cfg.trace_timeout_s):
-                    text = runner.trace(*_inputs(cfg, spec, cell), min(cfg.trace_tokens, tokens))
+                    text = runner.trace(*t.inputs, min(cfg.trace_tokens, tokens))
             except Exception as e:
                 traceback.print_exc()
-                rec["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
+                t.record["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
             else:
                 write_text(Path(out).parent / name, text)
-                rec["trace"] = name
-            _write(out, records, machine)
+                t.record["trace"] = name
+            _write(out, [t.record for t in cells], machine)
+
+
+def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
+    """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes."""
+    n, tokens = t.cell["requests"], t.cell["tokens"]
+    profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
+    try:
+        if not t.warmed:
+            runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
+            t.warmed = True
+        if profile:
+            profile()  # what ran before this pass is not the cell's
+        _sync()
+        t0 = time.perf_counter()
+        produced = runner(*t.inputs, tokens)
+        _sync()
+        t.walls.append(time.perf_counter() - t0)
+        if profile:
+            for k, v in profile().items():
+                acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
+                acc["seconds"] += v["seconds"]
+                acc["calls"] += v["calls"]
+        if produced is not None and produced != n * tokens:
+            raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
+    except Exception as e:
+        traceback.print_exc()
+        t.record = {**t.cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]}
+        return
+    if _more(t.walls, cfg):
+        return
+    walls = t.walls
+    wall = statistics.median(walls)
+    t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
+                "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
+    print(f"[bench] {group.model} {group.config} {t.cell['scenario']} {n}x{tokens}: "
+          f"{n * tokens / wall:,.0f} tok/s (spread {t.record['spread']:.1%})", flush=True)
+    if profile:
+        t.record["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
+                                    if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
+                                    for k, v in t.host.items()}
+        print(f"[bench] host profile: {t.record['host_profile']}", flush=True)
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The bench's scheduler: engines start a wave at a time and are timed alone (fake engines, no processes)."""
+"""The bench's scheduler: engines start a wave at a time and are timed in rounds, one at a time (fake engines; two
+tests with real child processes)."""
 
 import time
 
@@ -8,11 +9,13 @@ from steer.bench import waves
 
 
 class Fake:
-    """An engine that is ready after `polls` looks (never, if None), or dies while starting when `dies`."""
+    """An engine that is ready after `polls` looks (never, if None), or dies while starting when `dies`; it wants
+    `rounds` rounds, and on its way out ends unless it `lingers`."""
 
-    def __init__(self, name, log, polls=1, dies=False, lingers=False):
+    def __init__(self, name, log, polls=1, dies=False, lingers=False, rounds=1):
         self.name, self.log, self.polls, self.dies, self.lingers = name, log, polls, dies, lingers
-        self.exitcode, self.killed, self.looks, self.went, self.ended = None, False, 0, False, False
+        self.rounds, self.timed = rounds, 0
+        self.exitcode, self.killed, self.looks, self.ended = None, False, 0, False
         log.append(("start", name))
 
     def ready(self):
@@ -24,15 +27,12 @@ class Fake:
     def alive(self):
         return not self.dies and not self.killed and not self.ended
 
-    def go(self):
-        self.went = True
-        self.log.append(("go", self.name))
-
-    def done(self):
-        return self.went
+    def round(self, timeout):
+        self.timed += 1
+        self.log.append(("round", self.name))
+        return self.timed < self.rounds
 
     def join(self, timeout):
-        self.log.append(("timed", self.name))
         self.ended = not self.lingers
 
     def kill(self):
@@ -56,16 +56,23 @@ def schedule(groups, width, make, timeout_s=5.0):
 
 def test_a_wave_starts_together_and_is_timed_one_at_a_time():
     log, done = schedule(list("abcde"), 2, lambda g, n: {"polls": 3})
-    assert log == [("start", "a"), ("start", "b"), ("go", "a"), ("timed", "a"), ("go", "b"), ("timed", "b"),
-                   ("start", "c"), ("start", "d"), ("go", "c"), ("timed", "c"), ("go", "d"), ("timed", "d"),
-                   ("start", "e"), ("go", "e"), ("timed", "e")]
+    assert log == [("start", "a"), ("start", "b"), ("round", "a"), ("round", "b"),
+                   ("start", "c"), ("start", "d"), ("round", "c"), ("round", "d"),
+                   ("start", "e"), ("round", "e")]
     assert [g for g, _ in done] == list("abcde")
+
+
+def test_a_waves_engines_take_turns_round_by_round_until_each_has_its_passes():
+    log, done = schedule(list("abc"), 3, lambda g, n: {"rounds": {"a": 3, "b": 1, "c": 2}[g]})
+    rounds = [name for what, name in log if what == "round"]
+    assert rounds == ["a", "b", "c", "a", "c", "a"]
+    assert [g for g, _ in done] == ["b", "c", "a"]  # each finished as soon as it has all its rounds
 
 
 def test_a_start_that_fails_beside_others_is_tried_again_alone():
     log, done = schedule(list("abc"), 3, lambda g, n: {"dies": g == "b" and n == 1})
-    assert log == [("start", "a"), ("start", "b"), ("start", "c"), ("go", "a"), ("timed", "a"), ("go", "c"),
-                   ("timed", "c"), ("start", "b"), ("go", "b"), ("timed", "b")]
+    assert log == [("start", "a"), ("start", "b"), ("start", "c"), ("round", "a"), ("round", "c"),
+                   ("start", "b"), ("round", "b")]
     assert [g for g, _ in done] == ["a", "c", "b"]
 
 
@@ -78,28 +85,44 @@ def test_a_start_that_fails_alone_is_finished_as_failed(make, log_):
 
 def test_a_start_that_never_gets_ready_is_killed_and_retried_once():
     log, done = schedule(["a", "b"], 2, lambda g, n: {"polls": None if g == "a" else 0}, timeout_s=0.05)
-    assert log == [("start", "a"), ("start", "b"), ("killed", "a"), ("go", "b"), ("timed", "b"), ("start", "a"),
+    assert log == [("start", "a"), ("start", "b"), ("killed", "a"), ("round", "b"), ("start", "a"),
                    ("killed", "a")]
     assert done == [("b", True), ("a", False)]
 
 
-def test_an_engine_that_is_done_but_never_ends_is_killed_and_the_next_goes():
+def test_an_engine_that_is_finished_but_never_ends_is_killed_and_the_next_goes():
     log, done = schedule(list("ab"), 2, lambda g, n: {"lingers": g == "a"})
-    assert log == [("start", "a"), ("start", "b"), ("go", "a"), ("timed", "a"), ("killed", "a"), ("go", "b"),
-                   ("timed", "b")]
+    assert log == [("start", "a"), ("start", "b"), ("round", "a"), ("killed", "a"), ("round", "b")]
     assert [g for g, _ in done] == ["a", "b"]
 
 
-def _child(path, ready, go, done):
+def _child(path, ready, turns):
+    """Two rounds, each appending to `path` only when asked for."""
     ready.set()
-    go.wait(30)
-    with open(path, "w") as f:
-        f.write("timed")
-    done.set()
+    for i in range(2):
+        assert turns.wait()
+        with open(path, "a") as f:
+            f.write(f"round {i};")
+        turns.answer(i == 0)
 
 
-def _hangs_on_its_way_out(path, ready, go, done):
-    """Starts a grandchild (as vLLM starts its engine core), says it is done, and never ends."""
+def test_a_child_process_times_a_round_only_when_asked(tmp_path):
+    import multiprocessing
+
+    p = waves.Process(multiprocessing.get_context("spawn"), _child, (str(tmp_path / "out"),))
+    deadline = time.monotonic() + 60
+    while not p.ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.ready() and p.alive() and not (tmp_path / "out").exists()
+    assert p.round(30) is True and (tmp_path / "out").read_text() == "round 0;"
+    assert p.round(30) is False and (tmp_path / "out").read_text() == "round 0;round 1;"
+    p.join(30)
+    assert p.exitcode == 0 and not p.alive() and not p.killed
+    assert p.round(1) is None  # nobody there to answer
+
+
+def _hangs_on_its_way_out(path, ready, turns):
+    """Starts a grandchild (as vLLM starts its engine core), says it is finished, and never ends."""
     import subprocess
     import sys
 
@@ -107,8 +130,8 @@ def _hangs_on_its_way_out(path, ready, go, done):
     with open(path, "w") as f:
         f.write(str(grandchild.pid))
     ready.set()
-    go.wait(30)
-    done.set()
+    turns.wait()
+    turns.answer(False)
     time.sleep(600)
 
 
@@ -120,7 +143,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_done_process_that_hangs_is_killed_with_what_it_started(tmp_path):
+def test_a_finished_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -140,17 +163,3 @@ def test_a_done_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     assert finished == ["a"] and engines[0].killed and not engines[0].alive()
     assert not _running(grandchild)
     assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
-
-
-def test_a_child_process_waits_for_go(tmp_path):
-    import multiprocessing
-
-    p = waves.Process(multiprocessing.get_context("spawn"), _child, (str(tmp_path / "out"),))
-    deadline = time.monotonic() + 60
-    while not p.ready() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert p.ready() and p.alive() and not (tmp_path / "out").exists()
-    p.go()
-    p.join(30)
-    assert (tmp_path / "out").read_text() == "timed" and p.exitcode == 0 and not p.alive()
-    assert p.done() and not p.killed
