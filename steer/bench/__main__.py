@@ -5,9 +5,9 @@
     python -m steer.bench 'skip=[llama3_8b/e/*]'            # leave cells out (reported as not run)
 
 Each engine configuration runs in a process of its own; up to a model's `engines_at_once` start side by side and
-are then timed in rounds, one engine at a time (steer/bench/waves.py). With several `lanes`, each lane does that on GPUs of its own,
-side by side with the others. The report (bench.md, bench.csv, bench.png) lands in the run directory and is
-rewritten after every engine, so a run cut short keeps what it measured.
+are then timed in rounds, one engine at a time (steer/bench/waves.py). With several `lanes`, each lane does that on
+GPUs of its own, side by side with the others. The report (bench.md, bench.csv, bench.png) lands in the run
+directory and is rewritten after every engine, so a run cut short keeps what it measured.
 """
 
 import multiprocessing

@@ -3,11 +3,11 @@
 Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
 each sets its own vLLM environment before importing it). A process started beside others (steer/bench/waves.py)
 says when its engine is ready and times nothing until it is asked for a round, so no pass is timed while another
-engine compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure is output tokens per second of one `generate` over the whole batch (the
-median of at least `repeats` passes and at least `min_timed_s` seconds of them, none begun after `max_timed_s`,
-after a warm-up pass of the same batch and edits); every request generates exactly its new tokens (ignore_eos)
-and none is detokenized (a dummy-weight model samples ids its small tokenizer does not have), so every
-configuration does the same work.
+engine compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure
+is output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
+least `min_timed_s` seconds of them, none begun after `max_timed_s`, after a warm-up pass of the same batch and
+edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model
+samples ids its small tokenizer does not have), so every configuration does the same work.
 """
 
 import faulthandler
