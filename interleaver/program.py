@@ -12,6 +12,7 @@ the sequential composition: one batched op per group per step, however many requ
 Groups of a later index see the stream after the earlier ones.
 """
 
+import warnings
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any, Dict, List, Optional
@@ -69,7 +70,12 @@ class TapProgram:
         self._fused = (_fused(self.groups) if self.groups and len({g.index for g in self.groups}) == 1
                        and kernels.available(device) else None)
         if self._fused is not None:
-            self._fused.warm()
+            try:
+                self._fused.warm()
+            except Exception as e:  # a kernel that does not build costs speed, never the edit: the torch form is exact
+                warnings.warn(f"{location}: the fused tap kernel did not build ({type(e).__name__}: {e}); "
+                              "this tap runs its edits in the torch form", RuntimeWarning, stacklevel=2)
+                self._fused = None
         # request key -> row blocks kept for it (scoring passes only; clones, since the graph rewrites the slab)
         self.kept: Dict[str, List[torch.Tensor]] = {}
         # How the calls edited: the fused kernel or the torch form (a profile says which a GPU engine took;

@@ -50,6 +50,21 @@ def test_programs_of_several_indices_keep_the_torch_form(fused):
     assert fused == []
 
 
+def test_a_kernel_that_does_not_build_leaves_the_torch_form_and_says_so(monkeypatch):
+    from interleaver.bank import EditBank
+
+    def broken(self):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels.Fused, "warm", broken)
+    bank = EditBank()
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])
+    with pytest.warns(RuntimeWarning, match="did not build .*PTX assembly failed.*torch form"):
+        program = TapProgram(TAP, bank.at(TAP), True)
+    assert program._fused is None
+
+
 def test_without_a_gpu_no_program_is_fused():
     edit = compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))
     from interleaver.bank import EditBank
