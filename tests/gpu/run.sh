@@ -19,9 +19,10 @@ export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 runs=/tmp/steer-runs; rm -rf "$runs"; mkdir -p "$runs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 
-tests() {
-  python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/gpu-junit.xml" 2>&1 | tee "$OUT/gpu-tests.log" \
-    | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
+tests() {  # [report name]
+  local name=${1:-gpu-tests}
+  python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/$name.xml" 2>&1 \
+    | tee "$OUT/$name.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
 }
 
 cli() {
@@ -89,7 +90,9 @@ lanes() {
     ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
-  echo "== kernel and tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 kernel; CUDA_VISIBLE_DEVICES=0 tests
+  # The kernel's own tests first: the device time may run out in the rest
+  echo "== kernel and tests on GPU 0 $(date +%T)"; CUDA_VISIBLE_DEVICES=0 kernel
+  CUDA_VISIBLE_DEVICES=0 TESTS_K=kernel tests gpu-tests-kernel; CUDA_VISIBLE_DEVICES=0 TESTS_K="not kernel" tests
   wait $pid; echo "bench rc=$?"
   grep -E "^\[bench\]" "$OUT/bench.log"
 }
