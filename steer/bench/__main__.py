@@ -137,8 +137,9 @@ class _Book:
         out = self._out(group)
         got = json.loads(out.read_text()) if out.exists() else {"records": [], "machine": {}}
         if getattr(engine, "killed", False):
-            self.console.print(f"[bench] {group.model} {group.config}: engine process still running when its lane "
-                               "moved on; killed with its process group", highlight=False, markup=False)
+            when = "when its lane moved on" if engine.ready() else "when its start timed out"
+            self.console.print(f"[bench] {group.model} {group.config}: engine process still running {when}; killed "
+                               "with its process group", highlight=False, markup=False)
         # Cells the process never finished (it died, or was stopped, before they had their passes) say so.
         have = {(r["scenario"], r["requests"], r["tokens"]) for r in got["records"]}
         why = f"engine process ended with code {engine.exitcode} before this cell had its passes"

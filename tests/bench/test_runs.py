@@ -338,6 +338,30 @@ def test_cells_finished_out_of_order_are_kept_and_only_the_rest_marked(tmp_path)
     assert set(by.values()) == {"error"}
 
 
+@pytest.mark.parametrize("ready, when", [(True, "when its lane moved on"), (False, "when its start timed out")])
+def test_a_killed_engine_is_said_so_in_the_log(tmp_path, ready, when):
+    import io
+
+    from rich.console import Console
+
+    from steer.bench.__main__ import _Book
+
+    cfg = bench_conf("batches=[[4,6]]")
+    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "b")
+    log = io.StringIO()
+    book = _Book(cfg, tmp_path, Console(file=log, width=300), "python -m steer.bench")
+
+    class Killed:
+        exitcode, killed = -9, True
+
+        def ready(self):
+            return ready
+
+    book.finish(group, Killed())
+    assert f"[bench] tiny b: engine process still running {when}; killed with its process group" in log.getvalue()
+    assert [r["status"] for r in book.records] == ["error"]
+
+
 def _stand_in_group(*args):
     """run_group in a child process, its engine a stand-in (vLLM is not there)."""
     runs._RUNNERS["c"] = lambda cfg, m, where, group: lambda prompts, scen, tokens: len(prompts) * tokens
