@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.bench import schema
+from steer.bench import schema, waves
 from steer.errors import ConfigError
 
 schema.register()
@@ -42,7 +42,7 @@ def app(cfg: DictConfig) -> None:
 
 
 def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -> None:
-    from steer.bench import waves, workload
+    from steer.bench import workload
     from steer.bench.runs import plan_groups
     from steer.engine.vllm import available
 
@@ -89,8 +89,6 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
 
 def _lane(conf: schema.BenchConf, i: int, work, book: "_Book") -> None:
     """One lane: each model's engines in waves on the lane's GPUs, one model after another."""
-    from steer.bench import waves
-
     lane = conf.lanes[i]
     try:
         for m, where, groups in work:
@@ -120,7 +118,6 @@ class _Book:
         return self.out_dir / f".{group.model}-{group.config}-{len(group.layers)}taps.json"
 
     def start(self, group, m, where, env):
-        from steer.bench import waves
         from steer.bench.runs import run_group
 
         self._out(group).unlink(missing_ok=True)

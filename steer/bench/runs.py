@@ -91,7 +91,6 @@ class _Timing:
     cell: Dict
     inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
     walls: List[float] = field(default_factory=list)
-    warmed: bool = False
     host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
     record: Optional[Dict] = None
 
@@ -154,9 +153,8 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
     try:
-        if not t.warmed:
+        if not t.walls:  # its first pass comes after a warm-up (a failed warm-up finishes the cell as an error)
             runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
-            t.warmed = True
         if profile:
             profile()  # what ran before this pass is not the cell's
         _sync()

@@ -92,7 +92,7 @@ class BenchConf:
     # time, as one GPU does, while the other lanes do the same on theirs. One lane (the default) times nothing side
     # by side; more lanes trade that for time (engines of different lanes share the host's cores).
     lanes: List[LaneConf] = field(default_factory=lambda: [LaneConf()])
-    timeout_s: int = 1800  # per engine process: to start, and then to time its cells
+    timeout_s: int = 1800  # per engine process: to start, and then each round of its cells
     cache_dir: str = MISSING
 
 

@@ -9,6 +9,7 @@ from one step's last kernel to the next step's first, and the host calls inside 
 times, by name).
 """
 
+import bisect
 import gzip
 import json
 import re
@@ -88,11 +89,13 @@ def summary(events: List[dict], top: int = 12) -> str:
     if host:
         totals: Counter = Counter()
         calls: Counter = Counter()
+        starts = [a for a, _ in host]
         for e in events:
             if e.get("cat") not in _HOST:
                 continue
             t = float(e["ts"])
-            if _inside(host, t):
+            i = bisect.bisect_right(starts, t)  # the last step starting at or before t
+            if i and t < host[i - 1][1]:
                 totals[e["name"]] += float(e["dur"])
                 calls[e["name"]] += 1
         h = len(host)
@@ -101,17 +104,6 @@ def summary(events: List[dict], top: int = 12) -> str:
         for name, t in totals.most_common(top):
             lines.append(f"    {t / h:10.1f} us ({calls[name] / h:6.1f})  {name[:90]}")
     return "\n".join(lines) + "\n"
-
-
-def _inside(spans: List[Tuple[float, float]], t: float) -> bool:
-    lo, hi = 0, len(spans)
-    while lo < hi:  # the last span starting at or before t
-        mid = (lo + hi) // 2
-        if spans[mid][0] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo > 0 and t < spans[lo - 1][1]
 
 
 def latest(directory: Path) -> Optional[Path]:
