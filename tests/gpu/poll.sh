@@ -8,6 +8,8 @@ while [ $SECONDS -lt $end ]; do
   sleep 15
   cp "$src/run.log" "$src/bench/bench.md" "$OUT/" 2>/dev/null
   tar czf "$OUT/partial.tgz" -C "$src" --exclude=./bench/traces . 2>/dev/null && mv "$OUT/partial.tgz" "$OUT/report.tgz"
+  # A run that has ended (or died at its start) leaves nothing to wait for: hand the report back now
+  pgrep -f "tests/gpu/run.sh" > /dev/null || { echo "run.sh is not running"; break; }
 done
 grep -E "^\[bench\]" "$src/bench.log" 2>/dev/null | grep -v "host profile" | tail -40
 tail -5 "$src/run.log"
