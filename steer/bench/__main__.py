@@ -150,17 +150,9 @@ class _Book:
             self.report()
 
     def report(self) -> str:
-        return _report(self.records, self.conf, self.machine, self.when, self.command, self.out_dir)
+        from steer.bench import report
 
-
-def _report(records, conf, machine, when, command, out_dir) -> str:
-    from steer.bench import report
-
-    rows = report.cells(records, conf)
-    goals = report.targets(rows, conf)
-    md = report.markdown(rows, goals, conf, machine, when, command)
-    report.write(out_dir, rows, goals, md, conf)
-    return md
+        return report.publish(self.out_dir, self.records, self.conf, self.machine, self.when, self.command)
 
 
 if __name__ == "__main__":

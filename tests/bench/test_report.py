@@ -1,8 +1,11 @@
 """The bench report from records: ratios to a and b, targets, and the files, on CPU."""
 
 import csv
+import json
+from statistics import median
 
 import pytest
+from omegaconf import OmegaConf
 
 from steer.bench import report
 from test_workload import bench_conf
@@ -20,6 +23,42 @@ def records(cfg):
                                 "status": "ok", "tok_s": t, "wall_s": 1.0})
     out[-1] = {**out[-1], "status": "error", "tok_s": None, "detail": "RuntimeError: boom"}
     return out
+
+
+def test_fastest_passes_give_a_second_ratio_beside_the_medians():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "scenarios=[add]", "configs=[a,b,c,d]")
+    n = 64 * 128
+    # b's passes are noisy (median 0.5 s, fastest 0.4 s), c's tight: the medians say c is 0.5/0.55 of b, the
+    # fastest passes 0.4/0.5
+    recs = [{"model": "tiny", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(w), "wall_s": median(w), "walls_s": w}
+            for c, s, w in (("a", "unsteered", [0.45]), ("b", "unsteered", [0.4, 0.5, 0.7]),
+                            ("c", "add", [0.5, 0.55, 0.6]), ("d", "add", [2.0]))]
+    rows = report.cells(recs, cfg)
+    c = next(r for r in rows if r["config"] == "c")
+    assert c["vs_b"] == pytest.approx(0.5 / 0.55) and c["best_vs_b"] == pytest.approx(0.4 / 0.5)
+    assert c["best_tok_s"] == pytest.approx(n / 0.5)
+    goal = next(g for g in report.targets(rows, cfg) if g["target"] == "c/b >= 0.9")
+    assert goal["ratio"] == pytest.approx(0.5 / 0.55) and goal["best"] == pytest.approx(0.8) and goal["holds"]
+    md = report.markdown(rows, report.targets(rows, cfg), cfg, {}, "now", "cmd")
+    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | yes |" in md
+    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | yes |" in md
+
+
+def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]")
+    recs = records(cfg)
+    report.publish(tmp_path, recs, cfg, {"gpu": "NVIDIA H200"}, "2026-11-29 19:40 UTC", "python -m steer.bench x=1")
+    first = (tmp_path / "bench.md").read_text()
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra/config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "bench.md").unlink()
+    assert report.rewrite(tmp_path) == first == (tmp_path / "bench.md").read_text()
+    assert "NVIDIA H200" in first and "python -m steer.bench x=1" in first
+    (tmp_path / "run.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no run.json"):
+        report.rewrite(tmp_path)
 
 
 def test_ratios_and_targets():
