@@ -15,6 +15,7 @@ A row whose weights are all 0 gets a delta of exactly 0, so it is left bit for b
 a CUDA tensor asks for the kernel; elsewhere (CPU, no Triton) `available` is False and the torch form runs.
 """
 
+import warnings
 from functools import lru_cache
 from typing import Optional
 
@@ -71,7 +72,16 @@ def _kernel():
 
 
 class Fused:
-    """One single-index program's direction table on the device, ready to launch."""
+    """One single-index program's direction table on the device, ready to launch.
+
+    A launch through Triton's JIT (`kernel[grid](...)`) binds and specialises every argument and builds a cache
+    key on each call: on the H200's host, 34 us a tap launched eagerly against 8 us for a torch op on the same rows
+    (`python -m steer.bench.kernel`), which a replayed step pays at every tap. So after its first launch for a
+    given activation dtype, residual and alignment, a Fused launches the compiled kernel directly (Triton's
+    `CompiledKernel[grid](*args)`), the same binary with the same arguments. What the JIT would re-check each call
+    is in the key: the pointers' 16-byte alignment (the kernel is specialised on it) and the integers' width; the
+    strides and the direction count are not specialised on. `warm` checks the direct launch against the JIT's on
+    the device, bit for bit, and keeps the JIT launch if they differ or the direct one fails."""
 
     def __init__(self, basis: torch.Tensor, col: torch.Tensor, kind: torch.Tensor, slope: torch.Tensor,
                  offset: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -82,28 +92,71 @@ class Fused:
         # A row in one block (the next power of two of the hidden size), so the launch computes nothing per call.
         self._block = 1 << (self.basis.shape[1] - 1).bit_length()
         self._warps = max(1, min(8, self._block // 512))
+        self.direct = True  # launch compiled kernels directly once they exist (False: every launch through the JIT)
+        self._compiled: dict = {}
 
     def warm(self) -> None:
-        """Compile and load the kernel for every activation dtype, with and without a residual, on a row of
-        zeros: an in-graph engine's first launch is inside a graph capture, where neither may happen."""
+        """Compile and load the kernel for every activation dtype, with and without a residual, and check its
+        direct launch against the JIT's: an in-graph engine's first launch is inside a graph capture, where
+        neither compiling nor loading may happen."""
         hidden = self.basis.shape[1]
-        weights = torch.zeros(1, int(self.col.max()) + 1, device=self.basis.device)
+        device = self.basis.device
+        gen = torch.Generator(device=device).manual_seed(0)
+        weights = torch.rand(2, int(self.col.max()) + 1, generator=gen, device=device)
+        weights[1] = 0  # a row that asks for nothing
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            h = torch.zeros(1, hidden, dtype=dtype, device=self.basis.device)
-            self(h, None, weights)
-            self(h, h.clone(), weights)
+            for with_r in (False, True):
+                h = torch.randn(2, hidden, generator=gen, device=device).to(dtype)
+                r = torch.randn(2, hidden, generator=gen, device=device).to(dtype) if with_r else None
+                by_jit = h.clone()
+                self._launch(by_jit, r, weights)  # through the JIT; keeps the compiled kernel
+                if not self.direct or _key(h, r, weights) not in self._compiled:
+                    continue
+                direct = h.clone()
+                try:
+                    self(direct, r, weights)
+                    same = torch.equal(direct, by_jit)
+                except Exception as e:  # an API the installed Triton does not have: the JIT launch still works
+                    same, why = False, f"{type(e).__name__}: {e}"
+                else:
+                    why = "its result differs from the JIT launch's"
+                if not same:
+                    warnings.warn(f"the fused tap kernel's direct launch is not used ({why}); every launch goes "
+                                  "through Triton's JIT", RuntimeWarning, stacklevel=2)
+                    self.direct, self._compiled = False, {}
 
     def __call__(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor) -> bool:
         """Edit `hidden`'s rows in place; False (nothing done) where the kernel does not apply."""
         if not _fits(hidden, residual, weights, self.basis):
             return False
-        kernel = _kernel()
-        r = residual if residual is not None else hidden
-        kernel[(hidden.shape[0],)](hidden, r, weights, self.basis, self.col, self.kind, self.slope, self.offset,
-                                   self.lo, self.hi, self.col.shape[0], hidden.shape[1], hidden.stride(0),
-                                   r.stride(0), weights.stride(0), HAS_R=residual is not None, BLOCK=self._block,
-                                   num_warps=self._warps)
+        compiled = self._compiled.get(_key(hidden, residual, weights)) if self.direct else None
+        if compiled is None:
+            self._launch(hidden, residual, weights)
+        else:
+            compiled[(hidden.shape[0], 1, 1)](*self._args(hidden, residual, weights))
         return True
+
+    def _args(self, hidden, residual, weights) -> tuple:
+        """The kernel's arguments in its signature's order, constexprs included (what the JIT hands its launcher)."""
+        r = residual if residual is not None else hidden
+        return (hidden, r, weights, self.basis, self.col, self.kind, self.slope, self.offset, self.lo, self.hi,
+                self.col.shape[0], hidden.shape[1], hidden.stride(0), r.stride(0), weights.stride(0),
+                residual is not None, self._block)
+
+    def _launch(self, hidden, residual, weights) -> None:
+        """Launch through Triton's JIT, and keep the compiled kernel it returns for direct launches."""
+        *args, has_r, block = self._args(hidden, residual, weights)
+        compiled = _kernel()[(hidden.shape[0],)](*args, HAS_R=has_r, BLOCK=block, num_warps=self._warps)
+        if self.direct and callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "packed_metadata"):
+            self._compiled[_key(hidden, residual, weights)] = compiled  # (the CPU interpreter returns none)
+
+
+def _key(hidden, residual, weights) -> tuple:
+    """What Triton specialises the kernel on, of what varies between launches."""
+    tensors = (hidden, weights) if residual is None else (hidden, residual, weights)
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+    narrow = max(t.stride(0) for t in tensors) < 2 ** 31
+    return hidden.dtype, residual is not None, aligned, narrow
 
 
 def available(device) -> bool:

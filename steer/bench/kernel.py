@@ -5,7 +5,9 @@ no host work per tap), against the 2-4 us the fused kernel's memory traffic shou
 program alone, as f runs it (`TapProgram.in_graph`, the step's weights at a fixed address), `taps` times over in
 one CUDA graph, as a decode step replays it:
 
-- `fused`: the Triton kernel (interleaver/kernels.py);
+- `fused`: the Triton kernel (interleaver/kernels.py), launched as a replayed step launches it;
+- `jit`: the same kernel, every launch through Triton's JIT (`kernel[grid](...)`); its eager column against
+  `fused`'s is what the direct launch saves a tap on the host;
 - `torch`: the same program on its torch form;
 - `floor`: `hidden += residual` on the same rows, the least memory traffic an edit of the stream can have.
 
@@ -73,6 +75,15 @@ def measure(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: 
     forms = {"floor": lambda: h.add_(r)}
     if plain is not None:
         forms["fused"] = lambda: program.in_graph((h, r), weights)
+
+        def through_jit():  # the same kernel, each launch through Triton's JIT: what a direct launch saves
+            direct, plain.direct = plain.direct, False
+            try:
+                program.in_graph((h, r), weights)
+            finally:
+                plain.direct = direct
+
+        forms["jit"] = through_jit
 
     def torch_form():
         program._fused = None

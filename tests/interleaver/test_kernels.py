@@ -106,3 +106,146 @@ def test_a_program_counts_which_form_edited(fused):
     program._fused = None
     program(torch.randn(2, 16), step)
     assert program.ran == {"fused": 1, "torch": 1}
+
+
+class _FakeTriton:
+    """Triton as a Fused launches it, on CPU: `jit[grid](*args, HAS_R=, BLOCK=, num_warps=)` runs the kernel's
+    arithmetic (`_in_torch`) and returns a compiled kernel, launchable as `compiled[grid](*args)` with every
+    argument in the signature's order; `direct` says what that launch does ("same", "nothing" or "raise")."""
+
+    def __init__(self, direct="same"):
+        self.direct, self.jit_args, self.direct_args = direct, [], []
+
+    @staticmethod
+    def _apply(args, has_r):
+        h, r, w, basis, col, kind, slope, offset, lo, hi = args[:10]
+        table = type("Table", (), dict(basis=basis, col=col, kind=kind, slope=slope, offset=offset, lo=lo, hi=hi))
+        _in_torch(table, h, r if has_r else None, w)
+
+    def __getitem__(self, grid):
+        def jit(*args, HAS_R, BLOCK, num_warps):
+            self.jit_args.append((*args, HAS_R, BLOCK))
+            self._apply(args, HAS_R)
+            return _FakeCompiled(self)
+
+        return jit
+
+
+class _FakeCompiled:
+    packed_metadata = b""
+
+    def __init__(self, triton):
+        self.triton = triton
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3
+
+        def launch(*args):
+            self.triton.direct_args.append(args)
+            if self.triton.direct == "raise":
+                raise TypeError("function takes exactly 26 arguments (27 given)")
+            if self.triton.direct == "same":
+                self.triton._apply(args, args[-2])
+
+        return launch
+
+
+def _table(hidden=16, device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    cols = (torch.randn(3, hidden, generator=g), torch.tensor([0, 1, 1]),
+            torch.tensor([kernels.ADD, kernels.PROJECT, kernels.SCALE]), torch.ones(3) * 0.5, torch.zeros(3),
+            torch.full((3,), -1.0), torch.full((3,), 1.0))
+    return kernels.Fused(*(c.to(device) for c in cols))
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    def install(direct="same"):
+        fake = _FakeTriton(direct)
+        monkeypatch.setattr(kernels, "_kernel", lambda: fake)
+        monkeypatch.setattr(kernels, "_fits", lambda *a: True)
+        return fake
+
+    return install
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_after_its_first_launch_a_table_launches_its_compiled_kernel_directly(fake_triton, residual):
+    fake, table = fake_triton(), _table()
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(4, 2, generator=g)
+    for i in range(3):
+        h = torch.randn(4, 16, generator=g)
+        r = torch.randn(4, 16, generator=g) if residual else None
+        want = h.clone()
+        _in_torch(table, want, r, w)
+        assert table(h, r, w) is True
+        assert torch.equal(h, want)
+    # the first through the JIT, the rest straight to the kernel it compiled, with the same arguments in order
+    assert len(fake.jit_args) == 1 and len(fake.direct_args) == 2
+    assert [type(a) for a in fake.direct_args[0]] == [type(a) for a in fake.jit_args[0]]
+    assert fake.direct_args[-1][10:] == (3, 16, 16, 16, 2, residual, 16)
+
+
+def test_a_launch_on_other_terms_than_the_compiled_kernel_s_goes_through_the_jit(fake_triton):
+    fake, table = fake_triton(), _table()
+    w = torch.rand(4, 2)
+    table(torch.randn(4, 16), None, w)
+    # A view one float in: its pointer is not 16-byte aligned, which the kernel was specialised on
+    table(torch.randn(4 * 16 + 1)[1:].view(4, 16), None, w)
+    table(torch.randn(4, 16, dtype=torch.bfloat16), None, w)  # another dtype
+    table(torch.randn(4, 16), torch.randn(4, 16), w)  # with a residual
+    assert len(fake.jit_args) == 4 and fake.direct_args == []
+    table(torch.randn(4 * 16 + 1)[1:].view(4, 16), None, w)
+    assert len(fake.jit_args) == 4 and len(fake.direct_args) == 1
+    table.direct = False
+    table(torch.randn(4, 16), None, w)
+    assert len(fake.jit_args) == 5 and len(fake.direct_args) == 1
+
+
+def test_warm_keeps_the_direct_launch_when_it_equals_the_jit_s(fake_triton, recwarn):
+    fake, table = fake_triton(), _table()
+    table.warm()
+    assert table.direct and len(fake.jit_args) == 6 and len(fake.direct_args) == 6  # 3 dtypes x residual or not
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("direct,why", [("nothing", "differs from the JIT launch's"),
+                                        ("raise", "TypeError: function takes exactly 26")])
+def test_warm_drops_a_direct_launch_that_differs_or_fails_and_says_so(fake_triton, direct, why):
+    fake, table = fake_triton(direct), _table()
+    with pytest.warns(RuntimeWarning, match=f"direct launch is not used .*{why}"):
+        table.warm()
+    assert not table.direct and table._compiled == {}
+    n = len(fake.jit_args)
+    table(torch.randn(2, 16), None, torch.rand(2, 2))
+    assert len(fake.jit_args) == n + 1 and len(fake.direct_args) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [16, 4096])
+def test_the_direct_launch_equals_the_jit_launch_on_the_gpu(dtype, hidden):
+    assert kernels.available("cuda")
+    table, by_jit = _table(hidden, "cuda"), _table(hidden, "cuda")
+    table.warm()
+    assert table.direct  # the installed Triton's compiled kernels launch directly, checked against its JIT
+    by_jit.direct = False
+    launches, jit_launch = [], table._launch
+    table._launch = lambda *a: launches.append(1) or jit_launch(*a)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.rand(64, 2, generator=g, device="cuda")
+    w[7] = 0
+
+    def twins(offset, with_r):  # the same rows twice, each `offset` elements into a buffer of its own
+        base = torch.randn(64 * hidden + offset, generator=g, device="cuda").to(dtype)
+        r = torch.randn(64, hidden, generator=g, device="cuda").to(dtype) if with_r else None
+        return [(base.clone()[offset:].view(64, hidden), r) for _ in range(2)]
+
+    for offset, with_r, jit_launches in ((0, False, 0), (0, True, 0), (1, False, 1), (1, False, 1)):
+        (a, r), (b, _) = twins(offset, with_r)
+        before = a.clone()
+        table(a, r, w)
+        by_jit(b, r, w)
+        assert torch.equal(a, b) and not torch.equal(a, before) and torch.equal(a[7], before[7])
+        assert len(launches) == jit_launches  # warmed terms launch directly; a misaligned view once through the JIT
