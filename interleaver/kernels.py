@@ -79,8 +79,8 @@ class Fused:
     (`python -m steer.bench.kernel`), which a replayed step pays at every tap. So after its first launch for a
     given activation dtype, residual and alignment, a Fused launches the compiled kernel directly (Triton's
     `CompiledKernel[grid](*args)`), the same binary with the same arguments. What the JIT would re-check each call
-    is in the key: the pointers' 16-byte alignment (the kernel is specialised on it) and the integers' width; the
-    strides and the direction count are not specialised on. `warm` checks the direct launch against the JIT's on
+    is in the key: the activations' dtypes, the pointers' 16-byte alignment (the kernel is specialised on it) and
+    the integers' width; the strides and the direction count are not specialised on. `warm` checks the direct launch against the JIT's on
     the device, bit for bit, and keeps the JIT launch if they differ or the direct one fails."""
 
     def __init__(self, basis: torch.Tensor, col: torch.Tensor, kind: torch.Tensor, slope: torch.Tensor,
@@ -156,7 +156,7 @@ def _key(hidden, residual, weights) -> tuple:
     tensors = (hidden, weights) if residual is None else (hidden, residual, weights)
     aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
     narrow = max(t.stride(0) for t in tensors) < 2 ** 31
-    return hidden.dtype, residual is not None, aligned, narrow
+    return hidden.dtype, None if residual is None else residual.dtype, aligned, narrow
 
 
 def available(device) -> bool:

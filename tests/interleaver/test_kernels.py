@@ -195,12 +195,13 @@ def test_a_launch_on_other_terms_than_the_compiled_kernel_s_goes_through_the_jit
     table(torch.randn(4 * 16 + 1)[1:].view(4, 16), None, w)
     table(torch.randn(4, 16, dtype=torch.bfloat16), None, w)  # another dtype
     table(torch.randn(4, 16), torch.randn(4, 16), w)  # with a residual
-    assert len(fake.jit_args) == 4 and fake.direct_args == []
+    table(torch.randn(4, 16), torch.randn(4, 16, dtype=torch.bfloat16), w)  # a residual of another dtype
+    assert len(fake.jit_args) == 5 and fake.direct_args == []
     table(torch.randn(4 * 16 + 1)[1:].view(4, 16), None, w)
-    assert len(fake.jit_args) == 4 and len(fake.direct_args) == 1
+    assert len(fake.jit_args) == 5 and len(fake.direct_args) == 1
     table.direct = False
     table(torch.randn(4, 16), None, w)
-    assert len(fake.jit_args) == 5 and len(fake.direct_args) == 1
+    assert len(fake.jit_args) == 6 and len(fake.direct_args) == 1
 
 
 def test_warm_keeps_the_direct_launch_when_it_equals_the_jit_s(fake_triton, recwarn):
