@@ -82,11 +82,12 @@ lanes() {
   set -f
   # The 8B shape first: its c and f carry the targets the traces are for. The traces: where the 8B shape's ablate_all
   # spends its GPU time against b's steps, and where the tiny model's c on ablate_all and f on add spend the time
-  # the host profile does not show (DEVELOPERS.md)
+  # the host profile does not show (DEVELOPERS.md); as long as a timed pass at 64 x 128, since the 8B shape's f on
+  # ablate_all lost more in its timed passes than its 16-token trace showed
   STEER_PROFILE=1 python -m steer.bench 'run=[llama3_8b,tiny]' \
     'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
     'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cf]/ablate_all/64x128",tiny/b/*/256x256,tiny/c/ablate_all/256x256,'\
-'tiny/f/add/256x256]' \
+'tiny/f/add/256x256]' trace_tokens=128 \
     ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
