@@ -80,8 +80,9 @@ class Fused:
     given activation dtype, residual and alignment, a Fused launches the compiled kernel directly (Triton's
     `CompiledKernel[grid](*args)`), the same binary with the same arguments. What the JIT would re-check each call
     is in the key: the activations' dtypes, the pointers' 16-byte alignment (the kernel is specialised on it) and
-    the integers' width; the strides and the direction count are not specialised on. `warm` checks the direct launch against the JIT's on
-    the device, bit for bit, and keeps the JIT launch if they differ or the direct one fails."""
+    the integers' width; the strides and the direction count are not specialised on. `warm` checks the direct
+    launch against the JIT's on the device, bit for bit, and keeps the JIT launch if they differ or the direct
+    one fails."""
 
     def __init__(self, basis: torch.Tensor, col: torch.Tensor, kind: torch.Tensor, slope: torch.Tensor,
                  offset: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
