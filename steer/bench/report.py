@@ -213,5 +213,18 @@ def publish(out_dir: Path, records: List[Dict], cfg: BenchConf, machine: Dict, w
     return md
 
 
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Rewrite a bench run's report from what the run left.")
+    p.add_argument("run_dir", type=Path, help="the bench run's directory (records.jsonl, .hydra/, run.json)")
+    a = p.parse_args(argv)
+    try:
+        print(rewrite(a.run_dir))
+    except FileNotFoundError as e:
+        print(f"error run_dir: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    print(rewrite(Path(sys.argv[1])))
+    main()

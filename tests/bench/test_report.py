@@ -61,6 +61,14 @@ def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
         report.rewrite(tmp_path)
 
 
+def test_the_rewrite_command_names_what_a_directory_lacks(tmp_path, capsys):
+    with pytest.raises(SystemExit) as out:
+        report.main([str(tmp_path)])
+    assert out.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error run_dir: ") and "has no records.jsonl, .hydra/config.yaml, run.json" in err
+
+
 def test_ratios_and_targets():
     cfg = bench_conf("run=[tiny]", "batches=[[64,128]]")
     rows = report.cells(records(cfg), cfg)
