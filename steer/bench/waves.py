@@ -54,26 +54,19 @@ def run(groups: Sequence[G], width: int, start: Callable[[G], Engine], finish: C
         wave = list(groups[i:i + width])
         engines = [start(g) for g in wave]
         _await(engines, timeout_s, poll_s)
-        ready: List[Tuple[G, Engine]] = []
+        started: List[Tuple[G, Engine]] = []
         retry: List[G] = []
         for g, e in zip(wave, engines):
-            if e.ready():
-                ready.append((g, e))
-            elif len(wave) > 1:
+            if e.ready() or len(wave) == 1:
+                started.append((g, e))
+            else:  # crowded out: tried once more, alone, after the wave
                 e.kill()
                 retry.append(g)
-            else:
-                e.kill()
-                finish(g, e)
-        _rounds(ready, timeout_s, exit_s, finish)
+        _time(started, timeout_s, exit_s, finish)
         for g in retry:
             e = start(g)
             _await([e], timeout_s, poll_s)
-            if e.ready():
-                _rounds([(g, e)], timeout_s, exit_s, finish)
-            else:
-                e.kill()
-                finish(g, e)
+            _time([(g, e)], timeout_s, exit_s, finish)
 
 
 def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
@@ -81,6 +74,16 @@ def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(e.alive() and not e.ready() for e in engines):
         time.sleep(poll_s)
+
+
+def _time(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
+          finish: Callable[[G, Engine], None]) -> None:
+    """Kill and finish the engines that never got ready; time the rest in rounds."""
+    for g, e in engines:
+        if not e.ready():
+            e.kill()
+            finish(g, e)
+    _rounds([(g, e) for g, e in engines if e.ready()], timeout_s, exit_s, finish)
 
 
 def _rounds(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
