@@ -1,5 +1,6 @@
 """`python -m steer`: the Hydra entry point. Config groups live in the checkout's conf/."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from steer import schema
-from steer.errors import ConfigError
+from steer.errors import ConfigError, config_error_line
 
 schema.register()
 
@@ -21,13 +22,35 @@ def app(cfg: DictConfig) -> None:
 
     console = Console(stderr=True, soft_wrap=True)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    conf = OmegaConf.to_object(cfg)
     try:
+        conf = OmegaConf.to_object(cfg)
         run.main(conf, out_dir, console)
     except ConfigError as e:
+        run.record_failure(out_dir, e)
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
+        sys.exit(2)
+    except Exception as e:
+        run.record_failure(out_dir, e)
+        raise
+
+
+def main() -> None:
+    """Run the app; a config Hydra or OmegaConf rejects is one line naming the file or key, exit 2."""
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra prints its own errors (a traceback for a YAML error) and exits 1: let them reach us instead.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        line = config_error_line(e)
+        if line is None or full:
+            raise
+        print(f"error {line}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -7,3 +7,34 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+def config_error_line(e: BaseException) -> "str | None":
+    """One line for an error in the config itself (YAML syntax, an unknown key or group option, a wrong type,
+    an override that does not parse), naming the file, line and column or the key; None for any other error."""
+    import yaml
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain, seen = [], e
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for x in chain:
+        if isinstance(x, yaml.MarkedYAMLError) and x.problem_mark is not None:
+            m = x.problem_mark
+            what = " ".join(p for p in (x.context, x.problem) if p)
+            return f"{m.name}:{m.line + 1}:{m.column + 1}: invalid YAML: {what}"
+    if not any(isinstance(x, (HydraException, OmegaConfBaseException, yaml.YAMLError)) for x in chain):
+        return None
+    parts = []
+    for x in chain:
+        text = " ".join(str(x).split())
+        if isinstance(x, OmegaConfBaseException):
+            text = text.split(" full_key:")[0]  # OmegaConf appends full_key/object_type lines; the key is named
+        text = text.split(" Config search path:")[0]
+        if "$VALUE" in text or text == "None":  # OmegaConf's unformatted template of the line before
+            continue
+        if text and not any(text in p for p in parts):
+            parts.append(text)
+    return ": ".join(parts)

@@ -8,11 +8,27 @@ from pathlib import Path
 from typing import Dict, Iterable
 
 
+def umask() -> int:
+    """The process umask (read by setting it and setting it back: the only way os offers)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_dir(parent: str | Path, prefix: str) -> Path:
+    """A fresh temporary directory under `parent` with the mode a plain mkdir would give it (mkdtemp's is
+    0700), for building something that is then renamed into place."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    d.chmod(0o777 & ~umask())
+    return d
+
+
 def write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` atomically."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would make results private; honour the umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

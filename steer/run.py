@@ -6,6 +6,7 @@ one job or a packed group of jobs that share an engine, through the same code.
 """
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -107,6 +109,8 @@ class Job:
     cfg: SteerConf
     spec: ModelSpec
     out_dir: Path
+    result: Optional[Dict] = None  # metrics once it ran, or {"error": message}
+    error: Optional[BaseException] = None
 
 
 # Set by the packed launcher (hydra_plugins/steer_launcher): `main` then defers steer jobs here instead of
@@ -140,7 +144,10 @@ def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
     if _deferred is not None:
         _deferred.append(job)
         return {"deferred": str(out_dir)}
-    return execute([job], console)[0]
+    out = execute([job], console)[0]
+    if job.error is not None:
+        raise job.error
+    return out
 
 
 def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
@@ -165,24 +172,90 @@ class _Work:
 
 def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None) -> List[Dict]:
     """Run steer jobs that share an engine (see `engine_key`), every job's requests in the same batches, and
-    write each job's run directory as if it had run alone. Returns each job's metrics."""
+    write each job's run directory as if it had run alone. Returns each job's metrics, or `{"error": message}`
+    for a job that failed: its directory gets error.txt and the others of the pack complete."""
     taps = {t.path: t for job in jobs for t in run_taps(job.cfg, job.spec)}
     engine = start_engine(jobs[0].cfg, jobs[0].spec, list(taps.values()))
     work = []
     for job in jobs:
-        cfg = job.cfg
-        pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-        plan = build(cfg, job.spec,
-                     default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
-        active = plan.active()
-        prompts = list(cfg.prompts.steer)
-        work.append(_Work(job, plan, active if active.edits else None, prompts, [engine.encode(p) for p in prompts],
-                          [cfg.gen.seed + i for i in range(len(prompts))]))
+        job_log(job).info("engine %s on %s, taps %s", engine.name, job.spec.source, sorted(taps))
+        try:
+            work.append(_setup(job, engine, console))
+        except Exception as e:
+            fail(job, e, console, len(jobs) > 1)
 
     conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
-    with _progress(console, jobs[0].cfg.progress) as progress:
-        task = progress.add_task(f"generating ({engine.name}, {len(jobs)} job{'s' * (len(jobs) > 1)})",
+    try:
+        _generate(engine, work, conts, console)
+    except Exception as e:  # the engine failed for the whole batch: every job of it says so
+        for w in work:
+            fail(w.job, e, console, len(jobs) > 1)
+        work = []
+    elapsed = time.perf_counter() - t0
+    tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
+
+    for w in work:
+        try:
+            rows = _score(engine, w, conts)
+            agg = metrics.aggregate(rows, tokens_per_s)
+            results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
+            results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
+        except Exception as e:
+            fail(w.job, e, console, len(jobs) > 1)
+            continue
+        job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
+                            "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
+        w.job.result = agg
+        if len(jobs) == 1:
+            _summary(console, w.job.spec.name, w.plan, agg, rows, w.job.out_dir)
+        if on_done:
+            on_done(w.job)
+    return [job.result for job in jobs]
+
+
+def _setup(job: Job, engine, console: Console) -> _Work:
+    """A job's compiled plan and encoded prompts, checked against the model's positions."""
+    cfg = job.cfg
+    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
+    plan = build(cfg, job.spec,
+                 default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
+    active = plan.active()
+    prompts = list(cfg.prompts.steer)
+    encoded = [_fit(engine.encode(p), i, cfg, job, engine.max_len, console) for i, p in enumerate(prompts)]
+    job_log(job).info("edits: %s", describe(plan))
+    return _Work(job, plan, active if active.edits else None, prompts, encoded,
+                 [cfg.gen.seed + i for i in range(len(prompts))])
+
+
+def _fit(ids: List[int], i: int, cfg: SteerConf, job: Job, limit: int, console: Console) -> List[int]:
+    """The prompt's ids if they and the continuation fit the model's positions; else its last tokens that do
+    (prompts.truncate) or an error naming the prompt."""
+    new = cfg.gen.max_new_tokens
+    room = limit - new
+    if room < 1:
+        raise ConfigError("gen.max_new_tokens", f"{new} new tokens leave no room for a prompt: {job.spec.name} "
+                                                f"has {limit} positions")
+    if len(ids) <= room:
+        return ids
+    if not cfg.prompts.truncate:
+        raise ConfigError(f"prompts.steer[{i}]", f"prompt {i} is {len(ids)} tokens; with gen.max_new_tokens={new} "
+                                                 f"it needs {len(ids) + new} positions, but {job.spec.name} has "
+                                                 f"{limit}. Shorten it, lower gen.max_new_tokens, or set "
+                                                 f"prompts.truncate=true to keep its last {room} tokens")
+    msg = f"prompt {i}: {len(ids)} tokens, truncated to its last {room} (prompts.truncate=true)"
+    console.print(f"[yellow]warning[/] {msg}", highlight=False)
+    job_log(job).warning(msg)
+    return ids[-room:]
+
+
+def _generate(engine, work: List[_Work], conts: Dict[tuple, List[int]], console: Console) -> None:
+    """Generate every job's baseline and steered continuations into `conts`, jobs with the same generation
+    settings in one batch."""
+    if not work:
+        return
+    with _progress(console, work[0].job.cfg.progress) as progress:
+        task = progress.add_task(f"generating ({engine.name}, {len(work)} job{'s' * (len(work) > 1)})",
                                  total=sum(2 * len(w.prompts) for w in work))
         by_gen: Dict[str, List[_Work]] = {}
         for w in work:
@@ -190,7 +263,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         for ws in by_gen.values():
             # A baseline depends only on (gen settings, prompt, seed): jobs of a sweep share theirs.
             requests: Dict[tuple, tuple] = {}
-            for j, w in enumerate(ws):
+            for w in ws:
                 for ids, seed, i in zip(w.encoded, w.seeds, range(len(w.prompts))):
                     requests.setdefault(_base_key(w, ids, seed), (ids, None, seed))
                     requests[_steer_key(w, i)] = (ids, w.steering, seed)
@@ -198,21 +271,57 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
                                         progress=lambda k: progress.advance(task, k))
             conts.update(zip(requests.keys(), outs))
         progress.update(task, completed=progress.tasks[task].total)
-    elapsed = time.perf_counter() - t0
-    tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
 
-    scored = _score(engine, work, conts)
-    out = []
-    for w, rows in zip(work, scored):
-        agg = metrics.aggregate(rows, tokens_per_s)
-        results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
-        results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
-        if len(jobs) == 1:
-            _summary(console, w.job.cfg, w.plan, agg, w.job.out_dir)
-        if on_done:
-            on_done(w.job)
-        out.append(agg)
-    return out
+
+def fail(job: Job, e: BaseException, console: Console, say: bool = True) -> Dict:
+    """Record a job's failure: error.txt in its directory, the log, and `{"error": ...}` as its result."""
+    msg = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+    job.error, job.result = e, {"error": msg}
+    record_failure(job.out_dir, e)
+    if say:
+        console.print(f"[bold red]job failed[/] {job.out_dir}: {escape(msg)}", highlight=False)
+    return job.result
+
+
+def record_failure(out_dir: Path, e: BaseException) -> None:
+    """Say in the run directory why the run failed (error.txt, and steer.log)."""
+    import traceback
+
+    text = str(e) if isinstance(e, ConfigError) else "".join(traceback.format_exception(e))
+    if Path(out_dir).is_dir():
+        results.write_text(Path(out_dir) / "error.txt", text.rstrip() + "\n")
+        _dir_log(Path(out_dir)).error("failed: %s", text.rstrip())
+
+
+def job_log(job: Job) -> logging.Logger:
+    """The logger whose lines land in the job's steer.log (a pack's jobs share a process, each its own file)."""
+    return _dir_log(job.out_dir)
+
+
+def _dir_log(out_dir: Path) -> logging.Logger:
+    logger = logging.getLogger(f"steer.job.{out_dir.resolve()}")
+    if not logger.handlers:
+        handler = logging.FileHandler(out_dir / "steer.log", delay=True)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] - %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # Hydra's root handler writes the same file in a single run
+    return logger
+
+
+def describe(plan: Plan) -> str:
+    """Every edit of a plan, in order: `layer1 add scale=4, layer2 clamp scale=1 lo=-40 hi=40 (generated)`."""
+    parts = []
+    for path, edits in plan.edits.items():
+        for e in edits:
+            bits = [plan.taps[path].name, e.kind.value, f"scale={e.scale:g}"]
+            bits += [f"{k}={v:g}" for k, v in (("lo", e.lo), ("hi", e.hi)) if v is not None]
+            if e.kind.value == "set":
+                bits.append(f"value={e.value:g}")
+            if e.tokens.value != "both":
+                bits.append(f"({e.tokens.value})")
+            parts.append(" ".join(bits))
+    return ", ".join(parts)
 
 
 def _gen_key(w: _Work) -> str:
@@ -227,43 +336,39 @@ def _steer_key(w: _Work, i: int) -> tuple:
     return ("steer", id(w), i)
 
 
-def _score(engine, work: List[_Work], conts: Dict[tuple, List[int]]) -> List[List[Dict]]:
-    """Score every job's steered continuations with and without its edits, in one batch: KL, changed tokens,
-    projections at the first edit's tap."""
+def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
+    """Score a job's steered continuations with and without its edits: KL, changed tokens, projections at the
+    first edit's tap."""
+    cap = (w.plan.primary[0].path,)
     jobs = []
-    for w in work:
-        cap = (w.plan.primary[0].path,)
-        for i, ids in enumerate(w.encoded):
-            st = conts[_steer_key(w, i)]
-            jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
+    for i, ids in enumerate(w.encoded):
+        st = conts[_steer_key(w, i)]
+        jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
     scored = iter(engine.score_many(jobs))
-    out = []
-    for w in work:
-        tap, edit = w.plan.primary
-        basis = edit.direction()
-        rows = []
-        for i, (prompt, ids, seed) in enumerate(zip(w.prompts, w.encoded, w.seeds)):
-            b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
-            (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
-            # Logits at row t predict token t+1: the rows that predicted the steered continuation.
-            span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
-            is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
-            wt = edit.row_weight(is_prompt)
-            selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
-            proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-            rows.append({
-                "prompt": prompt,
-                "baseline": engine.decode(b),
-                "steered": engine.decode(s),
-                "baseline_tokens": len(b),
-                "steered_tokens": len(s),
-                "tokens_changed": metrics.tokens_changed(b, s),
-                "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
-                "proj_baseline": proj(base_cap[tap.path]),
-                "proj_steered": proj(st_cap[tap.path]),
-            })
-        out.append(rows)
-    return out
+    tap, edit = w.plan.primary
+    basis = edit.direction()
+    rows = []
+    for i, (prompt, ids, seed) in enumerate(zip(w.prompts, w.encoded, w.seeds)):
+        b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
+        (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
+        # Logits at row t predict token t+1: the rows that predicted the steered continuation.
+        span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
+        is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
+        wt = edit.row_weight(is_prompt)
+        selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
+        proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
+        rows.append({
+            "prompt": prompt,
+            "baseline": engine.decode(b),
+            "steered": engine.decode(s),
+            "baseline_tokens": len(b),
+            "steered_tokens": len(s),
+            "tokens_changed": metrics.tokens_changed(b, s),
+            "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
+            "proj_baseline": proj(base_cap[tap.path]),
+            "proj_steered": proj(st_cap[tap.path]),
+        })
+    return rows
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -271,12 +376,17 @@ def _progress(console: Console, enabled: bool) -> Progress:
                     console=console, disable=not enabled, transient=False)
 
 
-def _summary(console: Console, cfg: SteerConf, plan: Plan, agg: Dict, out_dir: Path) -> None:
-    tap, edit = plan.primary
-    t = Table(title=f"{cfg.model.name} | {tap.name} | {edit.kind.value} scale={edit.scale:g}")
+def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path, shown: int = 3) -> None:
+    t = Table(title=f"{model} | {describe(plan) or 'no edits'}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k, v in agg.items():
         t.add_row(k, "-" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v))
+    texts = Table(title=f"baseline and steered, {min(shown, len(rows))} of {len(rows)} prompts (all in results.jsonl)")
+    for name in ("prompt", "baseline", "steered"):
+        texts.add_column(name, overflow="fold", ratio=1)
+    for r in rows[:shown]:
+        texts.add_row(escape(r["prompt"]), escape(r["baseline"]), escape(r["steered"]))
+    console.print(texts)
     console.print(t)
     console.print(f"results in [bold]{out_dir}[/]")

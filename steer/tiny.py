@@ -11,12 +11,12 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from steer import results
 from steer.schema import TinyConf
 
 # Bump when the recipe changes, so caches of an older recipe are not reused.
@@ -65,7 +65,7 @@ def ensure_tiny(cache_dir: str, conf: TinyConf) -> Path:
     if (dest / "config.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=dest.parent))
+    tmp = results.make_dir(dest.parent, ".building-")
     try:
         _build(tmp, conf)
         try:
@@ -126,7 +126,9 @@ def _build(dest: Path, conf: TinyConf) -> None:
     tokenizer = _tokenizer(text, conf)
     config = llama_config(conf, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # The corpus is one long text: tokenize it with the backend directly, since the HF wrapper warns that it is
+    # longer than the model's positions (true, and harmless: training takes windows of it).
+    ids = torch.tensor(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
     _train(model, ids, conf)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)

@@ -5,15 +5,14 @@ model's hidden size, before any engine starts.
 """
 
 import datetime
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
+from steer import results
 from steer.errors import ConfigError
 
 
@@ -31,15 +30,8 @@ def save(path: str | Path, tensors: Dict[str, torch.Tensor], *, model: str, tap:
         "hidden": ",".join(str(h) for h in sorted(hidden)),
         **(extra or {}),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    data = save_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
+    return results.write_bytes(path, data)
 
 
 def metadata(path: str | Path) -> Dict[str, str]:
@@ -69,12 +61,19 @@ def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
     """Validate a vector's dtype, shape and values against the model; return it as float32 `[k, hidden]`."""
     if not v.is_floating_point():
         raise ConfigError(where, f"dtype {v.dtype} is not a floating-point type")
-    if v.dim() not in (1, 2) or v.shape[-1] != hidden or v.numel() == 0:
-        last = v.shape[-1] if v.dim() else "none"
-        raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: expected [{hidden}] or "
-                                 f"[k, {hidden}] (the model's hidden size is {hidden}, the vector's {last})")
+    expected = f"expected [{hidden}] (one direction) or [k, {hidden}] (a subspace of k directions)"
+    if v.dim() not in (1, 2):
+        raise ConfigError(where, f"shape {list(v.shape)} has {v.dim()} dimensions: {expected}")
+    if v.shape[-1] != hidden or v.numel() == 0:
+        raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: {expected} (the model's hidden "
+                                 f"size is {hidden}, the vector's last dimension {v.shape[-1]})")
     bad = ~torch.isfinite(v)
     if bad.any():
         kinds = sorted({"nan" if x else "inf" for x in torch.isnan(v[bad]).tolist()})
         raise ConfigError(where, f"{int(bad.sum())} entries are {'/'.join(kinds)}; a vector must be finite")
-    return v.float().reshape(-1, hidden)
+    v = v.float().reshape(-1, hidden)
+    zero = (v.norm(dim=-1) == 0).nonzero().flatten().tolist()
+    if zero:
+        rows = "the vector is" if v.shape[0] == 1 else f"rows {zero} are"
+        raise ConfigError(where, f"{rows} all zeros; a direction needs a nonzero norm")
+    return v

@@ -66,14 +66,17 @@ def bad_files(tmp_path_factory):
     v[7] = float("nan")
     save_file({"direction": v}, str(d / "nan.safetensors"))
     save_file({"a": torch.randn(256), "b": torch.randn(256)}, str(d / "ab.safetensors"))
+    save_file({"direction": torch.zeros(256)}, str(d / "zero.safetensors"))
     return d
 
 
 BAD = [
     (["edit.vector.path={d}/missing.safetensors"], "edit.vector.path: vector file"),
     (["edit.vector.path={d}/ab.safetensors", "edit.vector.key=c"], "keys present: ['a', 'b']"),
-    (["edit.vector.path={d}/small.safetensors"], "the model's hidden size is 256, the vector's 128"),
+    (["edit.vector.path={d}/small.safetensors"], "the model's hidden size is 256, the vector's last dimension 128"),
     (["edit.vector.path={d}/nan.safetensors"], "entries are nan"),
+    (["edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
+    (["edit=scale", "edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
     (["tap.layer=12"], "tap.layer: layer 12 is out of range: tiny has 4 decoder layers"),
     (["tap.path=model.layers.1.mpl"], "tap.path: 'model.layers.1.mpl' names no module"),
     (["edit.kind=steer"], "Invalid value 'steer', expected one of [add, ablate, clamp, set, scale]"),
@@ -85,7 +88,70 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=[a[0].split("=")[0] + str(i) for i, (a, _) in enumerate(BAD)])
 def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message):
     res = run_cli([a.format(d=bad_files) for a in args], tmp_path, cache_dir)
-    assert res.returncode != 0
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert message in res.stderr + res.stdout
     assert "Loading weights" not in res.stderr  # failed before any model loaded
     assert not list(tmp_path.rglob("results.jsonl")) and not list(tmp_path.rglob("metrics.json"))
+
+
+def test_a_malformed_yaml_config_is_one_line_naming_file_line_and_column(tmp_path, cache_dir):
+    conf = tmp_path / "conf" / "experiment"
+    conf.mkdir(parents=True)
+    (conf / "broken.yaml").write_text("# @package _global_\nedit:\n  scale: [1, 2\n  kind: add\n")
+    res = run_cli([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=broken"], tmp_path, cache_dir)
+    assert res.returncode == 2
+    [line] = res.stderr.strip().splitlines()
+    assert f"{conf / 'broken.yaml'}:4:7: invalid YAML" in line
+
+
+@pytest.mark.parametrize("args,says", [(["edit.scal=3"], "Key 'scal' not in 'EditConf'"),
+                                       (["edit=nope"], "Could not find 'edit/nope'"),
+                                       (["edit.scale=[1"], "no viable alternative at input '[1'")])
+def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says):
+    res = run_cli(args, tmp_path, cache_dir)
+    assert res.returncode == 2
+    [line] = res.stderr.strip().splitlines()
+    assert says in line and "$VALUE" not in line
+
+
+def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "held"
+    run_dir.mkdir()
+    # Stand in for a first run holding the directory: the same lock, from another process.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from steer.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                               "time.sleep(120)", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)
+    finally:
+        holder.kill()
+    assert res.returncode == 2 and f"'{run_dir}' is in use by another steer run" in res.stderr
+    assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
+
+
+def test_outputs_honour_the_umask_and_the_log_says_what_ran(tmp_path, cache_dir):
+    import os
+    import stat
+
+    env_umask = os.umask(0o022)
+    try:
+        ok(run_cli(["gen.max_new_tokens=3", "prompts.steer=[Hello]", "hydra.run.dir=run"], tmp_path, cache_dir))
+    finally:
+        os.umask(env_umask)
+    d = tmp_path / "run"
+    for name in ("results.jsonl", "metrics.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
+    log = (d / "steer.log").read_text()
+    assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
+
+
+def test_a_failed_run_says_why_in_its_directory(tmp_path, cache_dir):
+    res = run_cli(["gen.max_new_tokens=0", "hydra.run.dir=run"], tmp_path, cache_dir)
+    assert res.returncode == 2
+    assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "error.txt").read_text()
+    assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "steer.log").read_text()

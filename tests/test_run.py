@@ -42,3 +42,54 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
         with pytest.raises(ConfigError) as e:
             run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"))
         assert e.value.field == override.split("=")[0] and says in str(e.value)
+
+
+def _job(cfg, d):
+    d.mkdir()
+    return run.Job(cfg, run.prepare(cfg), d)
+
+
+LONG = "the weather " * 1100  # about 2,200 tokens against the tiny model's 2,048 positions
+
+
+def test_a_failing_job_does_not_lose_its_pack(tmp_path, cache_dir):
+    good = compose("gen.max_new_tokens=3", *QUICK)
+    bad = compose("gen.max_new_tokens=3", *QUICK)
+    bad.prompts.steer = ["The weather today is", LONG]
+    jobs = [_job(good, tmp_path / "0"), _job(bad, tmp_path / "1"), _job(good, tmp_path / "2")]
+    out = run.execute(jobs, Console(file=io.StringIO()))
+    assert "error" not in out[0] and "error" not in out[2] and out[0]["prompts"] == 2
+    assert out[1] == {"error": jobs[1].result["error"]} and "prompts.steer[1]" in out[1]["error"]
+    for d in ("0", "2"):
+        assert (tmp_path / d / "metrics.json").exists() and not (tmp_path / d / "error.txt").exists()
+    assert not (tmp_path / "1" / "metrics.json").exists() and not (tmp_path / "1" / "results.jsonl").exists()
+    assert "prompts.steer[1]" in (tmp_path / "1" / "error.txt").read_text()
+    assert "failed: prompts.steer[1]" in (tmp_path / "1" / "steer.log").read_text()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_generation(tmp_path, cache_dir, monkeypatch):
+    import pytest
+
+    from steer.errors import ConfigError
+
+    cfg = compose("gen.max_new_tokens=3", *QUICK)
+    cfg.prompts.steer = ["The weather today is", LONG]
+    job = _job(cfg, tmp_path / "j")
+    generated = []
+    monkeypatch.setattr(run, "_generate", lambda engine, work, conts, console: generated.extend(work))
+    with pytest.raises(ConfigError) as e:
+        run.main(cfg, job.out_dir, Console(file=io.StringIO()))
+    assert e.value.field == "prompts.steer[1]" and not generated
+    n = int(str(e.value).split(" is ")[1].split(" tokens")[0])
+    assert n > 2045 and f"needs {n + 3} positions, but tiny has 2048" in str(e.value)
+    assert "prompts.truncate=true" in str(e.value)
+
+
+def test_truncate_keeps_the_last_tokens_that_fit(tmp_path, cache_dir):
+    cfg = compose("gen.max_new_tokens=3", "prompts.truncate=true", *QUICK)
+    cfg.prompts.steer = [LONG + " and I felt"]
+    console = Console(file=io.StringIO())
+    [m] = run.execute([_job(cfg, tmp_path / "j")], console)
+    assert m["prompts"] == 1
+    assert "truncated to its last 2045" in console.file.getvalue()
+    assert "truncated to its last 2045" in (tmp_path / "j" / "steer.log").read_text()

@@ -1,3 +1,7 @@
+import os
+import re
+import stat
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -46,12 +50,39 @@ def test_missing_key_lists_keys(tmp_path):
     assert e.value.field == "edit.vector.key"
 
 
-@pytest.mark.parametrize("shape", [(7,), (2, 7), (2, 2, 8), ()])
+@pytest.mark.parametrize("shape", [(7,), (2, 7)])
 def test_wrong_shape_names_both_sizes(tmp_path, shape):
     p = tmp_path / "v.safetensors"
     save_file({"d": torch.randn(shape)}, str(p))
-    with pytest.raises(ConfigError, match="the model's hidden size is 8"):
+    with pytest.raises(ConfigError, match="the model's hidden size is 8, the vector's last dimension 7"):
         vector.load(p, "d", 8)
+
+
+@pytest.mark.parametrize("shape,dims", [((2, 3, 8), 3), ((), 0)])
+def test_wrong_number_of_dimensions_says_so(tmp_path, shape, dims):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": torch.randn(shape)}, str(p))
+    with pytest.raises(ConfigError, match=rf"has {dims} dimensions: expected \[8\] .* or \[k, 8\]") as e:
+        vector.load(p, "d", 8)
+    assert "hidden size" not in str(e.value)  # not the size message, whose sizes would agree
+
+
+@pytest.mark.parametrize("v,says", [(torch.zeros(8), "the vector is all zeros"),
+                                    (torch.cat([torch.randn(1, 8), torch.zeros(1, 8)]), "rows [1] are all zeros")])
+def test_zero_vector_is_refused(tmp_path, v, says):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": v}, str(p))
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        vector.load(p, "d", 8)
+
+
+def test_saved_files_honour_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = vector.save(tmp_path / "v.safetensors", {"d": torch.randn(8)}, model="m", tap="t", method="x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize("bad,word", [(float("nan"), "nan"), (float("inf"), "inf")])

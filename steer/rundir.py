@@ -1,0 +1,39 @@
+"""One run per run directory: a run holds an exclusive lock on its directory until its process ends, so a
+second run pointed at the same `hydra.run.dir` refuses before Hydra writes its config there."""
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+from typing import Any, List
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from steer.errors import ConfigError
+
+_held: List[int] = []  # open descriptors of the directories this process holds (released when it exits)
+
+
+def hold(run_dir: Path) -> None:
+    """Take the run directory for this process, or raise ConfigError if another process holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("hydra.run.dir", f"{str(run_dir)!r} is in use by another steer run; wait for it to end "
+                                           f"or choose another directory") from None
+    _held.append(fd)
+
+
+class RunDirLock(Callback):
+    """Holds `hydra.run.dir` for a single run (called before Hydra writes .hydra/ into it)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            hold(Path(str(config.hydra.run.dir)))
+        except ConfigError as e:
+            print(f"error {e}", file=sys.stderr)
+            sys.exit(2)
