@@ -2,9 +2,10 @@
 
     python -m steer.report outputs/multirun/2026-11-29/10-00-00-000000
 
-A job directory counts once its metrics.json exists (written last, atomically). The swept parameters are the
-overrides that differ between jobs: each plot puts the first on the x axis and draws one line per combination of
-the others.
+A job directory counts once its metrics.json exists (written last, atomically): status `ok`. One that holds
+error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
+parameters are the overrides that differ between jobs: each plot puts the first on the x axis and draws one line
+per combination of the others. A directory with no such job is an error (exit 2), and nothing is written.
 """
 
 import argparse
@@ -19,38 +20,77 @@ from omegaconf import OmegaConf
 
 from steer import results
 
-METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")
+METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")  # plotted first
+NOT_PLOTTED = ("prompts",)  # metrics.json keys that are counts, not metrics
+
+
+class NoJobs(ValueError):
+    """The directory holds no finished or failed job."""
 
 
 def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """One row per finished job under `sweep_dir`: its number, overrides and metrics, in job order."""
+    """One row per finished or failed job under `sweep_dir`, in job order: its number, its overrides, `status`
+    (`ok` or `failed`), then metrics.json's keys or the `error` (in that order: `swept` and `metrics` rely on it)."""
     rows = []
-    for metrics_file in sorted(Path(sweep_dir).glob("*/metrics.json"), key=lambda p: _job_key(p.parent.name)):
-        job = metrics_file.parent
+    jobs = {p.parent for name in ("metrics.json", "error.txt") for p in Path(sweep_dir).glob(f"*/{name}")}
+    for job in sorted(jobs, key=lambda p: _job_key(p.name)):
         over = job / ".hydra" / "overrides.yaml"
         row: Dict[str, Any] = {"job": job.name}
         for o in (OmegaConf.load(over) if over.exists() else []):
             key, _, value = str(o).partition("=")
             row[key] = value
-        row.update(json.loads(metrics_file.read_text()))
+        if (job / "metrics.json").is_file():
+            row["status"] = "ok"
+            for k, v in json.loads((job / "metrics.json").read_text()).items():
+                row[f"{k} (metric)" if k in row else k] = v  # `prompts` is an override group and a count
+        else:
+            row["status"] = "failed"
+            row["error"] = _error_line((job / "error.txt").read_text(errors="replace"))
         rows.append(row)
     return rows
+
+
+def _error_line(text: str) -> str:
+    """error.txt's message: its first line, or the last line of a traceback (the exception itself)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+
+
+def _overrides(row: Dict[str, Any]) -> List[str]:
+    keys = list(row)
+    return keys[1 : keys.index("status")] if "status" in keys else [k for k in keys[1:] if k not in METRICS]
 
 
 def swept(rows: List[Dict[str, Any]]) -> List[str]:
     """The override keys whose value differs between jobs, in the order they first appear."""
     keys: List[str] = []
     for r in rows:
-        keys += [k for k in r if k not in keys and k != "job" and k not in METRICS and k != "prompts"]
+        keys += [k for k in _overrides(r) if k not in keys]
     return [k for k in keys if len({str(r.get(k)) for r in rows}) > 1]
+
+
+def metrics(rows: List[Dict[str, Any]]) -> List[str]:
+    """The metrics the finished jobs report: METRICS first, then any other number in their metrics.json."""
+    keys: List[str] = []
+    for r in rows:
+        if r.get("status", "ok") == "ok":
+            over = set(_overrides(r))
+            keys += [k for k in r if k not in keys and k not in over and k not in ("job", "status", "error")]
+    number = (int, float, type(None))
+    keys = [k for k in keys
+            if k.removesuffix(" (metric)") not in NOT_PLOTTED and all(isinstance(r.get(k), number) for r in rows)]
+    return [k for k in METRICS if k in keys] + [k for k in keys if k not in METRICS]
 
 
 def write_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> Path:
     fields: List[str] = []
     for r in rows:
-        fields += [k for k in r if k not in fields]
+        fields += [k for k in r if k not in fields and k != "error"]
+    fields.append("error")  # last, and always there: empty for a job that finished
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=fields)
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
     w.writerows(rows)
     return results.write_text(Path(sweep_dir) / "summary.csv", buf.getvalue())
@@ -65,9 +105,11 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
 
     if not params:
         return []
+    names = metrics(rows)
     x_key, others = params[0], params[1:]
+    rows = [r for r in rows if r.get("status", "ok") == "ok"]  # a failed job has no metrics to draw
     out = []
-    for metric in METRICS:
+    for metric in names:
         if not any(r.get(metric) is not None for r in rows):
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -93,8 +135,11 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
 
 
 def build(sweep_dir: Path) -> Dict[str, Any]:
-    """Rebuild summary.csv and the plots of `sweep_dir`; return what was written."""
+    """Rebuild summary.csv and the plots of `sweep_dir`; return what was written. NoJobs, and nothing written,
+    where no job finished or failed."""
     rows = job_rows(Path(sweep_dir))
+    if not rows:
+        raise NoJobs(f"{sweep_dir} holds no finished or failed job: no <job>/metrics.json or <job>/error.txt in it")
     params = swept(rows)
     return {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
             "swept": params}
@@ -118,7 +163,11 @@ def main(argv=None) -> int:
     if not args.sweep_dir.is_dir():
         print(f"error: {args.sweep_dir} is not a directory", file=sys.stderr)
         return 2
-    out = build(args.sweep_dir)
+    try:
+        out = build(args.sweep_dir)
+    except NoJobs as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"{out['jobs']} jobs, swept {out['swept']}: {out['summary']}, {len(out['plots'])} plots")
     return 0
 

@@ -48,3 +48,72 @@ def test_report_cli_rebuilds_from_job_dirs(tmp_path):
     assert "2 jobs, swept ['edit.scale']" in res.stdout and (tmp_path / "summary.csv").exists()
     res = subprocess.run([sys.executable, "-m", "steer.report", str(tmp_path / "nope")], capture_output=True, text=True)
     assert res.returncode == 2 and "is not a directory" in res.stderr
+
+
+def test_failed_job_is_a_row_with_its_error_and_no_metrics(tmp_path):
+    job(tmp_path, 0, ["edit.scale=0"], {"kl_mean": 0.0})
+    job(tmp_path, 1, ["edit.scale=2"], None)
+    (tmp_path / "1" / "error.txt").write_text('Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+                                              "IsADirectoryError: [Errno 21] Is a directory: 'results.jsonl'\n")
+    job(tmp_path, 2, ["edit.scale=4"], None)
+    (tmp_path / "2" / "error.txt").write_text("tap.layer: layer 9 is out of range\n")
+    job(tmp_path, 3, ["edit.scale=8"], None)  # set up, never ran: not a row
+    out = build(tmp_path)
+    rows = list(csv.DictReader(out["summary"].open()))
+    assert [(r["job"], r["edit.scale"], r["status"]) for r in rows] == [("0", "0", "ok"), ("1", "2", "failed"),
+                                                                         ("2", "4", "failed")]
+    assert rows[0]["error"] == "" and rows[0]["kl_mean"] == "0.0"
+    assert rows[1]["error"] == "IsADirectoryError: [Errno 21] Is a directory: 'results.jsonl'"
+    assert rows[1]["kl_mean"] == ""
+    assert rows[2]["error"] == "tap.layer: layer 9 is out of range"
+    assert out["jobs"] == 3 and out["swept"] == ["edit.scale"]
+
+
+def test_summary_csv_ends_lines_with_lf(tmp_path):
+    for n in (0, 1):
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
+    data = build(tmp_path)["summary"].read_bytes()
+    assert b"\r" not in data and data.count(b"\n") == 3
+
+
+def test_report_of_a_directory_without_jobs_is_an_error_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    job(tmp_path, 0, ["edit.scale=0"], None)  # set up but never finished: still no job to report
+    res = subprocess.run([sys.executable, "-m", "steer.report", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 2
+    assert str(tmp_path) in res.stderr and "metrics.json" in res.stderr and "Traceback" not in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]  # no summary.csv, no plots
+
+
+def test_summary_and_plots_honour_the_umask(tmp_path):
+    import os
+
+    for n in (0, 1):
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
+    old = os.umask(0o022)
+    try:
+        out = build(tmp_path)
+    finally:
+        os.umask(old)
+    for p in [out["summary"], *out["plots"]]:
+        assert oct(p.stat().st_mode & 0o777) == oct(0o644), p.name
+
+
+def test_metrics_are_told_from_overrides_whatever_their_names(tmp_path):
+    # metrics.json gains keys (ppl_*, concept_*) and `prompts` is both an override group and a count: neither is
+    # a swept parameter, every number is plotted, and the second edit's parameter is swept like the first's.
+    n = 0
+    for scale in (0, 6):
+        for hi in (10, 40):
+            job(tmp_path, n, ["+experiment=joy_two_taps", f"edit.scale={scale}", f"extra_edits.0.edit.hi={hi}",
+                              "prompts=refusal"],
+                {"kl_mean": scale / 10, "tokens_per_s": 5.0 + n, "prompts": 6, "ppl_steered": 3.0 + scale + hi / 100,
+                 "concept_steered": None})
+            n += 1
+    out = build(tmp_path)
+    assert out["swept"] == ["edit.scale", "extra_edits.0.edit.hi"]
+    assert {p.name for p in out["plots"]} == {"kl_mean.png", "tokens_per_s.png", "ppl_steered.png"}
+    rows = list(csv.DictReader(out["summary"].open()))
+    assert [(r["prompts"], r["prompts (metric)"]) for r in rows] == [("refusal", "6")] * 4

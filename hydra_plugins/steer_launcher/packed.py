@@ -6,14 +6,21 @@ would (its run directory, `.hydra/`, its log) while steer validates it without r
 that can share an engine (same model, engine and engine settings) and runs each group with one engine, the jobs'
 edits as per-request edits in the same batches, in packs of `pack_size` jobs. Each job's directory comes out as
 if it had run alone. Groups after the first run in a process of their own. A job whose directory is complete
-(its metrics.json exists) is skipped unless `force` is set, so a sweep that was stopped resumes where it left off.
+(its metrics.json exists, and its saved .hydra/config.yaml is the config asked for now) is skipped unless `force`
+is set, so a sweep that was stopped resumes where it left off.
+
+A job that fails (error.txt in its directory, no metrics.json) does not stop the others: every pack runs, the
+report is written, and the sweep then exits 1. Ctrl-C writes the report of the jobs that finished and exits 130.
 """
 
 import logging
 import multiprocessing
+import signal
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
@@ -39,6 +46,51 @@ def complete(job_dir: Path) -> bool:
     return (job_dir / "metrics.json").is_file()
 
 
+# Config keys that do not change a job's results: a finished job made with other values of these is still done.
+IGNORED = ("progress", "cache_dir")
+STALE = ("metrics.json", "results.jsonl", "error.txt")  # what a job that is run again must not keep meanwhile
+
+
+def _comparable(cfg: DictConfig) -> Dict[str, Any]:
+    """A job config as Hydra saves it in .hydra/config.yaml (unresolved, through YAML), less `hydra` and IGNORED."""
+    out = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg)), resolve=False)
+    for key in ("hydra", *IGNORED):
+        out.pop(key, None)
+    return out
+
+
+def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(node, dict) and node:
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    if isinstance(node, list) and node and all(isinstance(x, dict) for x in node):
+        return {k: v for i, x in enumerate(node) for k, v in _flat(x, f"{prefix[:-1]}[{i}].").items()}
+    return {prefix[:-1]: node}
+
+
+def _show(value: Any) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def config_changes(job_dir: Path, cfg: DictConfig, most: int = 3) -> Optional[str]:
+    """None if the job's saved config (.hydra/config.yaml, written when it was set up) is `cfg` less its `hydra`
+    node and the keys in IGNORED; else what differs, e.g. `tap.layer 1 -> 2`."""
+    saved = job_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return "no saved config"
+    old, new = _flat(_comparable(OmegaConf.load(saved))), _flat(_comparable(cfg))
+    keys = list(old) + [k for k in new if k not in old]
+    diffs = [f"{k} {_show(old[k]) if k in old else '(unset)'} -> {_show(new[k]) if k in new else '(unset)'}"
+             for k in keys if k not in old or k not in new or old[k] != new[k]]
+    if not diffs:
+        return None
+    return ", ".join(diffs[:most]) + (f" and {len(diffs) - most} more" if len(diffs) > most else "")
+
+
+class JobFailed(RuntimeError):
+    """A job's failure, as its JobReturn's value: its directory holds error.txt and no metrics.json."""
+
+
 class PackedLauncher(Launcher):
     def __init__(self, pack_size: int = 16, force: bool = False) -> None:
         self.pack_size, self.force = max(1, pack_size), force
@@ -50,32 +102,64 @@ class PackedLauncher(Launcher):
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from steer import run
-
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        job_dirs: List[Path] = []
+        try:
+            returns, failed = self._launch(job_overrides, initial_job_idx, sweep_dir, job_dirs)
+        except KeyboardInterrupt:
+            _interrupted(sweep_dir, job_dirs, len(job_overrides))
+        if failed:
+            # Hydra's sweeper would raise the first failure as a traceback, before the report: say it here, exit 1.
+            # (A sweeper that sends several batches stops after this one.)
+            out = _report(sweep_dir)
+            print(f"{len(failed)} of {len(job_overrides)} jobs failed (error.txt in their directories: "
+                  f"{', '.join(failed)}); {out}", file=sys.stderr)
+            sys.exit(1)
+        return returns
+
+    def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, sweep_dir: Path,
+                job_dirs: List[Path]) -> Tuple[List[JobReturn], List[str]]:
+        from steer import run
+
         returns: List[JobReturn] = []
-        pending: Dict[str, JobReturn] = {}
+        pending: Dict[str, Tuple[int, str, JobReturn]] = {}
+        failed: List[str] = []
         with run.deferring() as jobs:
             for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
                 with open_dict(cfg):
                     cfg.hydra.job.id = cfg.hydra.job.num = idx
                 job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+                job_dirs.append(job_dir)
+                shown = " ".join(filter_overrides(overrides))
+                # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
+                note = ""
                 if complete(job_dir) and not self.force:
-                    log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))} (complete, skipped)")
-                    returns.append(_done(cfg, overrides, job_dir))
-                    continue
-                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+                    changed = config_changes(job_dir, cfg)
+                    if changed is None:
+                        log.info(f"\t#{idx} : {shown} (complete, skipped)")
+                        returns.append(_done(cfg, overrides, job_dir))
+                        continue
+                    note = f" (config changed: {changed}, rerunning)"
+                elif (job_dir / "error.txt").is_file():
+                    note = " (failed before, rerunning)"
+                for name in STALE:  # a rerun that stops part way must not leave the old results beside the new config
+                    if (job_dir / name).is_file():
+                        (job_dir / name).unlink()
+                log.info(f"\t#{idx} : {shown}{note}")
                 n = len(jobs)
                 ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
                               job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
                 returns.append(ret)
-                if len(jobs) > n:  # a steer job, validated and waiting for its group
-                    pending[str(jobs[-1].out_dir)] = ret
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+                if ret.status == JobStatus.FAILED:
+                    failed.append(_say_failed(idx, shown, ret, job_dir, f"{type(ret._return_value).__name__}: "
+                                                                        f"{ret._return_value}"))
+                elif len(jobs) > n:  # a steer job, validated and waiting for its group
+                    pending[str(jobs[-1].out_dir)] = (idx, shown, ret)
         groups: Dict[str, list] = {}
         for job in jobs:
             groups.setdefault(run.engine_key(job), []).append(job)
@@ -83,12 +167,41 @@ class PackedLauncher(Launcher):
         for i, group in enumerate(groups.values()):
             metrics = run_group(group, self.pack_size) if i == 0 else _in_own_process(group, self.pack_size)
             for job, m in zip(group, metrics):
-                pending[str(job.out_dir)].return_value = m
-        return returns
+                idx, shown, ret = pending[str(job.out_dir)]
+                if isinstance(m, dict) and "error" in m:
+                    failed.append(_say_failed(idx, shown, ret, job.out_dir, str(m["error"])))
+                else:
+                    ret.return_value = m
+        return returns, failed
+
+
+def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: str) -> str:
+    """Mark a job's JobReturn failed and log one line for it; return its number for the sweep's last line."""
+    first = (message.strip().splitlines() or [""])[0]
+    ret.status = JobStatus.FAILED
+    ret.return_value = JobFailed(f"job #{idx} ({shown}) failed: {first}")
+    log.error(f"\t#{idx} : {shown} (failed: {first}; see {job_dir / 'error.txt'})")
+    return f"#{idx}"
+
+
+def _report(sweep_dir: Path) -> str:
+    from steer import sweep
+
+    out = sweep.write_report(sweep_dir)
+    return f"summary written to {out['summary']}" if out else f"no summary written (no job in {sweep_dir} finished)"
+
+
+def _interrupted(sweep_dir: Path, job_dirs: List[Path], total: int) -> None:
+    """Ctrl-C: keep what finished, write its report, say so in one line, exit 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
+    done = sum(complete(d) for d in job_dirs)
+    print(f"interrupted: {done} of {total} jobs finished; {_report(sweep_dir)}", file=sys.stderr)
+    sys.exit(130)
 
 
 def run_group(jobs: list, pack_size: int) -> List[dict]:
-    """Run one engine group, `pack_size` jobs at a time; each pack's files are written when it finishes."""
+    """Run one engine group, `pack_size` jobs at a time; each pack's files are written when it finishes. A pack
+    that fails as a whole (its engine did not start, say) fails its jobs, and the next pack runs."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -100,14 +213,32 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
                   console=console, disable=not jobs[0].cfg.progress) as progress:
         task = progress.add_task("jobs", total=len(jobs))
         for start in range(0, len(jobs), pack_size):
-            out += run.execute(jobs[start : start + pack_size], console, on_done=lambda job: progress.advance(task))
+            pack = jobs[start : start + pack_size]
+            try:
+                out += run.execute(pack, console, on_done=lambda job: progress.advance(task), summary=False)
+            except Exception as e:
+                out += [_pack_failed(job, e) for job in pack]
     return out
+
+
+def _pack_failed(job, e: Exception) -> dict:
+    """A job of a pack that raised: its metrics if it finished before, else error.txt and `{"error": ...}`."""
+    import json
+
+    from steer import results
+
+    if complete(job.out_dir):
+        return json.loads((job.out_dir / "metrics.json").read_text())
+    message = f"{type(e).__name__}: {e}"
+    results.write_text(job.out_dir / "error.txt", "".join(traceback.format_exception(e)).rstrip() + "\n")
+    return {"error": message}
 
 
 def _in_own_process(jobs: list, pack_size: int) -> List[dict]:
     # vLLM does not reliably free GPU memory when an engine is dropped: a second engine gets a fresh process.
+    # It ignores Ctrl-C: the launcher, told too, writes the report and ends it (no second traceback from it).
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
+    with ctx.Pool(1, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         return pool.apply(run_group, (jobs, pack_size))
 
 

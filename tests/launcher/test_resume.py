@@ -1,0 +1,142 @@
+"""The packed launcher's resume, failed jobs and Ctrl-C, on the HF engine (CPU)."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import CONF, ROOT, run_cli
+
+from hydra_plugins.steer_launcher import packed
+from hydra_plugins.steer_launcher.packed import complete
+
+QUICK = ["engine=hf", "gen.max_new_tokens=4",
+         "prompts.steer=['The weather today is','My friend looked at me and said']"]
+
+
+def jobs(sweep):
+    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) if sweep.exists() else []
+
+
+def summary(sweep):
+    with (sweep / "summary.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _cfg(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from steer import schema
+
+    schema.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
+    from omegaconf import OmegaConf
+
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(_cfg("tap.layer=1", "edit.scale=4"), tmp_path / ".hydra" / "config.yaml")
+    assert packed.config_changes(tmp_path, _cfg("tap.layer=1", "edit.scale=4")) is None
+    assert packed.config_changes(tmp_path, _cfg("tap.layer=1", "edit.scale=4", "progress=false")) is None
+    assert packed.config_changes(tmp_path, _cfg("tap.layer=2", "edit.scale=4")) == "tap.layer 1 -> 2"
+    changed = packed.config_changes(tmp_path, _cfg("tap.layer=2", "edit.scale=0"))
+    assert changed == "tap.layer 1 -> 2, edit.scale 4.0 -> 0.0"
+    assert packed.config_changes(tmp_path, _cfg("+experiment=joy_two_taps", "tap.layer=1", "edit.scale=4")).startswith(
+        "extra_edits [] -> ")
+    assert packed.config_changes(tmp_path / "nope", _cfg()) == "no saved config"
+
+
+def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"]
+    assert run_cli(args + ["tap.layer=1"], tmp_path, cache_dir).returncode == 0
+    res = run_cli(args + ["tap.layer=2"], tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(complete, skipped)" not in out and "2 jobs to run" in out
+    assert out.count("(config changed: tap.layer 1 -> 2, rerunning)") == 2
+    rows = summary(sweep)
+    assert [r["tap.layer"] for r in rows] == ["2", "2"]
+    for r, j in zip(rows, jobs(sweep)):  # the summary is the jobs' results, made with the config they hold
+        assert "layer: 2" in (j / ".hydra" / "config.yaml").read_text()
+        assert float(r["kl_mean"]) == json.loads((j / "metrics.json").read_text())["kl_mean"]
+    res = run_cli(args + ["tap.layer=2"], tmp_path, cache_dir)  # the same sweep again: nothing to do
+    assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+
+
+def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from steer import run
+
+    js = [SimpleNamespace(cfg=SimpleNamespace(progress=False), out_dir=tmp_path / str(i)) for i in range(4)]
+    for j in js:
+        j.out_dir.mkdir()
+
+    def execute(pack, console, on_done=None):
+        if js[0] in pack:
+            raise RuntimeError("engine did not start")
+        return [{"kl_mean": 1.0} for _ in pack]
+
+    monkeypatch.setattr(run, "execute", execute)
+    out = packed.run_group(js, 2)
+    assert out == [{"error": "RuntimeError: engine did not start"}] * 2 + [{"kl_mean": 1.0}] * 2
+    assert "RuntimeError: engine did not start" in (js[0].out_dir / "error.txt").read_text()
+    assert not (js[2].out_dir / "error.txt").exists()
+
+
+def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path, cache_dir, tiny_spec):
+    sweep = tmp_path / "sweep"
+    (sweep / "1" / "results.jsonl").mkdir(parents=True)  # job 1 cannot write its results: it fails after generating
+    args = ["-m", "edit.scale=0,2,4,8", *QUICK, f"hydra.sweep.dir={sweep}"]
+    res = run_cli(args, tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out[-3000:]
+    assert [complete(j) for j in jobs(sweep)] == [True, False, True, True]  # the rest of its pack finished
+    assert (sweep / "1" / "error.txt").is_file()
+    assert out.count("#1 : edit.scale=2") == 2 and "#1 : edit.scale=2 engine=hf" in out  # set up; failed: once
+    assert len([line for line in out.splitlines() if "(failed: IsADirectoryError" in line]) == 1
+    assert "1 of 4 jobs failed" in res.stderr and "Traceback" not in res.stderr
+    rows = summary(sweep)
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed"), ("2", "ok"), ("3", "ok")]
+    assert rows[1]["error"].startswith("IsADirectoryError") and rows[1]["kl_mean"] == ""
+
+    (sweep / "1" / "results.jsonl").rmdir()
+    res = run_cli(args, tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert out.count("(complete, skipped)") == 3 and out.count("(failed before, rerunning)") == 1
+    assert all(complete(j) for j in jobs(sweep)) and not (sweep / "1" / "error.txt").exists()
+    assert [r["status"] for r in summary(sweep)] == ["ok"] * 4
+
+
+def test_ctrl_c_keeps_finished_jobs_writes_their_summary_and_exits_130(tmp_path, cache_dir, tiny_spec):
+    sweep = tmp_path / "sweep"
+    # Packs of 2: a pack of one job prints its run's tables, as a single run does.
+    args = ["-m", "edit.scale=0,2,4,8", "tap.layer=1,2", *QUICK, "hydra.launcher.pack_size=2",
+            f"hydra.sweep.dir={sweep}", "progress=false"]
+    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        # Ctrl-C reaches the whole foreground process group; SIGINT must not be inherited as ignored.
+        proc = subprocess.Popen([sys.executable, "-m", "steer", *args], cwd=tmp_path, env=env, stdout=out,
+                                stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.time() + 300
+        while time.time() < deadline and not any(complete(j) for j in jobs(sweep)) and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    stderr = (tmp_path / "err").read_text()
+    finished = [j.name for j in jobs(sweep) if complete(j)]
+    assert 1 <= len(finished) < 8, "the sweep should have been stopped part way"
+    assert rc == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 5, stderr
+    assert stderr.splitlines()[-1] == (f"interrupted: {len(finished)} of 8 jobs finished; "
+                                       f"summary written to {sweep / 'summary.csv'}")
+    assert [r["job"] for r in summary(sweep)] == finished and all(r["status"] == "ok" for r in summary(sweep))
+    assert not list(sweep.rglob(".*.json*"))  # no temporary file left behind
