@@ -1,48 +1,146 @@
-"""Difference-of-means directions: mean tap value over one prompt set minus the mean over another."""
+"""Steering directions from two contrastive prompt sets, read at a tap.
+
+Each prompt gives one row: the mean of its tap values over its tokens (position "mean"), or its last token's
+("last", the last token of the chat-formatted prompt where prompts.chat applies). By default the mean leaves out
+the first token and special tokens: on SmolLM2 the first token carries a massive activation at layers 12 and 18
+(an attention sink, GUIDE.md section 9), and a mean over all tokens makes the direction mostly that token's.
+
+- diffmean: mean(positive rows) - mean(negative rows).
+- pca: the first principal component of the paired differences positive_i - negative_i (uncentred: the top
+  right singular vector, i.e. the first component of the set {+-(positive_i - negative_i)}), its sign fixed so
+  it points toward the positive set, scaled by the mean difference's projection on it so that an edit's scale
+  means about what it means for diffmean.
+"""
 
 import hashlib
 import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from steer import vector
+from steer.errors import ConfigError
+from steer.prompt import chat_mode, uses_chat
+from steer.schema import ExtractConf
 from steer.tap import Tap
 
+METHODS = ("diffmean", "pca")
+POSITIONS = ("mean", "last")
 
-def tap_means(engine, tap: Tap, prompts: List[str], position: str) -> torch.Tensor:
-    """Mean over prompts of each prompt's tap value (its tokens' mean, or its last token's)."""
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a direction is made (extract.* and prompts.chat); every field keys the cached default direction and is
+    recorded in the vector file's metadata."""
+
+    method: str = "diffmean"
+    position: str = "mean"
+    chat: str = "false"  # auto / true / false, as prompts.chat
+    skip_first: bool = True
+    skip_special: bool = True
+    normalize: bool = False
+
+    @classmethod
+    def from_conf(cls, conf: ExtractConf, chat="false") -> "Recipe":
+        """The recipe of a run's `extract` settings and `prompts.chat`, validated."""
+        return cls(conf.method, conf.position, str(chat), bool(conf.skip_first), bool(conf.skip_special),
+                   bool(conf.normalize)).check()
+
+    def check(self, positive: Optional[Sequence[str]] = None, negative: Optional[Sequence[str]] = None) -> "Recipe":
+        """Validate (before any engine starts): ConfigError naming the field. With the prompt sets, also that pca
+        can pair them."""
+        if self.method not in METHODS:
+            raise ConfigError("extract.method", f"{self.method!r} is not one of {', '.join(METHODS)}")
+        if self.position not in POSITIONS:
+            raise ConfigError("extract.position", f"{self.position!r} is not one of {', '.join(POSITIONS)}")
+        if self.method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
+            raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
+                                                f"{len(positive)} prompts and prompts.negative {len(negative)}")
+        return replace(self, chat=chat_mode(self.chat))
+
+    def metadata(self) -> Dict[str, str]:
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+
+
+def prompt_rows(engine, tap: Tap, prompts: List[str], recipe: Recipe = Recipe()) -> torch.Tensor:
+    """One float32 row per prompt at `tap`, `[len(prompts), hidden]`: the mean over its kept tokens, or its last
+    token (position "last", whatever the skip settings)."""
+    encoded = [engine.encode(p, recipe.chat) for p in prompts]
+    special = set(engine.tokenizer.all_special_ids) if recipe.skip_special else set()
     rows = []
-    for _, captured in engine.score_many([(engine.encode(p), [], None, (tap.path,)) for p in prompts]):
+    scored = engine.score_many([(ids, [], None, (tap.path,)) for ids in encoded])
+    for i, (ids, (_, captured)) in enumerate(zip(encoded, scored)):
         h = captured[tap.path]
-        rows.append(h[-1] if position == "last" else h.mean(0))
-    return torch.stack(rows).mean(0)
+        if recipe.position == "last":
+            rows.append(h[-1])
+            continue
+        keep = torch.tensor([t not in special for t in ids], dtype=torch.bool)
+        if recipe.skip_first:
+            keep[0] = False
+        if not keep.any():
+            raise ConfigError("extract.skip_first", f"prompt {prompts[i]!r} has no token left once the first token "
+                                                    "and special tokens are left out; lengthen it, or set "
+                                                    "extract.skip_first=false / extract.skip_special=false")
+        rows.append(h[keep].mean(0))
+    return torch.stack(rows)
+
+
+def direction(engine, tap: Tap, positive: List[str], negative: List[str], recipe: Recipe = Recipe()) -> torch.Tensor:
+    """The direction at `tap` by `recipe`, as float32 `[hidden]` (unit norm if `recipe.normalize`)."""
+    recipe = resolve(recipe, engine, positive, negative)
+    pos, neg = prompt_rows(engine, tap, positive, recipe), prompt_rows(engine, tap, negative, recipe)
+    mean_diff = pos.mean(0) - neg.mean(0)
+    if recipe.method == "diffmean":
+        d = mean_diff
+    else:
+        u = torch.linalg.svd((pos - neg).double(), full_matrices=False).Vh[0].float()
+        along = float(mean_diff @ u)
+        if along < 0:
+            u, along = -u, -along
+        d = u * along if along > 0 else u
+    return d / d.norm() if recipe.normalize else d
 
 
 def diff_of_means(engine, tap: Tap, positive: List[str], negative: List[str], position: str = "mean",
-                  normalize: bool = False) -> torch.Tensor:
-    """`mean(positive) - mean(negative)` at `tap`, as float32 `[hidden]` (unit norm if `normalize`)."""
-    if position not in ("mean", "last"):
-        from steer.errors import ConfigError
-        raise ConfigError("extract.position", f"{position!r} is not 'mean' or 'last'")
-    d = tap_means(engine, tap, positive, position) - tap_means(engine, tap, negative, position)
-    return d / d.norm() if normalize else d
+                  normalize: bool = False, **recipe) -> torch.Tensor:
+    """`mean(positive) - mean(negative)` at `tap` (other Recipe fields as keywords)."""
+    return direction(engine, tap, positive, negative, Recipe(position=position, normalize=normalize, **recipe))
+
+
+def resolve(recipe: Recipe, engine, positive: List[str], negative: List[str]) -> Recipe:
+    """`recipe` validated, its chat mode resolved against the engine's tokenizer ("true" if prompts are
+    chat-formatted, else "false"): what the direction is keyed on and what its metadata says."""
+    recipe = recipe.check(positive, negative)
+    return replace(recipe, chat="true" if uses_chat(engine.tokenizer, recipe.chat) else "false")
+
+
+def _legacy(recipe, normalize: Optional[bool]) -> Recipe:
+    if isinstance(recipe, str):  # the older (position, normalize) arguments
+        recipe = Recipe(position=recipe)
+    return replace(recipe, normalize=normalize) if normalize is not None else recipe
 
 
 def extract_to(path: str | Path, key: str, engine, tap: Tap, positive: List[str], negative: List[str],
-               position: str = "mean", normalize: bool = False) -> Path:
-    """Extract a direction and write it to `path` under `key`, with metadata saying how it was made."""
-    d = diff_of_means(engine, tap, positive, negative, position, normalize)
-    return vector.save(path, {key: d}, model=engine.spec.name, tap=tap.name, method=f"diff-of-means/{position}",
-                       extra={"positive": str(len(positive)), "negative": str(len(negative)),
+               recipe: Recipe = Recipe(), normalize: Optional[bool] = None) -> Path:
+    """Extract a direction and write it to `path` under `key`, with metadata saying how it was made (method,
+    position, chat, skip_first, skip_special, normalize, the prompt counts, the model's source)."""
+    recipe = resolve(_legacy(recipe, normalize), engine, positive, negative)
+    d = direction(engine, tap, positive, negative, recipe)
+    meta = recipe.metadata()
+    return vector.save(path, {key: d}, model=engine.spec.name, tap=tap.name, method=meta.pop("method"),
+                       extra={**meta, "positive": str(len(positive)), "negative": str(len(negative)),
                               "source": engine.spec.source})
 
 
-def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str]) -> torch.Tensor:
-    """The default direction at `tap`: extracted once per (model, tap, prompt sets), then read from cache."""
-    blob = json.dumps([engine.spec.source, tap.path, positive, negative]).encode()
+def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str],
+                   recipe: Recipe = Recipe()) -> torch.Tensor:
+    """The default direction at `tap`: extracted once per (model, tap, prompt sets, recipe with its chat mode
+    resolved), then read from cache."""
+    recipe = resolve(recipe, engine, positive, negative)
+    blob = json.dumps([engine.spec.source, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
     path = Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
     if not path.exists():
-        extract_to(path, "direction", engine, tap, positive, negative)
+        extract_to(path, "direction", engine, tap, positive, negative, recipe)
     return vector.load(path, "direction", engine.spec.hidden, field="default vector")

@@ -1,17 +1,20 @@
 """What a run needs to know about its model before any weights load: where it is, its shape, its modules.
 
 The module tree is built on the meta device from the config alone, so a tap that names no module, or a layer
-out of range, fails in a second even for an 8B model, and offline use of a hub model fails with a clear message.
+out of range, fails in a second even for an 8B model. A hub model is read from the hub when it answers within a
+few seconds, else from the local cache, else the run fails at once with one message saying what to do.
 """
 
+import os
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import FrozenSet, Tuple
+from typing import FrozenSet, Optional, Tuple
 
 import torch
 
-from steer import tiny
+from steer import gguf_model, prompt, tiny
 from steer.errors import ConfigError
 from steer.schema import ModelConf
 
@@ -21,13 +24,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    source: str  # "tiny", a local directory, or a hub id
+    source: str  # a local directory (the tiny model's, the converted GGUF's, a cached hub snapshot) or a hub id
     revision: str | None
     dtype: torch.dtype
     hidden: int
     layers: int
     layers_path: str  # the ModuleList holding the decoder layers, e.g. "model.layers"
     modules: FrozenSet[str]
+    # Whether the tokenizer has a chat template, where that is known without loading it (None: known only once an
+    # engine loads the tokenizer, e.g. a hub model read online).
+    chat_template: Optional[bool] = None
 
     def layer_path(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -39,25 +45,108 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         raise ConfigError("model.dtype", f"{conf.dtype!r} is not one of {sorted(_DTYPES)}")
     if conf.source == "tiny":
         config = tiny.llama_config(conf.tiny)
-        source = str(tiny.tiny_dir(cache_dir, conf.tiny))
+        source, template = str(tiny.tiny_dir(cache_dir, conf.tiny)), False  # its tokenizer has no chat template
+    elif conf.source == "gguf":
+        # Converted on first use (GUIDE.md section 9); later runs read config.json from the cache, no weights.
+        source = str(gguf_model.ensure(cache_dir, conf.gguf))
+        config, _ = _pretrained_config(source, None, "model.source")
+        template = prompt.template_in_dir(source)
     else:
-        config = _hub_config(conf.source if conf.source != "hub" else conf.name, conf.revision)
-        source = conf.source if conf.source != "hub" else conf.name
+        field, where = ("model.name", conf.name) if conf.source == "hub" else ("model.source", conf.source)
+        config, source = _pretrained_config(where, conf.revision, field)
+        template = prompt.template_in_dir(source) if Path(source).is_dir() else None
     layers_path, modules = _modules(config)
     return ModelSpec(conf.name, source, conf.revision, _DTYPES[conf.dtype], config.hidden_size,
-                     config.num_hidden_layers, layers_path, modules)
+                     config.num_hidden_layers, layers_path, modules, template)
 
 
-def _hub_config(where: str, revision: str | None):
+def _pretrained_config(where: str, revision: str | None, field: str):
+    """(config, where to load the model from) for a local directory or a hub id. A hub id is read from the hub if
+    it answers within a few seconds, else (or with HF_HUB_OFFLINE=1) from the local cache, whose snapshot
+    directory is then where the engines load from, with no network."""
     from transformers import AutoConfig
 
-    field = "model.source" if Path(where).exists() else "model.name"
+    local = Path(where).expanduser()
+    if local.exists() or where.startswith(("/", ".", "~")):
+        if not local.is_dir():
+            raise ConfigError(field, f"{where!r} is not a directory (a local model, or a Hugging Face hub id "
+                                     "such as org/name)")
+        try:
+            return AutoConfig.from_pretrained(str(local)), str(local)
+        except Exception as e:  # transformers raises OSError or ValueError depending on the cause
+            raise ConfigError(field, f"could not read the config of {where!r}: {_first_line(e)}") from e
+    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE")
+    endpoint = _hub_endpoint()
+    if not offline and _reachable(endpoint):
+        try:
+            return AutoConfig.from_pretrained(where, revision=revision), where
+        except Exception as e:  # hub errors: a gated model, a wrong id or revision
+            raise ConfigError(field, f"could not read the config of {where!r} from {endpoint} (a gated model "
+                                     f"needs `hf auth login` and its licence accepted): {_first_line(e)}") from e
+    snapshot = _cached_snapshot(where, revision)
+    if snapshot is not None:
+        try:
+            return AutoConfig.from_pretrained(snapshot), snapshot
+        except Exception as e:
+            raise ConfigError(field, f"could not read the cached config of {where!r} at {snapshot!r}: "
+                                     f"{_first_line(e)}") from e
+    why = "HF_HUB_OFFLINE is set" if offline else f"the hub ({endpoint}) does not answer"
+    raise ConfigError(field, f"could not read the config of {where!r}: {why} and it is not in the local Hugging "
+                             f"Face cache. Set model.source=<local dir> to a downloaded checkpoint, or download it "
+                             f"once online (`hf download {where}`; a gated model needs `hf auth login` first) and "
+                             f"run with HF_HUB_OFFLINE=1")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_endpoint() -> str:
+    # Read at call time: huggingface_hub reads HF_ENDPOINT once, when it is imported.
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether the hub answers an HTTP request within `timeout` seconds (any status counts). In a thread, so a
+    name lookup that hangs is cut off too; huggingface_hub itself would retry for half a minute."""
+    answered = []
+
+    def ask():
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+            answered.append(True)
+        except urllib.error.HTTPError:  # an answer, whatever its status
+            answered.append(True)
+        except Exception:
+            pass
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return bool(answered)
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
+    """The cached snapshot directory of `repo_id` at `revision` if its config.json is in the local cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = os.environ.get("HF_HUB_CACHE") or (str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME")
+                                               else None)
     try:
-        return AutoConfig.from_pretrained(where, revision=revision)
-    except Exception as e:  # transformers raises OSError, ValueError or hub errors depending on the cause
-        raise ConfigError(field, f"could not read the config of {where!r} (a local directory or a Hugging "
-                                 f"Face hub id; offline, or a gated model without `hf auth login`?): "
-                                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision, cache_dir=cache)
+    except Exception:  # an id that is not a valid repo id
+        return None
+    return str(Path(found).parent) if isinstance(found, str) else None
 
 
 def _modules(config) -> Tuple[str, FrozenSet[str]]:

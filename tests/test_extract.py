@@ -1,30 +1,39 @@
+import pytest
 import torch
 
 from steer import vector
-from steer.extract import cached_default, diff_of_means, extract_to
-from steer.schema import TapConf
+from steer.errors import ConfigError
+from steer.extract import Recipe, cached_default, diff_of_means, direction, extract_to, prompt_rows
+from steer.schema import ExtractConf, TapConf
 from steer.tap import resolve
 
 POS = ["I am happy and glad", "What a lovely bright day"]
 NEG = ["I am sad and tired", "What a grim dark day"]
 
 
-def direct_mean(engine, prompts, layer, last):
+def direct_mean(engine, prompts, layer, last, skip=0):
     rows = []
     for p in prompts:
         with torch.no_grad():
             hs = engine.model(torch.tensor([engine.encode(p)]), output_hidden_states=True).hidden_states[layer + 1][0]
-        rows.append(hs[-1] if last else hs.mean(0))
+        rows.append(hs[-1] if last else hs[skip:].mean(0))
     return torch.stack(rows).mean(0)
 
 
 def test_diff_of_means_matches_direct_computation(hf_engine, tiny_spec):
     tap = resolve(TapConf(layer=1), tiny_spec)
+    raw = dict(skip_first=False, skip_special=False)
     for position in ("mean", "last"):
-        d = diff_of_means(hf_engine, tap, POS, NEG, position)
+        d = diff_of_means(hf_engine, tap, POS, NEG, position, **raw)
         last = position == "last"
         expected = direct_mean(hf_engine, POS, 1, last) - direct_mean(hf_engine, NEG, 1, last)
         torch.testing.assert_close(d, expected, atol=1e-4, rtol=1e-4)
+    # The default leaves out the first token (the tiny model's is its BOS, a special token too).
+    expected = direct_mean(hf_engine, POS, 1, False, skip=1) - direct_mean(hf_engine, NEG, 1, False, skip=1)
+    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG), expected, atol=1e-4, rtol=1e-4)
+    assert hf_engine.encode(POS[0])[0] == hf_engine.tokenizer.bos_token_id
+    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, skip_first=False), expected, atol=1e-4,
+                               rtol=1e-4)  # skip_special alone drops the BOS here
     assert abs(float(diff_of_means(hf_engine, tap, POS, NEG, normalize=True).norm()) - 1) < 1e-5
 
 
@@ -32,7 +41,10 @@ def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
     tap = resolve(TapConf(layer=2), tiny_spec)
     p = extract_to(tmp_path / "v.safetensors", "joy", hf_engine, tap, POS, NEG)
     meta = vector.metadata(p)
-    assert meta["tap"] == "layer2" and meta["method"] == "diff-of-means/mean" and meta["positive"] == "2"
+    assert meta["tap"] == "layer2" and meta["positive"] == "2"
+    assert {k: meta[k] for k in ("method", "position", "chat", "skip_first", "skip_special", "normalize")} == {
+        "method": "diffmean", "position": "mean", "chat": "false", "skip_first": "true", "skip_special": "true",
+        "normalize": "false"}
     first = cached_default(str(tmp_path), hf_engine, tap, POS, NEG)
     cached = list((tmp_path / "vectors").glob("*.safetensors"))
     assert len(cached) == 1
@@ -40,3 +52,61 @@ def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
     assert torch.equal(cached_default(str(tmp_path), hf_engine, tap, POS, NEG), first)
     assert cached[0].stat().st_mtime_ns == mtime
     torch.testing.assert_close(first[0], vector.load(p, "joy", tiny_spec.hidden)[0])
+
+
+def test_cached_default_is_keyed_on_the_recipe(hf_engine, tiny_spec, tmp_path):
+    tap = resolve(TapConf(layer=2), tiny_spec)
+    base = cached_default(str(tmp_path), hf_engine, tap, POS, NEG)
+    for n, recipe in enumerate([Recipe(skip_first=False, skip_special=False), Recipe(position="last"),
+                                Recipe(method="pca"), Recipe(normalize=True)], start=2):
+        other = cached_default(str(tmp_path), hf_engine, tap, POS, NEG, recipe)
+        assert not torch.allclose(other, base)
+        assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == n
+    meta = [vector.metadata(p) for p in (tmp_path / "vectors").glob("*.safetensors")]
+    assert sorted(m["method"] for m in meta) == ["diffmean"] * 4 + ["pca"]
+    # chat "auto" on a tokenizer without a template resolves to raw prompts: the same vector, the same file.
+    assert torch.equal(cached_default(str(tmp_path), hf_engine, tap, POS, NEG, Recipe(chat="auto")), base)
+    assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 5
+
+
+def test_pca_points_toward_the_positive_set(hf_engine, tiny_spec):
+    tap = resolve(TapConf(layer=1), tiny_spec)
+    pos = POS + ["We laughed and smiled", "She was delighted and warm"]
+    neg = NEG + ["We cried and sighed", "She was miserable and cold"]
+    recipe = Recipe(method="pca")
+    d = direction(hf_engine, tap, pos, neg, recipe)
+    p, n = prompt_rows(hf_engine, tap, pos, recipe), prompt_rows(hf_engine, tap, neg, recipe)
+    mean_diff = p.mean(0) - n.mean(0)
+    assert float(d @ mean_diff) > 0
+    assert float((p @ d).mean()) > float((n @ d).mean())
+    # The first right singular vector of the paired differences, scaled by the mean difference along it.
+    u = torch.linalg.svd(p - n, full_matrices=False).Vh[0]
+    torch.testing.assert_close(d / d.norm(), u * torch.sign(u @ mean_diff), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(d.norm(), (mean_diff @ d / d.norm()).abs(), atol=1e-4, rtol=1e-4)
+    # One pair: pca is that pair's difference, which is the difference of means.
+    torch.testing.assert_close(direction(hf_engine, tap, pos[:1], neg[:1], recipe),
+                               direction(hf_engine, tap, pos[:1], neg[:1]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("conf, field", [
+    (ExtractConf(method="svd"), "extract.method"),
+    (ExtractConf(position="first"), "extract.position"),
+])
+def test_unknown_method_or_position_is_a_config_error(conf, field):
+    with pytest.raises(ConfigError) as e:
+        Recipe.from_conf(conf, "auto")
+    assert e.value.field == field
+
+
+def test_bad_recipes_fail_before_the_engine_runs(hf_engine, tiny_spec):
+    tap = resolve(TapConf(layer=1), tiny_spec)
+    with pytest.raises(ConfigError) as e:
+        Recipe.from_conf(ExtractConf(), "maybe")
+    assert e.value.field == "prompts.chat"
+    with pytest.raises(ConfigError, match="pca pairs") as e:
+        Recipe(method="pca").check(POS, NEG[:1])
+    assert e.value.field == "extract.method"
+    with pytest.raises(ConfigError) as e:  # the tiny model's tokenizer has no chat template
+        direction(hf_engine, tap, POS, NEG, Recipe(chat="true"))
+    assert e.value.field == "prompts.chat"
+    assert Recipe.from_conf(ExtractConf(), True).chat == "true"  # Hydra hands a YAML boolean over as a bool

@@ -1,3 +1,6 @@
+import time
+from pathlib import Path
+
 import pytest
 
 from steer import tiny
@@ -18,6 +21,46 @@ def test_unreachable_hub_model_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="could not read the config of 'nobody/no-such-model'") as e:
         spec(ModelConf(name="nobody/no-such-model", source="hub"), str(tmp_path))
     assert e.value.field == "model.name"
+
+
+def test_unreachable_hub_fails_fast_with_one_message(tmp_path, monkeypatch, caplog, capfd):
+    # The hub blocked deterministically: nothing listens on port 9 (huggingface_hub would retry for 30 s).
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        spec(ModelConf(name="meta-llama/Llama-3.2-1B-Instruct", source="hub"), str(tmp_path))
+    assert time.perf_counter() - t0 < 5
+    assert e.value.field == "model.name"
+    msg = str(e.value)
+    assert "does not answer" in msg and "model.source=<local dir>" in msg and "HF_HUB_OFFLINE=1" in msg
+    out, err = capfd.readouterr()
+    assert "Retrying" not in out + err + caplog.text
+
+
+def test_cached_hub_model_is_read_from_its_snapshot_when_the_hub_is_unreachable(tiny_spec, tmp_path, monkeypatch):
+    import shutil
+
+    snap = tmp_path / "hub" / "models--someone--cached-llama" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    shutil.copy(Path(tiny_spec.source) / "config.json", snap / "config.json")
+    (tmp_path / "hub" / "models--someone--cached-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--cached-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for env in ({"HF_ENDPOINT": "http://127.0.0.1:9"}, {"HF_HUB_OFFLINE": "1"}):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            s = spec(ModelConf(name="someone/cached-llama", source="hub"), str(tmp_path))
+        assert s.source == str(snap) and (s.layers, s.hidden) == (tiny_spec.layers, tiny_spec.hidden)
+
+
+def test_missing_local_directory(tmp_path):
+    with pytest.raises(ConfigError, match="is not a directory") as e:
+        spec(ModelConf(name="mine", source=str(tmp_path / "nowhere")), str(tmp_path))
+    assert e.value.field == "model.source"
 
 
 def test_bad_dtype(tmp_path):

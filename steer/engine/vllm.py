@@ -15,6 +15,7 @@ import torch
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, tap_location, worker_cls
+from steer import prompt
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf, VllmConf
@@ -93,8 +94,18 @@ class VLLMEngine:
         )
         self._keys = 0
 
-    def encode(self, text: str) -> List[int]:
-        return self.tokenizer(text)["input_ids"]
+    @property
+    def max_len(self) -> int:
+        """Positions a request may use, prompt and continuation together."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    def render(self, text: str, chat: str = "false") -> Tuple[str, List[int]]:
+        """The exact text fed for prompt `text` and its ids: raw, or a user turn of the chat template (`chat`:
+        auto / true / false, as prompts.chat). Both engines go through steer.prompt.render: identical ids."""
+        return prompt.render(self.tokenizer, text, chat)
+
+    def encode(self, text: str, chat: str = "false") -> List[int]:
+        return self.render(text, chat)[1]
 
     def decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,73 @@
+"""What an engine feeds for a prompt: the raw text, or the text as a user turn of the tokenizer's chat template.
+
+Both engines encode through `render`, so they feed identical ids. Templated text already holds the model's
+special tokens (a BOS, the turn markers), so it is tokenized with `add_special_tokens=False`: no doubled BOS.
+"""
+
+import json
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from steer.errors import ConfigError
+
+CHAT_MODES = ("auto", "true", "false")
+
+
+def chat_mode(chat, field: str = "prompts.chat") -> str:
+    """`chat` as one of auto / true / false (Hydra may hand a YAML boolean over as "True"), or a ConfigError."""
+    mode = str(chat).strip().lower()
+    if mode not in CHAT_MODES:
+        raise ConfigError(field, f"{chat!r} is not one of {', '.join(CHAT_MODES)}")
+    return mode
+
+
+def has_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def uses_chat(tokenizer, chat) -> bool:
+    """Whether prompts are chat-formatted under mode `chat` with this tokenizer (true without a template: error)."""
+    mode = chat_mode(chat)
+    if mode == "false":
+        return False
+    if has_template(tokenizer):
+        return True
+    if mode == "true":
+        raise ConfigError("prompts.chat", f"true, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} "
+                                          "has no chat template; use prompts.chat=auto or false")
+    return False
+
+
+def render(tokenizer, text: str, chat) -> Tuple[str, List[int]]:
+    """The exact text fed for prompt `text` and its token ids. Chat: the text as the one user turn, then the
+    assistant's generation prompt (`apply_chat_template(..., add_generation_prompt=True)`), tokenized without
+    added special tokens. Raw: `text` itself, tokenized with the tokenizer's own special tokens (e.g. a BOS)."""
+    if uses_chat(tokenizer, chat):
+        fed = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                            add_generation_prompt=True)
+        return fed, list(tokenizer(fed, add_special_tokens=False)["input_ids"])
+    return text, list(tokenizer(text)["input_ids"])
+
+
+def template_in_dir(path: str | Path) -> Optional[bool]:
+    """Whether the tokenizer saved in directory `path` has a chat template; None if there is no tokenizer there."""
+    path = Path(path)
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return None
+
+
+def check(chat, chat_template: Optional[bool]) -> str:
+    """Validate `prompts.chat` before any engine starts, against whether the model's tokenizer has a chat template
+    (`ModelSpec.chat_template`; None: not known yet, and the engine's `render` checks it then)."""
+    mode = chat_mode(chat)
+    if mode == "true" and chat_template is False:
+        raise ConfigError("prompts.chat", "true, but the model's tokenizer has no chat template; use "
+                                          "prompts.chat=auto or false")
+    return mode

