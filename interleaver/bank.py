@@ -10,6 +10,7 @@ the taps need.
 """
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -48,6 +49,8 @@ class RequestEdits:
 
     @classmethod
     def from_args(cls, d: Optional[Dict]) -> Optional["RequestEdits"]:
+        if isinstance(d, str):  # steer.serve's vllm_xargs carry flat values only: the dict as a JSON string
+            d = json.loads(d)
         if not d:
             return None
         return cls([(int(s), float(w), str(t)) for s, w, t in d.get("entries", [])], d.get("prompt_len"),
@@ -82,10 +85,11 @@ class EditBank:
         self.stages: List[Stage] = []
         self._ids: Dict[tuple, int] = {}
 
-    def register(self, location: str, edits: Sequence[Edit]) -> List[Tuple[int, float, str]]:
-        """Register a tap's edits (in order) and return the request entries that ask for them."""
+    def register(self, location: str, edits: Sequence[Edit], start: int = 0) -> List[Tuple[int, float, str]]:
+        """Register a tap's edits (in order, from position `start` of the tap's edit list) and return the request
+        entries that ask for them."""
         out = []
-        for index, e in enumerate(edits):
+        for index, e in enumerate(edits, start):
             unit = e.unit()
             key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value)
             if key not in self._ids:

@@ -61,6 +61,9 @@ TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...
 IN_GRAPH_KEY = "steer_in_graph"
 # additional_config key: true to replay each tap's program at its break as a CUDA graph of its own (tap_graphs.py)
 TAP_GRAPHS_KEY = "steer_tap_graphs"
+# additional_config key of a replay engine started with stages already registered (steer.serve's presets), the
+# same list as IN_GRAPH_KEY's; more may still arrive through steer_set_stages
+STAGES_KEY = "steer_stages"
 
 
 def tap_location(path: str) -> str:
@@ -103,7 +106,8 @@ class _TapWorkerMixin:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
             modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
         self.steer_declared = None
-        self.steer_set_stages(declared or [])  # every tap gets a program, so capture-only requests are served too
+        # every tap gets a program, so capture-only requests are served too
+        self.steer_set_stages(declared if declared is not None else extra.get(STAGES_KEY) or [])
         if declared is not None:
             # Captured edits read their weights from one buffer at a fixed address, filled every step.
             self.steer_il.in_graph = True

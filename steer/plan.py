@@ -5,14 +5,14 @@ Vectors named by a file are loaded and checked here; a vector left to the defaul
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from steer import vector
 from steer.edit import Edit, compile_edit
 from steer.model import ModelSpec
-from steer.schema import EditConf, EditKind, SteerConf
+from steer.schema import EditConf, EditKind, SteerConf, TapConf
 from steer.tap import Tap, resolve
 
 
@@ -55,8 +55,14 @@ def needs_default_vector(e: EditConf) -> bool:
 def build(cfg: SteerConf, spec: ModelSpec, default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
     """Resolve taps, load and check vectors, compile edits. With `default_vector` None, only files are read
     (the early validation pass): edits that need an extracted vector are checked for everything else."""
+    return compile_entries(entries(cfg), spec, default_vector)
+
+
+def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelSpec,
+                    default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
+    """`build` for any (field prefix, tap config, edit config) list, e.g. a steer.serve preset's edits."""
     plan = Plan()
-    for prefix, tap_conf, e in entries(cfg):
+    for prefix, tap_conf, e in items:
         tap = resolve(tap_conf, spec, f"{prefix}tap")
         if e.vector.path is not None:
             vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector")

@@ -9,7 +9,8 @@ from omegaconf.errors import ValidationError
 from helpers import CONF, compose
 from steer.schema import EditKind, SteerConf
 
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
+# conf/preset/ belongs to conf/serve.yaml (python -m steer.serve): tests/serve/test_serve_presets.py checks it.
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "preset"))
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 

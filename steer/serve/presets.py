@@ -1,0 +1,186 @@
+"""Presets: named lists of {tap, edit} pairs (conf/preset/<name>.yaml), checked and compiled when the server starts.
+
+`read` and `check` run before any engine loads, with the CLI's own checks (steer.plan, steer.vector): a bad preset
+stops the start with a ConfigError naming it and the field, e.g. `preset joy: edits[0].edit.vector.path: ...`.
+`compile_all` then compiles every preset as `python -m steer` compiles the same edits (a null vector path is the
+default direction at the tap, steer.extract.cached_default with the config's prompts), so a preset served is the
+CLI run with those edits, and `compose` stacks presets for one request.
+"""
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from steer import vector
+from steer.edit import Edit
+from steer.errors import ConfigError
+from steer.model import ModelSpec
+from steer.plan import Plan, compile_entries, needs_default_vector
+from steer.schema import EditConf, EditKind, TapEditConf
+from steer.serve.schema import PresetConf, ServeOptions
+from steer.tap import Tap
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # no commas: a request composes presets as "a,b"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+@dataclass
+class Preset:
+    name: str
+    conf: PresetConf
+    items: List[Tuple[Tap, Edit]]  # every edit in config order, as compiled (a request drops its no-ops)
+    vectors: List[Optional[dict]]  # per edit: the vector file, key and metadata (None: the edit takes none)
+
+
+def directory(opts: ServeOptions) -> Path:
+    return Path(opts.preset_dir).expanduser() if opts.preset_dir else CONF_DIR / "preset"
+
+
+def read(opts: ServeOptions) -> Dict[str, PresetConf]:
+    """The presets `serve.presets` names (all in the preset directory if null), parsed onto PresetConf."""
+    where = directory(opts)
+    found = {p.stem: p for p in sorted(where.glob("*.yaml"))} if where.is_dir() else {}
+    names = list(found) if opts.presets is None else list(opts.presets)
+    if opts.presets is not None and not names:
+        raise ConfigError("serve.presets", "is empty; name at least one preset, or null for all of them")
+    if not names:
+        raise ConfigError("serve.preset_dir", f"no presets (*.yaml) in {str(where)!r}")
+    out = {}
+    for name in names:
+        if name not in found:
+            raise ConfigError("serve.presets", f"no preset {name!r} in {str(where)!r}; presets there: {sorted(found)}")
+        if not NAME.match(name):
+            raise ConfigError(f"preset {name}", "a preset's name (its file name) may hold only letters, digits, "
+                                                "'_', '-' and '.'")
+        conf = _parse(name, found[name])
+        if not conf.edits:
+            raise ConfigError(f"preset {name}: edits", "is empty; a preset needs at least one {tap, edit} pair")
+        out[name] = conf
+    return out
+
+
+def _parse(name: str, path: Path) -> PresetConf:
+    """A preset file merged onto PresetConf, each edit onto TapEditConf, so an error names `edits[i].<key>`."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    where = "edits"
+    try:
+        raw = OmegaConf.load(path)
+        if not isinstance(raw, DictConfig):
+            raise ConfigError(f"preset {name}", f"must be a mapping with `edits` ({path})")
+        edits = raw.get("edits", [])
+        if not isinstance(edits, ListConfig):
+            raise ConfigError(f"preset {name}: edits", f"must be a list of {{tap, edit}} pairs ({path})")
+        where = ""
+        top = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PresetConf),
+                                                  {k: v for k, v in raw.items() if k != "edits"}))
+        items = []
+        for i, item in enumerate(edits):
+            where = f"edits[{i}]."
+            items.append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TapEditConf), item)))
+    except (OmegaConfBaseException, YAMLError) as e:
+        key = getattr(e, "full_key", None)
+        first = " ".join(str(e).split("\n")[0].split())
+        field = f"preset {name}: {where}{key}" if key else f"preset {name}"
+        raise ConfigError(field, f"{first} ({path})") from e
+    top.edits = items
+    return top
+
+
+def check(confs: Dict[str, PresetConf], spec: ModelSpec) -> None:
+    """Everything that can be checked before an engine loads: taps, vector files, keys, shapes, values, kinds."""
+    for name, conf in confs.items():
+        _compile(name, conf, spec, None)
+
+
+def needs_default(confs: Dict[str, PresetConf]) -> bool:
+    return any(needs_default_vector(te.edit) for conf in confs.values() for te in conf.edits)
+
+
+def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
+                default_vector: Optional[Callable[[Tap], torch.Tensor]], cache_dir: str) -> Dict[str, Preset]:
+    """Every preset compiled, default directions asked of `default_vector` (as the CLI does)."""
+    out = {}
+    for name, conf in confs.items():
+        items = _compile(name, conf, spec, default_vector)
+        out[name] = Preset(name, conf, items, [_vector(te.edit, e, tap, cache_dir)
+                                               for te, (tap, e) in zip(conf.edits, items)])
+    return out
+
+
+def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> List[Tuple[Tap, Edit]]:
+    """The preset's (tap, compiled edit) pairs in config order, by the CLI's own steer.plan (one entry at a time,
+    which is what `build` does for a run's tap/edit and extra_edits)."""
+    out = []
+    for i, te in enumerate(conf.edits):
+        try:
+            plan = compile_entries([(f"edits[{i}].", te.tap, te.edit)], spec, default_vector)
+        except ConfigError as e:
+            raise ConfigError(f"preset {name}: {e.field}", str(e)[len(e.field) + 2:]) from e
+        out.append(plan.primary)
+    return out
+
+
+def scaled(e: Edit, k: float) -> Edit:
+    """`e` with its strength multiplied by `k` (the `scale` kind's strength is scale - 1)."""
+    if k == 1.0:
+        return e
+    if e.kind == EditKind.scale:
+        return replace(e, scale=1.0 + k * (e.scale - 1.0))
+    return replace(e, scale=e.scale * k)
+
+
+def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0) -> Optional[Plan]:
+    """The plan of presets applied in order (at each tap, the first preset's edits, then the next's), every
+    strength times `scale`, without edits that change nothing; None if none is left (an unsteered request)."""
+    plan = Plan()
+    for n in names:
+        for tap, e in presets[n].items:
+            plan.add(tap, scaled(e, scale))
+    active = plan.active()
+    return active if active.edits else None
+
+
+def listing(presets: Dict[str, Preset]) -> List[dict]:
+    """What GET /v1/steer/presets answers: each preset's taps and edits, with its vector files' metadata."""
+    out = []
+    for p in presets.values():
+        edits = [{"tap": tap.name, "path": tap.path, "kind": e.kind.value, "scale": e.scale, "tokens": e.tokens.value,
+                  "lo": e.lo, "hi": e.hi, "value": e.value, "vector": v} for (tap, e), v in zip(p.items, p.vectors)]
+        out.append({"name": p.name, "description": p.conf.description,
+                    "taps": list(dict.fromkeys(tap.name for tap, _ in p.items)), "edits": edits})
+    return out
+
+
+def _vector(conf: EditConf, e: Edit, tap: Tap, cache_dir: str) -> Optional[dict]:
+    if conf.vector.path is not None:
+        path = Path(conf.vector.path).expanduser()
+        return {"path": str(path), "key": conf.vector.key, "default": False, "metadata": vector.metadata(path)}
+    if not needs_default_vector(conf):
+        return None
+    found = _cached_file(cache_dir, tap, e.basis)
+    return {"path": str(found) if found else None, "key": "direction", "default": True,
+            "metadata": vector.metadata(found) if found else {}}
+
+
+def _cached_file(cache_dir: str, tap: Tap, v: Optional[torch.Tensor]) -> Optional[Path]:
+    """The cached default-direction file at `tap` holding `v` (up to its norm: an ablate keeps the unit direction)."""
+    if v is None:
+        return None
+    folder = Path(cache_dir).expanduser() / "vectors"
+    target = v[0].float() / v[0].float().norm()
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            if vector.metadata(f).get("tap") != tap.name:
+                continue
+            d = vector.load(f, "direction", v.shape[-1], "default vector")[0]
+        except Exception:  # another file of the cache, unreadable or of another shape: not this one
+            continue
+        if torch.allclose(d / d.norm(), target, atol=1e-6):
+            return f
+    return None

@@ -1,0 +1,54 @@
+"""The server's typed config (conf/serve.yaml) and a preset's (conf/preset/*.yaml): Hydra and OmegaConf merge the
+YAML onto these dataclasses, so an unknown key or a wrong type fails before anything loads."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from steer.schema import ModelConf, PromptsConf, TapEditConf, VllmConf
+
+
+@dataclass
+class PresetConf:
+    """A named steering: {tap, edit} pairs written like `extra_edits` in the steer config, applied in order. Served
+    as `vllm_xargs={"steer": "<file name>"}`; the same as `python -m steer` with these edits (the first as
+    tap/edit, the rest as extra_edits)."""
+
+    description: str = ""
+    edits: List[TapEditConf] = field(default_factory=list)
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Presets to load, by file name in the preset directory; null: every preset there.
+    presets: Optional[List[str]] = None
+    # Where presets are read from; null: the checkout's conf/preset/.
+    preset_dir: Optional[str] = None
+    # The model name clients pass (and /v1/models lists); null: model.name.
+    model_name: Optional[str] = None
+    # The largest |steer_scale| a request may ask for (a huge scale only overflows the activations).
+    max_steer_scale: float = 100.0
+    # engine=hf: max_tokens when a chat request gives none (a completion's default is OpenAI's, 16).
+    chat_max_tokens: int = 256
+    log_level: str = "info"
+
+
+@dataclass
+class ServeConf:
+    engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
+    model: ModelConf = MISSING
+    # The contrastive sets of presets whose vector path is null (the default direction, as in `python -m steer`).
+    prompts: PromptsConf = MISSING
+    device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
+    vllm: VllmConf = field(default_factory=VllmConf)
+    serve: ServeOptions = field(default_factory=ServeOptions)
+    cache_dir: str = MISSING
+
+
+def register() -> None:
+    """Register the schema under the name conf/serve.yaml puts first in its defaults list."""
+    ConfigStore.instance().store(name="serve_schema", node=ServeConf)

@@ -1,0 +1,108 @@
+"""engine=vllm: every preset's edits as bank stages, registered before the first request, and the translation of a
+request's (preset names, scale) into the per-request entries the tap worker reads (interleaver/bank.py).
+
+A request's edits at one tap run in the order of their position in that tap's edit list (a stage's `index`), and
+a request holds at most one stage per position. A preset composed after others at a tap starts after their edits
+there, so each preset's edits are registered at every position they can start from: 0 and each sum of the other
+presets' edit counts at that tap. A preset alone at its taps has one position, which keeps the tap's fused kernel
+(one launch for a tap whose stages all share a position); presets that share a tap add positions there.
+
+The stage list travels to the worker as plain data in vLLM's additional_config (no pickles), and the
+`Translator` (plain data too, JSON) is all the request middleware needs: it never touches a tensor.
+"""
+
+import json
+from typing import Dict, List, Sequence
+
+from steer.schema import EditKind
+from steer.serve.presets import Preset
+
+
+class StageTable:
+    def __init__(self, presets: Dict[str, Preset]):
+        from interleaver.bank import EditBank
+        from interleaver.vllm_internals import tap_location
+
+        self.bank = EditBank()
+        self.taps = {}
+        by_tap: Dict[str, Dict[str, list]] = {}  # tap path -> preset -> its edits there, in order
+        for name, p in presets.items():
+            for tap, e in p.items:
+                self.taps.setdefault(tap.path, tap)
+                by_tap.setdefault(tap.path, {}).setdefault(name, []).append(e)
+        # preset -> [[location, count, {start: [[stage, strength, tokens, always a no-op], ...]}], ...]
+        self.presets: Dict[str, list] = {name: [] for name in presets}
+        for path, mine in by_tap.items():
+            loc = tap_location(path)
+            for name, edits in mine.items():
+                starts = {}
+                for start in sorted(_sums([len(v) for m, v in mine.items() if m != name])):
+                    entries = self.bank.register(loc, edits, start)
+                    starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
+                                          for (sid, strength, tokens), e in zip(entries, edits)]
+                self.presets[name].append([loc, len(edits), starts])
+
+    def stage_list(self) -> list:
+        """[(id, location, index, Edit.to_dict())]: what VLLMEngine ships, and the worker's steer_set_stages takes."""
+        return [[s.id, s.location, s.index, s.edit.to_dict()] for s in self.bank.stages]
+
+    def tap_list(self) -> list:
+        return [[t.path, t.residual] for t in self.taps.values()]
+
+    def translator(self, listing: list, max_scale: float) -> "Translator":
+        return Translator({"presets": self.presets, "listing": listing, "max_steer_scale": max_scale})
+
+
+class Translator:
+    """Preset names and a scale -> the request's stage entries; plain data, built from a StageTable or its JSON."""
+
+    def __init__(self, table: dict):
+        self.table = table
+        self.presets: Dict[str, list] = table["presets"]
+        self.listing: list = table["listing"]
+        self.max_scale = float(table["max_steer_scale"])
+
+    @classmethod
+    def load(cls, path: str) -> "Translator":
+        with open(path) as f:
+            return cls(json.load(f))
+
+    def dump(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.table, f)
+
+    def entries(self, names: Sequence[str], scale: float) -> List[list]:
+        """[[stage, strength, tokens], ...] for presets `names` (distinct) composed in order, strengths times
+        `scale`, leaving out what changes nothing (as Plan.active does on the HF engine)."""
+        used: Dict[str, int] = {}
+        out = []
+        for name in names:
+            for loc, count, starts in self.presets[name]:
+                start = used.get(loc, 0)
+                used[loc] = start + count
+                for sid, strength, tokens, noop in starts[str(start)]:
+                    w = strength * scale
+                    if not noop and w != 0.0:
+                        out.append([sid, w, tokens])
+        return out
+
+    def steer_arg(self, names: Sequence[str], scale: float):
+        """The worker's `extra_args["steer"]` for these presets (a JSON string: vllm_xargs values are flat), or
+        None when nothing is left to edit (the request is served untouched)."""
+        entries = self.entries(names, scale)
+        if not entries:
+            return None
+        return json.dumps({"entries": entries, "prompt_len": None, "capture": [], "key": ""})
+
+
+def _sums(counts: List[int]) -> set:
+    """Every sum of a subset of `counts` (0 included)."""
+    out = {0}
+    for c in counts:
+        out |= {s + c for s in out}
+    return out
+
+
+def _always_noop(e) -> bool:
+    """An edit no scale can make do anything (a clamp without bounds); others are no-ops at strength 0 only."""
+    return e.kind == EditKind.clamp and e.lo is None and e.hi is None

@@ -1,0 +1,99 @@
+"""Starting the server: check everything a user can get wrong before any engine loads, compile the presets as the
+CLI compiles the same edits, then serve on the chosen engine."""
+
+from pathlib import Path
+from typing import Dict, Tuple
+
+from rich.console import Console
+from rich.markup import escape
+
+from steer import engine as engines
+from steer import tiny
+from steer.errors import ConfigError
+from steer.extract import cached_default
+from steer.model import ModelSpec, spec as model_spec
+from steer.serve import presets
+from steer.serve.schema import PresetConf, ServeConf
+
+
+def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
+    """(engine name, model spec, presets read and checked): everything checked that needs no weights."""
+    name = engines.resolve(conf.engine)
+    s = conf.serve
+    if not 0 < s.port < 65536:
+        raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
+    if not s.max_steer_scale > 0:
+        raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
+    if s.chat_max_tokens < 1:
+        raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
+    if conf.vllm.tensor_parallel_size < 1:
+        raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {conf.vllm.tensor_parallel_size}")
+    if name != "vllm" and (conf.vllm.edits_in_graph or conf.vllm.tap_graphs):
+        raise ConfigError("vllm.edits_in_graph" if conf.vllm.edits_in_graph else "vllm.tap_graphs",
+                          f"needs engine=vllm (this server resolves to engine={name})")
+    if conf.vllm.edits_in_graph and conf.vllm.tap_graphs:
+        raise ConfigError("vllm.tap_graphs", "an engine with vllm.edits_in_graph has no breaks to replay graphs at; "
+                                             "set one of the two")
+    spec = model_spec(conf.model, conf.cache_dir)
+    confs = presets.read(s)
+    presets.check(confs, spec)
+    if presets.needs_default(confs):
+        for field in ("positive", "negative"):
+            if not list(getattr(conf.prompts, field)):
+                raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
+                                                      "direction, extracted from prompts.positive and "
+                                                      "prompts.negative")
+    return name, spec, confs
+
+
+def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetConf], engine) -> Dict:
+    """The presets compiled; a null vector path is the default direction at its tap, from `engine` (cached), as
+    `python -m steer` asks for it."""
+    pos, neg = list(conf.prompts.positive), list(conf.prompts.negative)
+    default = (lambda tap: cached_default(conf.cache_dir, engine, tap, pos, neg)) if engine is not None else None
+    return presets.compile_all(confs, spec, default, conf.cache_dir)
+
+
+def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
+    name, spec, confs = prepare(conf)
+    if conf.model.source == "tiny":
+        tiny.ensure_tiny(conf.cache_dir, conf.model.tiny)
+    model_name = conf.serve.model_name or conf.model.name
+    say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
+    if name == "hf":
+        import uvicorn
+
+        from steer.serve.hf_app import HFServer, build_app
+
+        engine = engines.make("hf", spec, conf.device)
+        compiled = compile_presets(conf, spec, confs, engine)
+        server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
+                          conf.serve.chat_max_tokens)
+        say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
+            f"http://{conf.serve.host}:{conf.serve.port}/v1")
+        uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level)
+        return
+    # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
+    # every preset's stages go to the workers at start.
+    helper = None
+    if presets.needs_default(confs):
+        helper = engines.make("hf", spec, conf.device)
+    compiled = compile_presets(conf, spec, confs, helper)
+    if helper is not None:
+        del helper
+        _free_cuda()
+    from steer.serve import vllm_server
+
+    say(f"steer serve: {model_name} on engine=vllm, presets {escape(str(sorted(compiled)))}, "
+        f"http://{conf.serve.host}:{conf.serve.port}/v1")
+    vllm_server.serve(conf, spec, compiled, out_dir, model_name)
+
+
+def _free_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

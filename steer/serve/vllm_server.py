@@ -1,0 +1,103 @@
+"""engine=vllm: vLLM's own OpenAI-compatible server (vllm.entrypoints.openai.api_server.run_server, as `vllm serve`
+runs it with one API server process), in this process, with steer's tap worker and every preset registered.
+
+The one module of steer.serve that imports vLLM (its entrypoints; the worker's internals stay in
+interleaver/vllm_internals.py). The engine is started as steer.engine.vllm.VLLMEngine starts one (breakable CUDA
+graphs, the tap worker, prefix caching off, the V1 runner), and every preset's edits go to the workers as plain data
+inside additional_config, before vLLM records its graphs: the stage list under STAGES_KEY (replay at the taps'
+breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs). No RPC carries code or tensors, so
+VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs steer.serve.middleware.SteerMiddleware,
+which turns each request's vllm_xargs (steer, steer_scale) into the worker's entries before vLLM parses the body.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, List
+
+from steer.errors import ConfigError
+from steer.model import ModelSpec
+from steer.serve import presets as presets_mod
+from steer.serve.middleware import TABLE_ENV
+from steer.serve.presets import Preset
+from steer.serve.schema import ServeConf
+from steer.serve.stages import StageTable
+
+
+def engine_config(conf: ServeConf, table: StageTable) -> dict:
+    """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
+    from interleaver.vllm_internals import IN_GRAPH_KEY, STAGES_KEY, TAP_GRAPHS_KEY, TAPS_KEY
+
+    extra = {TAPS_KEY: table.tap_list()}
+    if conf.vllm.edits_in_graph:
+        if not table.bank.stages:
+            raise ConfigError("vllm.edits_in_graph", "no preset has an edit to capture into the graphs")
+        extra[IN_GRAPH_KEY] = table.stage_list()
+    else:
+        extra[STAGES_KEY] = table.stage_list()
+        if conf.vllm.tap_graphs:
+            extra[TAP_GRAPHS_KEY] = True
+    return extra
+
+
+def argv(conf: ServeConf, spec: ModelSpec, model_name: str) -> List[str]:
+    """`vllm serve` flags for this server (the settings that have no flag here are set on the parsed args)."""
+    from interleaver.vllm_internals import worker_cls
+    from steer.engine.vllm import compilation_config
+
+    v, s = conf.vllm, conf.serve
+    out = ["--model", spec.source, "--served-model-name", model_name, "--dtype", str(spec.dtype).replace("torch.", ""),
+           "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--max-num-seqs", str(v.max_num_seqs),
+           "--load-format", v.load_format, "--worker-cls", worker_cls(), "--tensor-parallel-size",
+           str(v.tensor_parallel_size), "--seed", "0", "--host", s.host, "--port", str(s.port),
+           "--middleware", "steer.serve.middleware.SteerMiddleware",
+           # vLLM's sampling defaults, not the checkpoint's generation_config: both engines answer a request alike.
+           "--generation-config", "vllm", "--uvicorn-log-level", s.log_level]
+    compilation = compilation_config(v)
+    if compilation:
+        out += ["--compilation-config", json.dumps(compilation)]
+    return out
+
+
+def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], out_dir: Path, model_name: str) -> None:
+    stages = StageTable(compiled)
+    extra = engine_config(conf, stages)
+    path = Path(out_dir) / "steer_presets.json"
+    stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale).dump(str(path))
+    os.environ[TABLE_ENV] = str(path)
+    # As VLLMEngine: breakable graphs (a tap runs at its point of every replay), no flashinfer sampler on the GPU
+    # machine, spawned workers, the V1 runner the tap worker hooks. Set before vLLM reads its environment.
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # every message to the workers is plain data
+
+    from transformers import AutoTokenizer
+
+    from steer.serve.protocol import plain_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
+    # The read-only request path (vLLM's api_server) and its arguments, as `vllm serve` builds them.
+    from vllm.entrypoints.openai.api_server import run_server
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser(prog="python -m steer.serve engine=vllm")).parse_args(
+        argv(conf, spec, model_name))
+    v = conf.vllm
+    args.revision = spec.revision
+    args.enable_prefix_caching = False  # a prefix cached without an edit must not serve a steered request
+    args.enforce_eager = v.enforce_eager
+    args.kv_cache_memory_bytes = v.kv_cache_memory_bytes
+    args.max_model_len = v.max_model_len
+    args.additional_config = extra
+    if not getattr(tokenizer, "chat_template", None):
+        args.chat_template = plain_chat_template(tokenizer)  # the HF engine's: a chat request is fed alike
+    validate_parsed_serve_args(args)
+    args.api_server_count = None  # one API server: this process (vllm serve's single-server path)
+    try:
+        from uvloop import run  # what vllm serve runs it with
+    except ImportError:
+        from asyncio import run
+    run(run_server(args))

@@ -1,0 +1,105 @@
+"""conf/serve.yaml and the presets: the committed ones check out, a bad one stops the start (exit 2, the preset and
+field named) before any engine loads, and composing presets is the CLI's edit list."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from helpers import CONF, ROOT
+from steer.edit import Edit
+from steer.errors import ConfigError
+from steer.schema import EditKind
+from steer.serve import presets
+from steer.serve.schema import ServeOptions
+
+
+def compose_serve(*overrides):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from steer.serve import schema
+
+    schema.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
+
+
+def test_serve_config_composes():
+    conf = compose_serve("serve.port=9000", "serve.presets=[joy]")
+    assert (conf.serve.host, conf.serve.port, conf.serve.presets, conf.engine) == ("127.0.0.1", 9000, ["joy"], "auto")
+    assert conf.model.name == "tiny" and conf.prompts.positive
+    with pytest.raises(Exception, match="serve.prot"):
+        compose_serve("serve.prot=1")
+
+
+def test_committed_presets_check(tiny_spec):
+    confs = presets.read(ServeOptions())
+    assert {"joy", "gloom", "joy_two_taps"} <= set(confs)
+    presets.check(confs, tiny_spec)
+    assert len({te.tap.layer for te in confs["joy_two_taps"].edits}) == 2
+    assert confs["gloom"].edits[0].edit.scale == -confs["joy"].edits[0].edit.scale
+
+
+def _write(d, name, text):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.yaml").write_text(text)
+
+
+BAD = [
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /nonexistent.safetensors}}\n",
+     "preset bad: edits[0].edit.vector.path: vector file"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n  - tap: {layer: 9}\n    edit: {kind: add}\n",
+     "preset bad: edits[1].tap.layer: layer 9 is out of range"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add, scal: 2}\n", "preset bad: edits[0].edit.scal"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: steer}\n", "preset bad: edits[0].edit.kind"),
+    ("edits: []\n", "preset bad: edits: is empty"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: VEC, key: nope}}\n",
+     "preset bad: edits[0].edit.vector.key: key 'nope' is not in"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: SMALL}}\n",
+     "the model's hidden size is 256"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_bad_preset_is_named(tmp_path, tiny_spec, text, message):
+    save_file({"direction": torch.randn(256)}, str(tmp_path / "v.safetensors"))
+    save_file({"direction": torch.randn(128)}, str(tmp_path / "small.safetensors"))
+    text = text.replace("VEC", str(tmp_path / "v.safetensors")).replace("SMALL", str(tmp_path / "small.safetensors"))
+    _write(tmp_path / "p", "bad", text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        presets.check(presets.read(ServeOptions(preset_dir=str(tmp_path / "p"))), tiny_spec)
+
+
+def test_unknown_or_badly_named_presets(tmp_path):
+    _write(tmp_path, "a,b", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
+    with pytest.raises(ConfigError, match="serve.presets: no preset 'joyful'"):
+        presets.read(ServeOptions(presets=["joyful"]))
+    with pytest.raises(ConfigError, match="preset a,b: a preset's name"):
+        presets.read(ServeOptions(preset_dir=str(tmp_path)))
+
+
+def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
+    _write(tmp_path / "p", "good", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
+    _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
+    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-m", "steer.serve", "engine=hf", f"serve.preset_dir={tmp_path / 'p'}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "preset joy: edits[0].edit.vector.path: vector file '/no/such.st' does not exist" in res.stderr
+    assert "Loading weights" not in res.stderr + res.stdout  # no engine was started
+
+
+def test_compose_is_the_cli_edit_list(tiny_spec):
+    v = torch.randn(1, 256)
+    compiled = presets.compile_all(presets.read(ServeOptions()), tiny_spec, lambda tap: v, "/nonexistent")
+    plan = presets.compose(compiled, ["joy_two_taps", "joy"], 0.5)
+    assert {p: [(e.kind, e.scale) for e in es] for p, es in plan.edits.items()} == {
+        "model.layers.1": [(EditKind.add, 3.0), (EditKind.add, 2.0)], "model.layers.2": [(EditKind.clamp, 0.5)]}
+    assert presets.compose(compiled, ["joy", "gloom"], 0.0) is None  # scale 0: an unsteered request
+    scale = presets.scaled(Edit(EditKind.scale, 0.5, None), 2.0)
+    assert scale.scale == 0.0 and scale.strength == -1.0  # a scale edit's strength (scale - 1) doubles

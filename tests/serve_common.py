@@ -1,0 +1,229 @@
+"""What the server tests share (tests/serve/ on the HF engine, tests/gpu/test_serve_vllm.py on vLLM): starting
+`python -m steer.serve` in a subprocess, and the client checks both engines must pass, driven by the official
+openai client (or httpx where a request must be malformed on purpose)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
+MAX_TOKENS = 8
+PRESETS = ["gloom", "joy", "joy_two_taps"]
+# (steer, steer_scale) cases: single presets, compositions (in order), scales; None is unsteered.
+CASES: List[Tuple[Optional[str], Optional[float]]] = [
+    (None, None), ("joy", None), ("gloom", None), ("joy_two_taps", None), ("gloom,joy_two_taps", None),
+    ("joy_two_taps,joy", None), ("joy", 1.5), ("joy", 0.0),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> Iterator[str]:
+    """`python -m steer.serve *args` on a free port; yields its base URL once /health answers. The server runs in
+    a session of its own, ended (with any process it started) on exit."""
+    port = free_port()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "server.log"
+    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "steer.serve", *args, f"serve.port={port}",
+                                 "serve.log_level=warning", f"hydra.run.dir={run_dir}"],
+                                cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not answer in {timeout} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="steer", max_retries=0, timeout=300)
+
+
+def xargs(steer: Optional[str], scale: Optional[float]) -> dict:
+    if steer is None:
+        return {}
+    args = {"steer": steer} if scale is None else {"steer": steer, "steer_scale": scale}
+    return {"extra_body": {"vllm_xargs": args}}
+
+
+def complete(c, prompt: str, steer=None, scale=None, **kw) -> str:
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    out = c.completions.create(model=MODEL, prompt=prompt, **xargs(steer, scale), **kw)
+    return out.choices[0].text
+
+
+def chat(c, prompt: str, steer=None, scale=None, **kw) -> str:
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                    **xargs(steer, scale), **kw)
+    return out.choices[0].message.content
+
+
+def check_against(c, expected: Callable[[str, Optional[str], Optional[float]], str]) -> None:
+    """Greedy completions and chat completions for every prompt and case equal `expected(prompt, steer, scale)`,
+    and every preset changes the text of some prompt."""
+    for steer, scale in CASES:
+        for p in PROMPTS:
+            want = expected(p, steer, scale)
+            assert complete(c, p, steer, scale) == want, (p, steer, scale)
+            assert chat(c, p, steer, scale) == want, (p, steer, scale)  # one user message: the prompt, fed alike
+    for name in PRESETS:
+        assert any(expected(p, name, None) != expected(p, None, None) for p in PROMPTS), name
+
+
+def check_streaming(c) -> None:
+    """Streamed pieces add up to the non-streamed text; the last piece carries the finish_reason."""
+    for steer in (None, "joy_two_taps"):
+        for p in PROMPTS:
+            whole = complete(c, p, steer)
+            chunks = list(c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True, **xargs(steer, None)))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("length", "stop")
+            chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                    max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}, **xargs(steer, None)))
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
+            assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+
+
+def check_sse_done(url: str) -> None:
+    """The raw event stream: `data: {json}` events, ending with `data: [DONE]`."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True,
+            "vllm_xargs": {"steer": "joy"}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+def check_listing(url: str) -> None:
+    data = httpx.get(f"{url}/v1/steer/presets", timeout=30).json()["data"]
+    by = {p["name"]: p for p in data}
+    assert sorted(by) == PRESETS
+    assert by["joy_two_taps"]["taps"] == ["layer1", "layer2"]
+    two = by["joy_two_taps"]["edits"]
+    assert [(e["tap"], e["kind"], e["scale"], e["tokens"]) for e in two] == [
+        ("layer1", "add", 6.0, "both"), ("layer2", "clamp", 1.0, "generated")]
+    assert (two[1]["lo"], two[1]["hi"]) == (-40.0, 40.0)
+    for p in data:
+        for e in p["edits"]:
+            v = e["vector"]
+            assert v["default"] is True and Path(v["path"]).is_file(), v
+            assert v["metadata"]["tap"] == e["tap"] and v["metadata"]["hidden"] == "256"
+    assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+
+
+# (JSON body, or raw bytes; the param the 400 must name; whether the param is checked on every engine: vLLM answers
+# the non-steer ones with its own error body)
+def bad_requests() -> list:
+    ok = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
+    raw = '{"model": "tiny", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer": "joy", "steer_scale": %s}}'
+    return [
+        ({**ok, "vllm_xargs": {"steer": "delight"}}, "vllm_xargs.steer", True),
+        ({**ok, "vllm_xargs": {"steer": 3}}, "vllm_xargs.steer", True),
+        ({**ok, "vllm_xargs": {"steer": "joy,,gloom"}}, "vllm_xargs.steer", True),
+        ({**ok, "vllm_xargs": {"steer": "joy,joy"}}, "vllm_xargs.steer", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "steer_scale": "strong"}}, "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "steer_scale": True}}, "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "steer_scale": 1e9}}, "vllm_xargs.steer_scale", True),
+        ((raw % "NaN").encode(), "vllm_xargs.steer_scale", True),
+        ((raw % "1e999").encode(), "vllm_xargs.steer_scale", True),
+        ((raw % "-Infinity").encode(), "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer_scale": 2.0}}, "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "steer_layer": 2}}, "vllm_xargs.steer_layer", True),
+        ({**ok, "vllm_xargs": {"steer_vector": "AAAA"}}, "vllm_xargs.steer_vector", True),
+        ({**ok, "vllm_xargs": "joy"}, "vllm_xargs", True),
+        ({**ok, "steer": "joy"}, "steer", True),
+        (b'{"model": "tiny", "prompt": ', None, True),
+        (b'["tiny"]', None, True),
+        ({**ok, "max_tokens": "ten"}, "max_tokens", False),
+        ({**ok, "temperature": -1}, "temperature", False),
+        ({**ok, "prompt": 7}, "prompt", False),
+    ]
+
+
+def check_bad_requests(url: str, c, params_everywhere_only: bool) -> None:
+    """Every bad request is a 400 with an OpenAI-style error body naming the field; the server keeps serving."""
+    before = complete(c, PROMPTS[0], "joy")
+    for body, param, everywhere in bad_requests():
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+            else {"json": body}
+        r = httpx.post(f"{url}/v1/completions", timeout=60, **kw)
+        assert r.status_code == 400, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"]
+        if everywhere or not params_everywhere_only:
+            assert err["param"] == param, (body, err)
+            assert err["type"] == "invalid_request_error" and err["code"] is None, err
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": {"steer": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.steer"
+    from openai import BadRequestError
+
+    try:
+        complete(c, PROMPTS[0], "joy", float("inf"))
+        raise AssertionError("an infinite steer_scale was served")
+    except (BadRequestError, ValueError):  # the client may refuse to encode inf itself
+        pass
+    assert complete(c, PROMPTS[0], "joy") == before
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def check_concurrent(c, n: int = 32) -> None:
+    """`n` requests at once, presets mixed, each equal to its answer alone."""
+    jobs = [(PROMPTS[i % len(PROMPTS)], *CASES[i % len(CASES)], i % 3 == 2) for i in range(n)]
+
+    def one(job):
+        prompt, steer, scale, as_chat = job
+        return (chat if as_chat else complete)(c, prompt, steer, scale)
+
+    alone = {}
+    for job in jobs:
+        key = job[:3]
+        if key not in alone:
+            alone[key] = complete(c, *key)
+    with ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(one, jobs))
+    assert together == [alone[job[:3]] for job in jobs]
