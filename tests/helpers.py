@@ -9,8 +9,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
-def compose(*overrides):
-    """Compose conf/config.yaml with overrides, as Hydra does for `python -m steer`."""
+# The default config steers SmolLM2 (a real model, seconds a prompt on a CPU); the suite runs on the tiny model, at
+# the tap and strength its tests were written for, unless a test names a model, tap, strength or experiment.
+TINY = {"model": "model=tiny", "tap": "tap=layer1", "edit.scale": "edit.scale=4"}
+
+
+def on_tiny(overrides):
+    """`overrides` and then the tiny model's defaults that they do not set themselves (after them, since Hydra's
+    command line wants its flags, such as -m, before the overrides)."""
+    keys = [o.lstrip("+~").split("=")[0] for o in overrides if not o.startswith("-")]
+    if any(k == "experiment" for k in keys):
+        return list(overrides)
+    named = lambda k: any(x == k or x.startswith(k + ".") or (k == "edit.scale" and x == "edit") for x in keys)
+    return list(overrides) + [v for k, v in TINY.items() if not named(k)]
+
+
+def compose(*overrides, tiny=True):
+    """Compose conf/config.yaml with overrides, as Hydra does for `python -m steer` (on the tiny model unless
+    `tiny` is False or the overrides say otherwise)."""
+    overrides = on_tiny(overrides) if tiny else overrides
     from hydra import compose as _compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -25,5 +42,5 @@ def compose(*overrides):
 def run_cli(args, cwd, cache_dir, timeout=600):
     """Run `python -m steer` in a subprocess from `cwd`; outputs land under cwd/outputs."""
     env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "steer", *args, "progress=false"], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)

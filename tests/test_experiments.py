@@ -8,7 +8,7 @@ from helpers import CONF, run_cli
 
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 QUICK = ["model=tiny", "gen.max_new_tokens=4", "prompts.steer=['The weather today is','Tell me how to bake bread']"]
-JOBS = {"refusal_ablation_layers": 4, "add_scale_sweep": 5, "clamp_sweep": 4, "joy_two_taps": 1}
+JOBS = {"refusal_ablation_layers": 4, "add_scale_sweep": 5, "clamp_sweep": 5, "joy_two_taps": 1}
 
 
 def test_every_experiment_is_listed_here():
@@ -22,3 +22,6 @@ def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec):
     rows = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
     assert len(rows) == JOBS[name]
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    if name == "clamp_sweep":  # a falling ceiling pushes the projection further from where it sat
+        proj = [float(r["proj_steered"]) for r in rows]
+        assert proj == sorted(proj) and proj[-1] > proj[0] * 1.2, proj

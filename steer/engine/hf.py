@@ -11,6 +11,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from steer import prompt
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf
@@ -31,8 +32,18 @@ class HFEngine:
         # transformers 5.2x renamed `past_key_values` to `cache`; the GPU machine's 5.17 knows only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
-    def encode(self, text: str) -> List[int]:
-        return self.tokenizer(text)["input_ids"]
+    @property
+    def max_len(self) -> int:
+        """Positions a request may use, prompt and continuation together."""
+        return int(self.model.config.max_position_embeddings)
+
+    def render(self, text: str, chat: str = "false") -> Tuple[str, List[int]]:
+        """The exact text fed for prompt `text` and its ids: raw, or a user turn of the chat template (`chat`:
+        auto / true / false, as prompts.chat). Both engines go through steer.prompt.render: identical ids."""
+        return prompt.render(self.tokenizer, text, chat)
+
+    def encode(self, text: str, chat: str = "false") -> List[int]:
+        return self.render(text, chat)[1]
 
     def decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -69,19 +80,24 @@ class HFEngine:
 
     def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
         """Continue one prompt with the plan's edits (None: unsteered); greedy when temperature is 0."""
+        return list(self.generate_iter(prompt_ids, plan, gen, seed))
+
+    def generate_iter(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> Iterator[int]:
+        """`generate`, token by token as each is picked (steer.serve streams them). The plan's hooks stay on the
+        model until the iterator ends or is closed: close it (contextlib.closing) when stopping early."""
         rng = torch.Generator(device="cpu").manual_seed(seed)
-        out: List[int] = []
+        n = 0
         with self._hooks(plan):
             res = self._forward(prompt_ids, True)
             for _ in range(gen.max_new_tokens):
                 tok = _pick(res.logits[0, -1].float().cpu(), gen, rng)
                 if tok == self.tokenizer.eos_token_id:
                     break
-                out.append(tok)
-                if len(out) == gen.max_new_tokens:
+                yield tok
+                n += 1
+                if n == gen.max_new_tokens:
                     break
                 res = self._forward([tok], False, getattr(res, self._cache_kw))
-        return out
 
     def generate_many(self, jobs, gen: GenConf, progress=None) -> List[List[int]]:
         """Continue every (prompt ids, plan or None, seed) job, one at a time."""

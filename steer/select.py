@@ -1,0 +1,204 @@
+"""task=select: choose a layer and a strength for the config's edit.
+
+Every (layer, scale) pair of `select.layers` x `select.scales` runs the edit at that layer and strength, all of
+them one packed sweep on one engine (steer.run.execute), each into a directory of its own under the run dir.
+A pair's score is its concept gain (concept_steered - concept_baseline: how much more of the direction the
+unsteered model reads in the steered text) among pairs whose perplexity stays within `max_ppl_ratio` of the
+baseline's (a strength that breaks the text is rejected however much concept it shows). The run dir gets
+selection.md, selection.json and selection.png (a layers x scales heat map of the gain, rejected cells marked).
+"""
+
+import copy
+import io
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from steer import results
+from steer.errors import ConfigError
+from steer.schema import SteerConf, TapConf, Task
+
+PACK = 16  # jobs per batch, as the packed launcher's default
+
+
+def grid(cfg: SteerConf, layers: int) -> List[SteerConf]:
+    """The steer config of every (layer, scale) pair, layers outer; checked against the model's layer count."""
+    s = cfg.select
+    if not s.layers:
+        raise ConfigError("select.layers", "is empty; give at least one decoder layer")
+    if not s.scales:
+        raise ConfigError("select.scales", "is empty; give at least one scale")
+    bad = [x for x in s.layers if not 0 <= x < layers]
+    if bad:
+        raise ConfigError("select.layers", f"{bad} out of range: the model has {layers} decoder layers "
+                                           f"(0..{layers - 1})")
+    if not all(math.isfinite(x) for x in s.scales):
+        raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
+    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
+        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
+    if cfg.extra_edits:
+        raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
+                                         "extra_edits empty")
+    out = []
+    for layer in s.layers:
+        for scale in s.scales:
+            c = copy.deepcopy(cfg)
+            c.task, c.tap, c.edit.scale = Task.steer, TapConf(layer=layer), float(scale)
+            out.append(c)
+    return out
+
+
+def cell_name(cfg: SteerConf) -> str:
+    return f"layer{cfg.tap.layer}_scale{cfg.edit.scale:g}"
+
+
+def run(cfg: SteerConf, spec, out_dir: Path, console: Console) -> Dict:
+    """Run the grid into `out_dir`, write the selection report and return the best pair (or none)."""
+    from steer import run as runs
+
+    cells = grid(cfg, spec.layers)
+    jobs = []
+    for c in cells:
+        d = out_dir / cell_name(c)
+        d.mkdir(parents=True, exist_ok=True)
+        jobs.append(runs.Job(c, spec, d))
+    console.print(f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} "
+                  f"scales) in one packed sweep")
+    for start in range(0, len(jobs), PACK):
+        runs.execute(jobs[start : start + PACK], console, summary=False)
+    table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio) for job in jobs]
+    best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
+    summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
+               "command": _command(best) if best else None}
+    results.write_json(out_dir / "selection.json", summary)
+    results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary["command"]))
+    _heatmap(out_dir / "selection.png", cfg, table, best)
+    _print(console, cfg, table, best, summary["command"], out_dir)
+    return summary
+
+
+def _cell(cfg: SteerConf, m: Dict, cap: float) -> Dict:
+    cell = {"layer": cfg.tap.layer, "scale": cfg.edit.scale, "dir": cell_name(cfg), "error": m.get("error"),
+            "gain": None, "ppl_ratio": None, "ok": False, "why": None}
+    if cell["error"]:
+        cell["why"] = "failed"
+        return cell
+    for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered", "sentiment_baseline",
+              "sentiment_steered", "kl_mean"):
+        cell[k] = m.get(k)
+    if None in (m.get("concept_baseline"), m.get("concept_steered"), m.get("ppl_baseline"), m.get("ppl_steered")):
+        cell["why"] = "no continuation to score"
+        return cell
+    cell["gain"] = m["concept_steered"] - m["concept_baseline"]
+    cell["ppl_ratio"] = m["ppl_steered"] / m["ppl_baseline"]
+    cell["ok"] = cell["ppl_ratio"] <= cap
+    cell["why"] = None if cell["ok"] else f"ppl x{cell['ppl_ratio']:.2f} > {cap:g}"
+    return cell
+
+
+def _command(best: Dict) -> str:
+    """The steer command that reruns the chosen pair: this run's own overrides, minus the select task's."""
+    over = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        over = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (called from Python)
+        pass
+    keep = [o for o in over if not o.split("=")[0].lstrip("+~").startswith(("task", "select.", "tap", "edit.scale",
+                                                                             "hydra."))]
+    args = keep + [f"tap.layer={best['layer']}", f"edit.scale={best['scale']:g}"]
+    return "python -m steer " + " ".join(shlex.quote(a) for a in args)
+
+
+def _fmt(x: Optional[float], spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str]) -> str:
+    s = cfg.select
+    lines = [f"# Layer and strength for `{cfg.edit.kind.value}` on {cfg.model.name}", "",
+             f"Score: concept gain (concept_steered - concept_baseline) among pairs with ppl_steered <= "
+             f"{s.max_ppl_ratio:g} x ppl_baseline.", ""]
+    if best:
+        lines += [f"**Best: layer {best['layer']}, scale {best['scale']:g}** (gain {best['gain']:.3g}, "
+                  f"ppl x{best['ppl_ratio']:.2f}). Rerun it: `{command}`", ""]
+    else:
+        lines += ["**No pair passed the perplexity cap.**", ""]
+    lines += ["Concept gain by layer (rows) and scale (columns); a rejected pair shows why.", "",
+              "| layer | " + " | ".join(f"{x:g}" for x in s.scales) + " |",
+              "| ---: | " + " | ".join("---:" for _ in s.scales) + " |"]
+    by = {(c["layer"], c["scale"]): c for c in table}
+    for layer in s.layers:
+        row = []
+        for scale in s.scales:
+            c = by[(layer, float(scale))]
+            row.append(_fmt(c["gain"]) if c["ok"] else f"~~{_fmt(c['gain'])}~~ ({c['why']})")
+        lines.append(f"| {layer} | " + " | ".join(row) + " |")
+    lines += ["", "| layer | scale | concept base | concept steered | ppl base | ppl steered | sentiment base | "
+                  "sentiment steered | kl_mean | dir |", "|" + " ---: |" * 9 + " --- |"]
+    for c in table:
+        lines.append(f"| {c['layer']} | {c['scale']:g} | " + " | ".join(
+            _fmt(c.get(k)) for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered",
+                                     "sentiment_baseline", "sentiment_steered", "kl_mean")) + f" | {c['dir']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _heatmap(path: Path, cfg: SteerConf, table: List[Dict], best: Optional[Dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    s = cfg.select
+    by = {(c["layer"], c["scale"]): c for c in table}
+    gain = np.array([[by[(l, float(x))]["gain"] if by[(l, float(x))]["gain"] is not None else np.nan
+                      for x in s.scales] for l in s.layers], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.2 * len(s.scales) + 2.5, 0.6 * len(s.layers) + 1.8))
+    im = ax.imshow(gain, cmap="viridis", aspect="auto")
+    fig.colorbar(im, ax=ax, label="concept gain")
+    for i, layer in enumerate(s.layers):
+        for j, scale in enumerate(s.scales):
+            c = by[(layer, float(scale))]
+            label = _fmt(c["gain"], ".2g") + ("" if c["ok"] else "\nrejected")
+            ax.text(j, i, label, ha="center", va="center", fontsize=7, color="white" if c["ok"] else "red")
+            if not c["ok"]:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", edgecolor="red", lw=0))
+            if best is c:
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="orange", lw=3))
+    ax.set_xticks(range(len(s.scales)), [f"{x:g}" for x in s.scales])
+    ax.set_yticks(range(len(s.layers)), [str(x) for x in s.layers])
+    ax.set_xlabel("scale")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{cfg.edit.kind.value}: concept gain, ppl cap x{s.max_ppl_ratio:g}", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    results.write_bytes(path, buf.getvalue())
+
+
+def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str],
+           out_dir: Path) -> None:
+    t = Table(title="select: concept gain (ppl ratio)")
+    t.add_column("layer")
+    for x in cfg.select.scales:
+        t.add_column(f"scale {x:g}", justify="right")
+    by = {(c["layer"], c["scale"]): c for c in table}
+    for layer in cfg.select.layers:
+        cells = [by[(layer, float(x))] for x in cfg.select.scales]
+        t.add_row(str(layer), *[(f"{_fmt(c['gain'])} (x{_fmt(c['ppl_ratio'], '.2f')})" if c["ok"]
+                                 else f"[red]{c['why']}[/]") for c in cells])
+    console.print(t)
+    if best:
+        console.print(f"best: layer {best['layer']}, scale {best['scale']:g} (gain {best['gain']:.3g}, ppl "
+                      f"x{best['ppl_ratio']:.2f})\n  {command}")
+    else:
+        console.print("[bold red]no pair kept perplexity within the cap[/]")
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
