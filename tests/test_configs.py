@@ -16,9 +16,10 @@ EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 
 
 def test_default_composes():
-    cfg = compose()
+    cfg = compose(tiny=False)
     assert isinstance(cfg, SteerConf)
-    assert cfg.model.name == "tiny" and cfg.tap.layer == 1 and cfg.edit.kind == EditKind.add
+    assert cfg.model.name == "smollm2" and cfg.tap.layer == 12 and cfg.edit.kind == EditKind.add
+    assert cfg.edit.scale == 4.0 and cfg.prompts.chat == "auto" and cfg.eval.sentiment
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)

@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 import torch
 
 from steer import metrics
@@ -35,3 +37,36 @@ def test_aggregate():
     agg = metrics.aggregate(rows, 10.0)
     assert agg == {"kl_mean": 0.5, "tokens_changed_frac": 0.25, "proj_baseline": 3.0, "proj_steered": None,
                    "tokens_per_s": 10.0, "prompts": 2}
+
+
+def test_perplexity_is_exp_of_the_mean_negative_log_likelihood():
+    import math
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [5.0, 5.0, 5.0]])
+    targets = [0, 1]  # row 2 predicts nothing (the continuation has two tokens)
+    p0 = math.exp(2) / (math.exp(2) + 1 + math.exp(-1))
+    p1 = math.e / (math.e + 2)
+    assert metrics.perplexity(logits, targets) == pytest.approx(math.exp(-(math.log(p0) + math.log(p1)) / 2))
+    assert metrics.perplexity(logits, []) is None
+
+
+def test_concept_is_the_mean_signed_projection_on_the_unit_direction():
+    h = torch.tensor([[3.0, 4.0], [-1.0, 0.0]])
+    d = torch.tensor([2.0, 0.0])  # not unit: the metric normalises it
+    assert metrics.concept(h, d) == pytest.approx((3.0 - 1.0) / 2)
+    assert metrics.concept(h[:0], d) is None and metrics.concept(h, None) is None
+
+
+def test_sentiment_is_vader_compound():
+    assert metrics.sentiment("What a wonderful, happy day!") > 0.5
+    assert metrics.sentiment("This is a terrible, miserable day.") < -0.5
+    assert metrics.sentiment("The table has four legs.") == 0.0
+
+
+def test_aggregate_keeps_the_old_keys_and_adds_the_new_where_rows_have_them():
+    rows = [{"kl": 0.1, "tokens_changed": 1, "baseline_tokens": 2, "steered_tokens": 2, "proj_baseline": 1.0,
+             "proj_steered": 2.0, "ppl_baseline": 3.0, "ppl_steered": 5.0, "concept_baseline": None,
+             "concept_steered": 1.0}]
+    agg = metrics.aggregate(rows, 10.0)
+    assert agg["ppl_steered"] == 5.0 and agg["concept_baseline"] is None and "sentiment_steered" not in agg
+    assert {"kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s", "prompts"} <= set(agg)

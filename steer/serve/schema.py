@@ -7,7 +7,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.schema import ModelConf, PromptsConf, TapEditConf, VllmConf
+from steer.schema import ExtractConf, ModelConf, PromptsConf, TapEditConf, VllmConf
 
 
 @dataclass
@@ -43,6 +43,8 @@ class ServeConf:
     model: ModelConf = MISSING
     # The contrastive sets of presets whose vector path is null (the default direction, as in `python -m steer`).
     prompts: PromptsConf = MISSING
+    # How those default directions are made (extract.* as in `python -m steer`, with prompts.chat).
+    extract: ExtractConf = field(default_factory=ExtractConf)
     device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
     vllm: VllmConf = field(default_factory=VllmConf)
     serve: ServeOptions = field(default_factory=ServeOptions)

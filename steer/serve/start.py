@@ -10,7 +10,7 @@ from rich.markup import escape
 from steer import engine as engines
 from steer import tiny
 from steer.errors import ConfigError
-from steer.extract import cached_default
+from steer.extract import Recipe, cached_default
 from steer.model import ModelSpec, spec as model_spec
 from steer.serve import presets
 from steer.serve.schema import PresetConf, ServeConf
@@ -50,7 +50,8 @@ def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetCon
     """The presets compiled; a null vector path is the default direction at its tap, from `engine` (cached), as
     `python -m steer` asks for it."""
     pos, neg = list(conf.prompts.positive), list(conf.prompts.negative)
-    default = (lambda tap: cached_default(conf.cache_dir, engine, tap, pos, neg)) if engine is not None else None
+    recipe = Recipe.from_conf(conf.extract, conf.prompts.chat)
+    default = (lambda tap: cached_default(conf.cache_dir, engine, tap, pos, neg, recipe)) if engine is not None else None
     return presets.compile_all(confs, spec, default, conf.cache_dir)
 
 
