@@ -385,6 +385,8 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
             "prompt_ids": list(ids),
             "baseline": baseline,
             "steered": steered,
+            "baseline_ids": list(b),
+            "steered_ids": list(s),
             "baseline_tokens": len(b),
             "steered_tokens": len(s),
             "tokens_changed": metrics.tokens_changed(b, s),

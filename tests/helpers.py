@@ -39,8 +39,15 @@ def compose(*overrides, tiny=True):
     return OmegaConf.to_object(cfg)
 
 
+def cli_env(cache_dir):
+    """The environment a CLI subprocess runs in: this checkout first on the path, then what the path held (the GPU
+    machine's site folder of vLLM and its dependencies)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": path}
+
+
 def run_cli(args, cwd, cache_dir, timeout=600):
     """Run `python -m steer` in a subprocess from `cwd`; outputs land under cwd/outputs."""
-    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env = cli_env(cache_dir)
     return subprocess.run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)

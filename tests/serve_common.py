@@ -16,7 +16,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import cli_env
+
 MODEL = "tiny"
 PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
 MAX_TOKENS = 8
@@ -42,7 +43,7 @@ def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> I
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "server.log"
-    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env = cli_env(cache_dir)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "steer.serve", *args, f"serve.port={port}",
                                  "serve.log_level=warning", f"hydra.run.dir={run_dir}"],

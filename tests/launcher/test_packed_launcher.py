@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from helpers import ROOT, run_cli
+from helpers import cli_env, run_cli
 
 from hydra_plugins.steer_launcher.packed import complete
 
@@ -44,7 +44,7 @@ def test_packed_sweep_equals_unpacked(tmp_path, cache_dir, tiny_spec):
 def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = SWEEP + QUICK + ["hydra.launcher.pack_size=1", f"hydra.sweep.dir={sweep}"]
-    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env = cli_env(cache_dir)
     proc = subprocess.Popen([sys.executable, "-m", "steer", *args, "progress=false"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300

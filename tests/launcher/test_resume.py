@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from helpers import CONF, ROOT, run_cli
+from helpers import CONF, cli_env, run_cli
 
 from hydra_plugins.steer_launcher import packed
 from hydra_plugins.steer_launcher.packed import complete
@@ -120,7 +120,7 @@ def test_ctrl_c_keeps_finished_jobs_writes_their_summary_and_exits_130(tmp_path,
     # Packs of 2: a pack of one job prints its run's tables, as a single run does.
     args = ["-m", "edit.scale=0,2,4,8", "tap.layer=1,2", *QUICK, "hydra.launcher.pack_size=2",
             f"hydra.sweep.dir={sweep}", "progress=false"]
-    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env = cli_env(cache_dir)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         # Ctrl-C reaches the whole foreground process group; SIGINT must not be inherited as ignored.
         proc = subprocess.Popen([sys.executable, "-m", "steer", *args], cwd=tmp_path, env=env, stdout=out,

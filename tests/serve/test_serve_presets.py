@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import CONF, ROOT
+from helpers import CONF, cli_env
 from steer.edit import Edit
 from steer.errors import ConfigError
 from steer.schema import EditKind
@@ -85,7 +85,7 @@ def test_unknown_or_badly_named_presets(tmp_path):
 def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
     _write(tmp_path / "p", "good", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
     _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
-    env = {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": str(ROOT)}
+    env = cli_env(cache_dir)
     res = subprocess.run([sys.executable, "-m", "steer.serve", "engine=hf", f"serve.preset_dir={tmp_path / 'p'}",
                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
