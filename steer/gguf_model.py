@@ -31,7 +31,7 @@ from steer.schema import GgufConf
 log = logging.getLogger(__name__)
 
 # Bump when the conversion changes, so directories of an older conversion are not reused.
-_RECIPE = 1
+_RECIPE = 2
 
 
 def model_dir(cache_dir: str, conf: GgufConf) -> Path:
@@ -169,3 +169,12 @@ def _convert(gguf: Path, dest: Path) -> None:
     config["dtype"] = "float32"
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(dest)
+    # transformers before 5.2x (the GPU machine's 5.17) knows no TokenizersBackend and then loses the special
+    # tokens (no EOS: generation never stops); the fast class reads the same files in every version.
+    tc = dest / "tokenizer_config.json"
+    tok_conf = json.loads(tc.read_text())
+    tok_conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc.write_text(json.dumps(tok_conf, indent=2) + "\n")
+    # The token that ends a turn, where vLLM and transformers both look for what stops generation.
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    (dest / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

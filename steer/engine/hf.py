@@ -12,6 +12,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from steer import prompt
+from steer.engine import stop_ids
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf
@@ -28,6 +29,7 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
         self.model = AutoModelForCausalLM.from_pretrained(spec.source, revision=spec.revision, dtype=spec.dtype)
         self.model.to(self.device).eval()
+        self.stop_ids = stop_ids(self.tokenizer, spec.source)
         self._is_prompt: Optional[torch.Tensor] = None  # per row of the forward being run
         # transformers 5.2x renamed `past_key_values` to `cache`; the GPU machine's 5.17 knows only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -91,7 +93,7 @@ class HFEngine:
             res = self._forward(prompt_ids, True)
             for _ in range(gen.max_new_tokens):
                 tok = _pick(res.logits[0, -1].float().cpu(), gen, rng)
-                if tok == self.tokenizer.eos_token_id:
+                if tok in self.stop_ids:
                     break
                 yield tok
                 n += 1

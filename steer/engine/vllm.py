@@ -16,6 +16,7 @@ import torch
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, tap_location, worker_cls
 from steer import prompt
+from steer.engine import stop_ids
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf, VllmConf
@@ -73,6 +74,7 @@ class VLLMEngine:
             extra[IN_GRAPH_KEY] = self._stage_list()
         self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
+        self.stop_ids = stop_ids(self.tokenizer, spec.source)
         self.llm = LLM(
             model=spec.source,
             revision=spec.revision,
@@ -145,6 +147,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
+        if not kw.get("ignore_eos"):  # stop where the HF engine stops (the bench asks for fixed lengths instead)
+            kw.setdefault("stop_token_ids", sorted(self.stop_ids))
         return SamplingParams(extra_args=extra, **kw)
 
     def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
@@ -155,10 +159,9 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids, _, _ in jobs], params, use_tqdm=False)
         if progress:
             progress(len(jobs))
-        eos = self.tokenizer.eos_token_id
         # vLLM keeps the end-of-sequence token it stopped on; the HF engine stops before it.
-        return [list(o.outputs[0].token_ids[:-1] if o.outputs[0].token_ids[-1:] == [eos] else o.outputs[0].token_ids)
-                for o in outs]
+        return [list(o.outputs[0].token_ids[:-1] if o.outputs[0].token_ids[-1:] and o.outputs[0].token_ids[-1]
+                     in self.stop_ids else o.outputs[0].token_ids) for o in outs]
 
     def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
         return self.generate_many([(prompt_ids, plan, seed)], gen)[0]
