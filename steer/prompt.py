@@ -42,11 +42,13 @@ def render(tokenizer, text: str, chat) -> Tuple[str, List[int]]:
     """The exact text fed for prompt `text` and its token ids. Chat: the text as the one user turn, then the
     assistant's generation prompt (`apply_chat_template(..., add_generation_prompt=True)`), tokenized without
     added special tokens. Raw: `text` itself, tokenized with the tokenizer's own special tokens (e.g. a BOS)."""
+    # verbose=False: a prompt longer than the model's positions is refused (or truncated) by steer.run with its
+    # index and length; transformers' own "indexing errors" warning would only alarm.
     if uses_chat(tokenizer, chat):
         fed = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                             add_generation_prompt=True)
-        return fed, list(tokenizer(fed, add_special_tokens=False)["input_ids"])
-    return text, list(tokenizer(text)["input_ids"])
+        return fed, list(tokenizer(fed, add_special_tokens=False, verbose=False)["input_ids"])
+    return text, list(tokenizer(text, verbose=False)["input_ids"])
 
 
 def template_in_dir(path: str | Path) -> Optional[bool]:
