@@ -48,22 +48,16 @@ def ensure(cache_dir: str, conf: GgufConf) -> Path:
     dest = model_dir(cache_dir, conf)
     if (dest / "config.json").exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tmp = results.make_dir(dest.parent, ".building-")
-    try:
+
+    def build(tmp: Path) -> None:
         gguf = _locate(cache_dir, conf, tmp)
         log.info("converting %s into %s (once)", gguf, dest)
         _convert(gguf, tmp)
         if gguf.parent == tmp / ".gguf":
             shutil.rmtree(gguf.parent)
-        try:
-            os.rename(tmp, dest)  # atomic: a half-built model is never seen under dest
-        except OSError:
-            if not (dest / "config.json").exists():  # lost a race to a concurrent builder otherwise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    results.build_dir(dest, build)
     log.info("converted %s in %.1f s", conf.file, time.perf_counter() - t0)
     return dest
 

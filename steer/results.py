@@ -3,6 +3,7 @@ sees half a file and a failed run leaves none."""
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Dict, Iterable
@@ -21,6 +22,27 @@ def make_dir(parent: str | Path, prefix: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     d.chmod(0o777 & ~umask())
     return d
+
+
+def build_dir(dest: Path, build) -> Path:
+    """Make directory `dest` once: `build(tmp)` fills a fresh directory beside it, which is then renamed into place
+    (atomic: a half-built directory is never seen under `dest`). A directory with a config.json already there is
+    kept, also when a concurrent builder got there first."""
+    dest = Path(dest)
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_dir(dest.parent, ".building-")
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").exists():  # lost a race to a concurrent builder otherwise
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:

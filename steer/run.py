@@ -368,7 +368,7 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
     direction = basis[0] if basis is not None else None
     sentiment = w.job.cfg.eval.sentiment
     rows = []
-    for i, (prompt, fed, ids, seed) in enumerate(zip(w.prompts, w.fed, w.encoded, w.seeds)):
+    for i, (text, fed, ids, seed) in enumerate(zip(w.prompts, w.fed, w.encoded, w.seeds)):
         b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
         (bb_logits, bb_cap), (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored), next(scored)
         # Logits at row t predict token t+1: the rows that predicted the steered continuation.
@@ -380,7 +380,7 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
         proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
         baseline, steered = engine.decode(b), engine.decode(s)
         row = {
-            "prompt": prompt,
+            "prompt": text,
             "fed": fed,
             "prompt_ids": list(ids),
             "baseline": baseline,

@@ -10,7 +10,6 @@ selection.md, selection.json and selection.png (a layers x scales heat map of th
 
 import copy
 import io
-import json
 import math
 import shlex
 from pathlib import Path

@@ -8,9 +8,7 @@ residual stream carry the contrast the default steering direction is extracted f
 
 import hashlib
 import json
-import os
 import random
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,21 +59,7 @@ def tiny_dir(cache_dir: str, conf: TinyConf) -> Path:
 
 def ensure_tiny(cache_dir: str, conf: TinyConf) -> Path:
     """Build the tiny model once (deterministic from `conf.seed`) and return its directory."""
-    dest = tiny_dir(cache_dir, conf)
-    if (dest / "config.json").exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = results.make_dir(dest.parent, ".building-")
-    try:
-        _build(tmp, conf)
-        try:
-            os.rename(tmp, dest)  # atomic: a half-built model is never seen under dest
-        except OSError:
-            if not (dest / "config.json").exists():  # lost a race to a concurrent builder otherwise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return results.build_dir(tiny_dir(cache_dir, conf), lambda tmp: _build(tmp, conf))
 
 
 def _tokenizer(text: str, conf: TinyConf):

@@ -1,7 +1,6 @@
 """conf/serve.yaml and the presets: the committed ones check out, a bad one stops the start (exit 2, the preset and
 field named) before any engine loads, and composing presets is the CLI's edit list."""
 
-import os
 import subprocess
 import sys
 
