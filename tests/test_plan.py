@@ -37,3 +37,10 @@ def test_errors_name_the_extra_edit(tiny_spec):
     cfg = compose("+extra_edits=[{tap: {layer: 9}, edit: {kind: add}}]")
     with pytest.raises(ConfigError, match=r"extra_edits\[0\]\.tap\.layer: layer 9 is out of range"):
         build(cfg, tiny_spec)
+
+
+def test_describe_names_every_edit_in_order(tiny_spec):
+    from steer.run import describe
+
+    plan = build(compose("+experiment=joy_two_taps"), tiny_spec)
+    assert describe(plan) == "layer1 add scale=6, layer2 clamp scale=1 lo=-40 hi=40 (generated)"
