@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from helpers import cli_env, run_cli
+from helpers import cli_env, on_tiny, run_cli
 
 from hydra_plugins.steer_launcher.packed import complete
 
@@ -45,7 +45,7 @@ def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = SWEEP + QUICK + ["hydra.launcher.pack_size=1", f"hydra.sweep.dir={sweep}"]
     env = cli_env(cache_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "steer", *args, "progress=false"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and sum(complete(j) for j in jobs(sweep)) < 3:

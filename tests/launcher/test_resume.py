@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from helpers import CONF, cli_env, run_cli
+from helpers import CONF, cli_env, on_tiny, run_cli
 
 from hydra_plugins.steer_launcher import packed
 from hydra_plugins.steer_launcher.packed import complete
@@ -123,7 +123,7 @@ def test_ctrl_c_keeps_finished_jobs_writes_their_summary_and_exits_130(tmp_path,
     env = cli_env(cache_dir)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         # Ctrl-C reaches the whole foreground process group; SIGINT must not be inherited as ignored.
-        proc = subprocess.Popen([sys.executable, "-m", "steer", *args], cwd=tmp_path, env=env, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "steer", *on_tiny(args)], cwd=tmp_path, env=env, stdout=out,
                                 stderr=err, start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 300
