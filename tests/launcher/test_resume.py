@@ -33,7 +33,7 @@ def _cfg(*overrides):
 
     schema.register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=on_tiny(overrides))
 
 
 def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
