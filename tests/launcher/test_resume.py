@@ -78,7 +78,7 @@ def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypa
     for j in js:
         j.out_dir.mkdir()
 
-    def execute(pack, console, on_done=None):
+    def execute(pack, console, on_done=None, summary=None):
         if js[0] in pack:
             raise RuntimeError("engine did not start")
         return [{"kl_mean": 1.0} for _ in pack]
