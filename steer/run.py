@@ -210,9 +210,10 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     elapsed = time.perf_counter() - t0
     tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
 
+    baselines: Dict[tuple, tuple] = {}  # the unsteered re-reading of a baseline, shared by the jobs of a sweep
     for w in work:
         try:
-            rows = _score(engine, w, conts)
+            rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
@@ -352,17 +353,21 @@ def _steer_key(w: _Work, i: int) -> tuple:
     return ("steer", id(w), i)
 
 
-def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
+def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tuple, tuple]) -> List[Dict]:
     """Score a job's continuations. The unsteered model re-reads the baseline and the steered continuation
     (perplexity, and the concept: the signed projection of its tap values on the edit's direction) and the
     steered model re-reads the steered one (KL against the unsteered reading, projections at the first edit's
-    tap)."""
+    tap). A baseline's re-reading at a tap is kept in `baselines` for the other jobs that share it."""
     tap, edit = w.plan.primary
     cap = (tap.path,)
+    keys = [(_base_key(w, ids, seed), tap.path) for ids, seed in zip(w.encoded, w.seeds)]
+    prompt_ids = dict(zip(keys, w.encoded))
+    todo = list(dict.fromkeys(k for k in keys if k not in baselines))
+    baselines.update(zip(todo, engine.score_many([(prompt_ids[k], conts[k[0]], None, cap) for k in todo])))
     jobs = []
-    for i, (ids, seed) in enumerate(zip(w.encoded, w.seeds)):
-        b, st = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
-        jobs += [(ids, b, None, cap), (ids, st, None, cap), (ids, st, w.steering, cap)]
+    for i, ids in enumerate(w.encoded):
+        st = conts[_steer_key(w, i)]
+        jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
     scored = iter(engine.score_many(jobs))
     basis = edit.direction()
     direction = basis[0] if basis is not None else None
@@ -370,7 +375,8 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
     rows = []
     for i, (text, fed, ids, seed) in enumerate(zip(w.prompts, w.fed, w.encoded, w.seeds)):
         b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
-        (bb_logits, bb_cap), (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored), next(scored)
+        bb_logits, bb_cap = baselines[keys[i]]
+        (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
         # Logits at row t predict token t+1: the rows that predicted the steered continuation.
         n = len(ids)
         span = slice(n - 1, n - 1 + max(len(s), 1))
@@ -399,7 +405,8 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]]) -> List[Dict]:
             "concept_steered": metrics.concept(base_cap[tap.path][n:], direction),
         }
         if sentiment:
-            row["sentiment_baseline"], row["sentiment_steered"] = metrics.sentiment(baseline), metrics.sentiment(steered)
+            row["sentiment_baseline"] = metrics.sentiment(baseline)
+            row["sentiment_steered"] = metrics.sentiment(steered)
         rows.append(row)
     return rows
 
@@ -409,7 +416,8 @@ def _progress(console: Console, enabled: bool) -> Progress:
                     console=console, disable=not enabled, transient=False)
 
 
-def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path, shown: int = 3) -> None:
+def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,
+             shown: int = 3) -> None:
     t = Table(title=f"{model} | {describe(plan) or 'no edits'}")
     t.add_column("metric")
     t.add_column("value", justify="right")
