@@ -46,10 +46,10 @@ PY
 
 sweep() {
   t0=$(date +%s.%N)
-  python -m steer engine=vllm model=tiny progress=false hydra.run.dir=$runs/single > "$OUT/single.log" 2>&1
+  python -m steer engine=vllm model=tiny tap=layer1 progress=false hydra.run.dir=$runs/single > "$OUT/single.log" 2>&1
   echo "single rc=$?"
   t1=$(date +%s.%N)
-  python -m steer -m engine=vllm model=tiny 'edit.scale=range(0,16)' progress=false hydra.sweep.dir=$runs/sweep16 \
+  python -m steer -m engine=vllm model=tiny tap=layer1 'edit.scale=range(0,16)' progress=false hydra.sweep.dir=$runs/sweep16 \
     > "$OUT/sweep16.log" 2>&1; echo "sweep16 rc=$?"
   t2=$(date +%s.%N)
   python -c "a=$t1-$t0; b=$t2-$t1; print(f'single job {a:.1f}s, 16-job packed sweep {b:.1f}s, ratio {b/a:.2f}')" \
