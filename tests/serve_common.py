@@ -18,7 +18,7 @@ import httpx
 
 from helpers import cli_env
 
-MODEL = "tiny"
+MODEL = "steer-test"  # the served model name every test server is started with, whatever the model
 PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
 MAX_TOKENS = 8
 PRESETS = ["gloom", "joy", "joy_two_taps"]
@@ -46,7 +46,7 @@ def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> I
     env = cli_env(cache_dir)
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "steer.serve", *args, f"serve.port={port}",
-                                 "serve.log_level=warning", f"hydra.run.dir={run_dir}"],
+                                 "serve.log_level=warning", f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"],
                                 cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -99,20 +99,25 @@ def chat(c, prompt: str, steer=None, scale=None, **kw) -> str:
     return out.choices[0].message.content
 
 
-def check_against(c, expected: Callable[[str, Optional[str], Optional[float]], str]) -> None:
-    """Greedy completions and chat completions for every prompt and case equal `expected(prompt, steer, scale)`,
-    and every preset changes the text of some prompt."""
+Expected = Callable[[str, Optional[str], Optional[float]], str]
+
+
+def check_against(c, expected: Expected, expected_chat: Optional[Expected] = None) -> None:
+    """Greedy completions for every prompt and case equal `expected(prompt, steer, scale)`, chat completions
+    `expected_chat(...)` (default: `expected`, for a model without a chat template, whose one user message is fed
+    as the prompt), and every preset changes the text of some prompt."""
+    expected_chat = expected_chat or expected
     for steer, scale in CASES:
         for p in PROMPTS:
-            want = expected(p, steer, scale)
-            assert complete(c, p, steer, scale) == want, (p, steer, scale)
-            assert chat(c, p, steer, scale) == want, (p, steer, scale)  # one user message: the prompt, fed alike
+            assert complete(c, p, steer, scale) == expected(p, steer, scale), (p, steer, scale)
+            assert chat(c, p, steer, scale) == expected_chat(p, steer, scale), (p, steer, scale)
     for name in PRESETS:
         assert any(expected(p, name, None) != expected(p, None, None) for p in PROMPTS), name
 
 
 def check_streaming(c) -> None:
-    """Streamed pieces add up to the non-streamed text; the last piece carries the finish_reason."""
+    """Streamed pieces add up to the non-streamed text (completion and chat); the last piece carries the
+    finish_reason."""
     for steer in (None, "joy_two_taps"):
         for p in PROMPTS:
             whole = complete(c, p, steer)
@@ -123,7 +128,7 @@ def check_streaming(c) -> None:
             chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
                                                     max_tokens=MAX_TOKENS, temperature=0, stream=True,
                                                     stream_options={"include_usage": True}, **xargs(steer, None)))
-            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole
+            assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat(c, p, steer)
             assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
 
 
@@ -139,7 +144,7 @@ def check_sse_done(url: str) -> None:
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
 
 
-def check_listing(url: str) -> None:
+def check_listing(url: str, hidden: int = 256) -> None:
     data = httpx.get(f"{url}/v1/steer/presets", timeout=30).json()["data"]
     by = {p["name"]: p for p in data}
     assert sorted(by) == PRESETS
@@ -152,7 +157,7 @@ def check_listing(url: str) -> None:
         for e in p["edits"]:
             v = e["vector"]
             assert v["default"] is True and Path(v["path"]).is_file(), v
-            assert v["metadata"]["tap"] == e["tap"] and v["metadata"]["hidden"] == "256"
+            assert v["metadata"]["tap"] == e["tap"] and v["metadata"]["hidden"] == str(hidden)
     assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
 
 
@@ -160,7 +165,7 @@ def check_listing(url: str) -> None:
 # the non-steer ones with its own error body)
 def bad_requests() -> list:
     ok = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
-    raw = '{"model": "tiny", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer": "joy", "steer_scale": %s}}'
+    raw = '{"model": "%s", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer": "joy", "steer_scale": %%s}}' % MODEL
     return [
         ({**ok, "vllm_xargs": {"steer": "delight"}}, "vllm_xargs.steer", True),
         ({**ok, "vllm_xargs": {"steer": 3}}, "vllm_xargs.steer", True),
@@ -177,8 +182,8 @@ def bad_requests() -> list:
         ({**ok, "vllm_xargs": {"steer_vector": "AAAA"}}, "vllm_xargs.steer_vector", True),
         ({**ok, "vllm_xargs": "joy"}, "vllm_xargs", True),
         ({**ok, "steer": "joy"}, "steer", True),
-        (b'{"model": "tiny", "prompt": ', None, True),
-        (b'["tiny"]', None, True),
+        (b'{"model": "steer-test", "prompt": ', None, True),
+        (b'["steer-test"]', None, True),
         ({**ok, "max_tokens": "ten"}, "max_tokens", False),
         ({**ok, "temperature": -1}, "temperature", False),
         ({**ok, "prompt": 7}, "prompt", False),

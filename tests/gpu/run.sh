@@ -5,6 +5,8 @@
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
+#   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
+#          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g, then the tiny model, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
@@ -71,6 +73,12 @@ tp() {
   python -m steer.bench 'run=[llama3_8b]' 'configs=[b,c]' 'scenarios=[add]' tensor_parallel_size=2 \
     hydra.run.dir="$OUT/bench-tp2" > "$OUT/bench-tp2.log" 2>&1; echo "bench tp2 rc=$?"
   grep -E "^\[bench\]" "$OUT/bench-tp2.log"
+}
+
+serve() {
+  # shellcheck disable=SC2086
+  python -m steer.bench.serving --out "$OUT/bench-serve" ${SERVE_ARGS:-} > "$OUT/bench-serve.log" 2>&1
+  echo "serve bench rc=$?"; grep -E "^\[serve-bench\]|^\|" "$OUT/bench-serve.log"
 }
 
 kernel() {
