@@ -1,8 +1,8 @@
 """Which rows of a step get which edit, computed once per step on the host, for every request at once.
 
 A step's activation is a flat `[num_tokens, hidden]` slab of every scheduled request (prefill chunks and decode
-tokens mixed). Each request carries a list of (stage, strength, tokens) entries; a stage is one unit edit at one
-tap and one position in that tap's edit list (steer.edit.Edit.unit), shared by every request whose edit has the
+tokens mixed). Each request carries a list of (stage, strength, rows) entries; a stage is one edit at unit strength
+at one tap and one position in that tap's edit list (`StageEdit.unit`), shared by every request whose edit has the
 same shape, so requests that differ only in scale share one op and differ in their row weights. `StepRows.set`
 turns the step's rows into a `[num_tokens, columns]` weight matrix with array operations (no Python per row,
 one small loop per steered request) and ships it in one pinned host-to-device copy: the only per-step host work
@@ -17,10 +17,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from steer.edit import Edit
-from steer.schema import Tokens
+from interleaver.stage import Rows, StageEdit
 
-_TOKENS = {Tokens.both.value: 0, Tokens.prompt.value: 1, Tokens.generated.value: 2}
+_ROWS = {Rows.both.value: 0, Rows.prompt.value: 1, Rows.generated.value: 2}
 
 
 @dataclass(frozen=True)
@@ -28,12 +27,12 @@ class Stage:
     id: int
     location: str
     index: int  # position in the tap's edit list: a request's edits at one tap run in this order
-    edit: Edit  # at unit strength
+    edit: StageEdit  # at unit strength
 
 
 @dataclass
 class RequestEdits:
-    """What one request asks for: (stage id, strength, tokens) entries, and where its prompt ends (None: the
+    """What one request asks for: (stage id, strength, rows) entries, and where its prompt ends (None: the
     request's own prompt length; a scoring pass that feeds a continuation as prompt sets it)."""
 
     entries: List[Tuple[int, float, str]] = field(default_factory=list)
@@ -49,7 +48,7 @@ class RequestEdits:
 
     @classmethod
     def from_args(cls, d: Optional[Dict]) -> Optional["RequestEdits"]:
-        if isinstance(d, str):  # steer.serve's vllm_xargs carry flat values only: the dict as a JSON string
+        if isinstance(d, str):  # an OpenAI server's vllm_xargs carry flat values only: the dict as a JSON string
             d = json.loads(d)
         if not d:
             return None
@@ -61,8 +60,8 @@ class RequestEdits:
         on generated rows only (cached: a request asks every step)."""
         if self._dense is None or self._dense[0] != n_stages:
             s = np.zeros((3, n_stages), dtype=np.float32)
-            for stage, strength, tokens in self.entries:
-                s[_TOKENS[tokens], stage] += strength
+            for stage, strength, rows in self.entries:
+                s[_ROWS[rows], stage] += strength
             self._dense = (n_stages, s)
         return self._dense[1]
 
@@ -85,9 +84,9 @@ class EditBank:
         self.stages: List[Stage] = []
         self._ids: Dict[tuple, int] = {}
 
-    def register(self, location: str, edits: Sequence[Edit], start: int = 0) -> List[Tuple[int, float, str]]:
+    def register(self, location: str, edits: Sequence[StageEdit], start: int = 0) -> List[Tuple[int, float, str]]:
         """Register a tap's edits (in order, from position `start` of the tap's edit list) and return the request
-        entries that ask for them."""
+        entries that ask for them, at the edits' own strengths and rows."""
         out = []
         for index, e in enumerate(edits, start):
             unit = e.unit()
@@ -95,7 +94,7 @@ class EditBank:
             if key not in self._ids:
                 self._ids[key] = len(self.stages)
                 self.stages.append(Stage(len(self.stages), location, index, unit))
-            out.append((self._ids[key], e.strength, e.tokens.value))
+            out.append((self._ids[key], e.strength, e.rows.value))
         return out
 
     def truncate(self, n: int) -> None:
@@ -148,7 +147,7 @@ class StepRows:
         self._high = 0  # rows of `static` written by the last step
         self._pinned: List[Optional[torch.Tensor]] = [None] * self._RING
         self._turn = 0
-        # (batch, rows, weights, live, all_live) of the last decode step whose rows were all generated tokens: the
+        # (batch, rows, weights, used, all_used) of the last decode step whose rows were all generated tokens: the
         # next such step of the same batch has the same weights, already on the device (and in `static`).
         self._steady: Optional[tuple] = None
         self.clear()
@@ -156,8 +155,8 @@ class StepRows:
     def clear(self) -> None:
         self.num_tokens: Optional[int] = None
         self.weights: Optional[torch.Tensor] = None  # [num_tokens, columns] on the device
-        self.live: Optional[np.ndarray] = None  # bool per column: does any row use it this step
-        self.all_live = False  # every column is live: a tap need not ask which of its groups are
+        self.used: Optional[np.ndarray] = None  # bool per column: does any row use it this step
+        self.all_used = False  # every column is used: a tap need not ask which of its groups are
         self.capturing: Dict[str, List[Span]] = {}  # location -> spans of requests that keep its value
 
     def set(self, spans: Sequence[Span], num_tokens: int, n_stages: int, device) -> None:
@@ -186,14 +185,14 @@ class StepRows:
             steady = decode and bool((positions >= batch.plen).all())
             last = self._steady
             if steady and last is not None and last[0] is batch and last[1] == num_tokens:
-                self.weights, self.live, self.all_live = last[2:]
+                self.weights, self.used, self.all_used = last[2:]
                 return  # `static` still holds these rows
             w = _weights(starts, counts, positions, batch, num_tokens, decode)
-            self.live = w.any(0)
-            self.all_live = bool(self.live.all())
-            if self.all_live or self.live.any():
+            self.used = w.any(0)
+            self.all_used = bool(self.used.all())
+            if self.all_used or self.used.any():
                 self.weights = self._upload(w, device)
-            self._steady = (batch, num_tokens, self.weights, self.live, self.all_live) if steady else None
+            self._steady = (batch, num_tokens, self.weights, self.used, self.all_used) if steady else None
         if self.static is not None:
             self._to_static(num_tokens)
 

@@ -1,20 +1,22 @@
 """VLLMInterleaver: an nnsight Interleaver whose handoff is recorded into breakable CUDA graphs at taps.
 
-What belongs here: the contract of ../shared/seed/interleaver.txt (taps, instrument, handle, replay, and what a
-request parked off the taps is told). What does not: vLLM's internals (vllm_internals.py), row bookkeeping (bank.py),
-the edit math (steer.edit). Compiled edit programs (program.py) are served at the same taps as nnsight traces,
-with one vectorised op per group per step and no per-request Python; an in-graph engine (`in_graph`) captures
-them into the graph instead of breaking it, and serves no traces at its taps.
+What belongs here: the tap contract (taps, instrument, handle, replay, and what a request parked off the taps is
+told). A replayed graph runs no Python, so a tap is a callable recorded into the graph at a break; the value there
+lives at an address the graph rewrites every step, and only its first `rows()` rows are real. What does not belong
+here: vLLM's internals (vllm_internals.py), nnsight's (nnsight_internals.py), row bookkeeping (bank.py), the edit
+math (program.py). Compiled edit programs are served at the same taps as nnsight traces, with one vectorised op per
+group per step and no per-request Python; an in-graph engine (`in_graph`) captures them into the graph instead of
+breaking it, and serves no traces at its taps.
 """
 
 import time
 from typing import Any, Dict, Iterable, Optional
 
 import torch
-from nnsight.intervention.interleaver import Interleaver, OutOfOrderError
 
-from interleaver import vllm_internals
+from interleaver import nnsight_internals, vllm_internals
 from interleaver.bank import StepRows
+from interleaver.nnsight_internals import Interleaver, OutOfOrderError
 from interleaver.program import TapProgram
 
 _MODULE_SUFFIXES = ("input", "output", "skip")
@@ -50,7 +52,7 @@ class VLLMInterleaver(Interleaver):
         wanted = sorted({t[len(prefix):].rsplit(".", 1)[0] for t in self.taps if t.startswith(prefix)})
         if not wanted:
             return
-        names = list(envoy.source.names)  # building .source installs the instrumented forward
+        names = nnsight_internals.op_names(envoy)
         for op in wanted:
             if op not in names:
                 raise ValueError(f"tap {prefix}{op}: {envoy.path}'s forward has no operation {op!r}; "
@@ -61,7 +63,7 @@ class VLLMInterleaver(Interleaver):
         token count where a runner set it, else the batcher's total (nnsight's own runner keeps it there)."""
         if self.step.num_tokens is not None:
             return self.step.num_tokens
-        return getattr(self.batcher, "total", None)
+        return nnsight_internals.batch_rows(self)
 
     def handle(self, provider: str, value: Any) -> Any:
         if provider in self.taps and self.in_graph:
@@ -90,7 +92,7 @@ class VLLMInterleaver(Interleaver):
             return
         rec = vllm_internals.recording()
         if rec is not None:
-            vllm_internals.captured(rec, lambda: program.in_graph(value, self.step.static))
+            vllm_internals.record_into(rec, lambda: program.in_graph(value, self.step.static))
             return
         n = self.rows()
         if n is None:  # a warm-up or dummy run outside any step
@@ -107,7 +109,7 @@ class VLLMInterleaver(Interleaver):
     def _break(self, location: str, live: Any) -> None:
         """Serve a tap at a replayed graph's eager break (`live`: its whole padded value)."""
         graphs = self.tap_graphs
-        if graphs is not None and not (self.interleaving and self.busy):
+        if graphs is not None and not nnsight_internals.serving(self):
             if graphs.serve(location, self.programs.get(location), live, self.step):
                 return
         self.replay(location, live)
@@ -122,22 +124,19 @@ class VLLMInterleaver(Interleaver):
         program = self.programs.get(location)
         if program is not None:
             program(live, self.step)
-        if self.interleaving and self.busy:
-            served = self._ready(location)
+        if nnsight_internals.serving(self):
+            served = nnsight_internals.parked_here(self, location)
             edited = super().handle(location, live)
             try:
                 _copy_into(location, live, edited)
             except ValueError as e:
-                if not (self.defer_exceptions and served):
-                    raise
                 # The engine's other requests go on: the error ends the request(s) whose block replaced it.
-                for mediator in served:
-                    mediator.exception = e
+                if not (served and nnsight_internals.defer(self, served, e)):
+                    raise
 
     def off_tap_error(self, mediator: Any) -> Optional[OutOfOrderError]:
         """The error for a request still parked on a module location no replayed step reaches, or None."""
-        pending = getattr(mediator, "pending", None)
-        provider = getattr(pending, "provider", None)
+        provider = nnsight_internals.parked_at(mediator)
         if not self.taps or provider is None or provider in self.taps:
             return None
         if provider.rsplit(".", 1)[-1] not in _MODULE_SUFFIXES:
@@ -147,18 +146,15 @@ class VLLMInterleaver(Interleaver):
 
     def finish_dangling(self, mediator: Any) -> Optional[BaseException]:
         """Tell a request that ended while parked off the taps why, and return what its block raised."""
-        error = self.off_tap_error(mediator) if getattr(mediator, "alive", False) else None
+        error = self.off_tap_error(mediator) if nnsight_internals.alive(mediator) else None
         if error is None:
             return None
-        try:
-            mediator.worker.throw(error)
-        except BaseException as thrown:  # the block's own unwinding: this is the request's error
-            return thrown
-        return error
+        thrown = nnsight_internals.throw_into(mediator, error)  # the block's own unwinding: the request's error
+        return error if thrown is None else thrown
 
     def check_dangling_mediators(self) -> None:
         for mediator in self.mediators:
-            error = self.off_tap_error(mediator) if mediator.alive else None
+            error = self.off_tap_error(mediator) if nnsight_internals.alive(mediator) else None
             if error is not None:
                 raise self.finish_dangling(mediator) or error
         super().check_dangling_mediators()

@@ -1,13 +1,13 @@
 """A tap's edits as one fused GPU kernel: one launch per tap and step instead of one per torch op.
 
-Measured on the H200 (bench, Llama-3-8B shape, `ablate` at all 32 layers): the torch form of a tap's program
-(float cast, residual add, two small matmuls, a scale, an add into `hidden`) costs about 39 us of GPU time a
-tap even inside a CUDA graph, which is 0.83 x the unsteered step at 64 requests. This kernel reads a row's
-`hidden` (and `residual`) once, computes every direction's delta in float32 against the same stream, and writes
-`hidden` once, rounding once: the arithmetic of `program._run` for a program whose groups are all of one index.
+The torch form of a tap's program (float cast, residual add, two small matmuls, a scale, an add into `hidden`) is
+several kernels, each reading and writing the whole slab, and on a large model that costs a sizeable fraction of
+the unsteered step even inside a CUDA graph (docs/perf-log.md). This kernel reads a row's `hidden` (and
+`residual`) once, computes every direction's delta in float32 against the same stream, and writes `hidden` once,
+rounding once: the arithmetic of `program._run` for a program whose groups are all of one index.
 
 Per direction row j of the flattened groups (kind 0 add, 1 scale, 2 projection move), with w the row's weight
-in column col[j] and b_j the direction (add: the scaled vector; scale: the centre):
+in column col[j] and b_j the direction (add: the vector; scale: the centre):
     add:      delta += w b_j
     scale:    delta += w (x - b_j)
     project:  p = x.b_j; delta += (clip(offset_j + slope_j p, lo_j, hi_j) - p) w b_j
@@ -20,6 +20,8 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
+
+from interleaver import triton_internals
 
 ADD, SCALE, PROJECT = 0, 1, 2
 
@@ -75,14 +77,13 @@ class Fused:
     """One single-index program's direction table on the device, ready to launch.
 
     A launch through Triton's JIT (`kernel[grid](...)`) binds and specialises every argument and builds a cache
-    key on each call: on the H200's host, 34 us a tap launched eagerly against 8 us for a torch op on the same rows
-    (`python -m steer.bench.kernel`), which a replayed step pays at every tap. So after its first launch for a
-    given activation dtype, residual and alignment, a Fused launches the compiled kernel directly (Triton's
-    `CompiledKernel[grid](*args)`), the same binary with the same arguments. What the JIT would re-check each call
-    is in the key: the activations' dtypes, the pointers' 16-byte alignment (the kernel is specialised on it) and
-    the integers' width; the strides and the direction count are not specialised on. `warm` checks the direct
-    launch against the JIT's on the device, bit for bit, and keeps the JIT launch if they differ or the direct
-    one fails."""
+    key on each call, host time several times a torch op's (docs/perf-log.md), which a replayed step pays at every
+    tap. So after its first launch for a given activation dtype, residual and alignment, a Fused launches the
+    compiled kernel directly (triton_internals.launch), the same binary with the same arguments. What the JIT would
+    re-check each call is in the key: the activations' dtypes and what Triton specialises on
+    (triton_internals.specialization); the strides and the direction count are not specialised on. `warm` checks
+    the direct launch against the JIT's on the device, bit for bit, and keeps the JIT launch if they differ or the
+    direct one fails."""
 
     def __init__(self, basis: torch.Tensor, col: torch.Tensor, kind: torch.Tensor, slope: torch.Tensor,
                  offset: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -134,11 +135,11 @@ class Fused:
         if compiled is None:
             self._launch(hidden, residual, weights)
         else:
-            compiled[(hidden.shape[0], 1, 1)](*self._args(hidden, residual, weights))
+            triton_internals.launch(compiled, (hidden.shape[0], 1, 1), self._args(hidden, residual, weights))
         return True
 
     def _args(self, hidden, residual, weights) -> tuple:
-        """The kernel's arguments in its signature's order, constexprs included (what the JIT hands its launcher)."""
+        """The kernel's arguments in its signature's order, constexprs included (what a direct launch takes)."""
         r = residual if residual is not None else hidden
         return (hidden, r, weights, self.basis, self.col, self.kind, self.slope, self.offset, self.lo, self.hi,
                 self.col.shape[0], hidden.shape[1], hidden.stride(0), r.stride(0), weights.stride(0),
@@ -147,17 +148,18 @@ class Fused:
     def _launch(self, hidden, residual, weights) -> None:
         """Launch through Triton's JIT, and keep the compiled kernel it returns for direct launches."""
         *args, has_r, block = self._args(hidden, residual, weights)
-        compiled = _kernel()[(hidden.shape[0],)](*args, HAS_R=has_r, BLOCK=block, num_warps=self._warps)
-        if self.direct and callable(getattr(compiled, "__getitem__", None)) and hasattr(compiled, "packed_metadata"):
-            self._compiled[_key(hidden, residual, weights)] = compiled  # (the CPU interpreter returns none)
+        compiled = triton_internals.compiled_of(
+            _kernel()[(hidden.shape[0],)](*args, HAS_R=has_r, BLOCK=block, num_warps=self._warps))
+        if self.direct and compiled is not None:
+            self._compiled[_key(hidden, residual, weights)] = compiled
 
 
 def _key(hidden, residual, weights) -> tuple:
-    """What Triton specialises the kernel on, of what varies between launches."""
+    """What the compiled kernel depends on, of what varies between launches: the activations' dtypes, and what
+    Triton specialises the pointers and the (unspecialised) strides on."""
     tensors = (hidden, weights) if residual is None else (hidden, residual, weights)
-    aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
-    narrow = max(t.stride(0) for t in tensors) < 2 ** 31
-    return hidden.dtype, None if residual is None else residual.dtype, aligned, narrow
+    spec = triton_internals.specialization(tensors, [t.stride(0) for t in tensors])
+    return (hidden.dtype, None if residual is None else residual.dtype, *spec)
 
 
 def available(device) -> bool:

@@ -13,25 +13,24 @@ Groups of a later index see the stream after the earlier ones.
 """
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 
 from interleaver import kernels
 from interleaver.bank import Stage, StepRows
-from steer.schema import EditKind
+from interleaver.stage import PROJECT, Kind
 
 
-# Kinds that move the projection onto a direction: each is "move p = x.d to target(p)", with target(p) =
-# clip(slope * p + offset, lo, hi): ablate 0 (slope 0), set `value` (slope 0), clamp clip(p) (slope 1).
-_PROJECT = (EditKind.ablate, EditKind.clamp, EditKind.set)
+FORMS = ("fused", "jit", "torch")  # how a program's call can run (TapProgram.form)
 
 
-def _family(kind: EditKind) -> str:
-    return "project" if kind in _PROJECT else kind.value
+def _family(kind: Kind) -> str:
+    return "project" if kind in PROJECT else kind.value
 
 
 @dataclass
@@ -39,7 +38,7 @@ class _Group:
     index: int
     family: str  # "add", "scale" or "project"
     cols: Any  # a slice of the weight matrix's columns (adjacent under bank.layout) or a LongTensor of them
-    live: Any  # the group's columns (a slice, or an index array), for the host-side check that a step uses any
+    host_cols: Any  # the same columns (a slice, or an index array), for the host-side check that a step uses any
     basis: torch.Tensor  # [m, hidden]: add vectors, scale centres, or the directions (an ablate's k rows each)
     expand: Optional[torch.Tensor] = None  # project: direction row -> group column, when some stage has k > 1
     centred: bool = True  # scale: some stage has a centre
@@ -85,13 +84,13 @@ class TapProgram:
     def __call__(self, live: Any, step: StepRows) -> None:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
         keep = step.capturing.get(self.location) if step.capturing else None
-        on = step.live
-        if on is None:
+        used = step.used
+        if used is None:
             groups = ()
-        elif step.all_live:
+        elif step.all_used:
             groups = self.groups
         else:
-            groups = [g for g in self.groups if on[g.live].any()]
+            groups = [g for g in self.groups if used[g.host_cols].any()]
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
@@ -108,6 +107,34 @@ class TapProgram:
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 
+
+    @property
+    def fused(self) -> bool:
+        """Whether the program runs as the fused kernel (a CUDA device with Triton, groups of one index, and a
+        kernel that built); else as its torch form."""
+        return self._fused is not None
+
+    @contextmanager
+    def form(self, name: str) -> Iterator[None]:
+        """Run the program's calls inside the block in form `name`, to measure one against another
+        (steer.bench.kernel): "fused", the kernel as it launches by default (directly, once compiled); "jit", the
+        same kernel with every launch through Triton's JIT; "torch", the torch form. The same edit either way."""
+        if name not in FORMS:
+            raise ValueError(f"form {name!r}: expected one of {FORMS}")
+        fused = self._fused
+        if name != "torch" and fused is None:
+            raise ValueError(f"{self.location}: no fused kernel here (no CUDA or Triton, or it did not build)")
+        direct = fused.direct if fused is not None else None
+        if name == "torch":
+            self._fused = None
+        elif name == "jit":
+            fused.direct = False
+        try:
+            yield
+        finally:
+            self._fused = fused
+            if fused is not None:
+                fused.direct = direct
 
     def in_graph(self, live: Any, weights: torch.Tensor) -> None:
         """Edit every row of `live` in place with the weights' first rows, running every group whatever the
@@ -173,7 +200,7 @@ def _group(stages: List[Stage], col, device) -> _Group:
     g = _Group(s0.index, family, span if contiguous else torch.tensor(cols, device=device),
                span if contiguous else np.array(cols), None)
     if family == "add":
-        g.basis = torch.cat([s.edit.basis[:1] * s.edit.scale for s in stages]).to(device)
+        g.basis = torch.cat([s.edit.basis[:1] for s in stages]).to(device)  # unit strength: the vectors as they are
     elif family == "scale":  # a stage with no centre scales about 0
         hidden = max(s.edit.basis.shape[1] if s.edit.basis is not None else 1 for s in stages)
         g.centred = any(s.edit.basis is not None for s in stages)
@@ -184,17 +211,17 @@ def _group(stages: List[Stage], col, device) -> _Group:
         g.basis = torch.cat([s.edit.basis for s in stages]).to(device)
         if len(rows) != len(stages):
             g.expand = torch.tensor([i for i, _, _ in rows], device=device)
-        g.ablate_only = all(s.edit.kind == EditKind.ablate for s in stages)
+        g.ablate_only = all(s.edit.kind == Kind.ablate for s in stages)
         g.neg_basis = -g.basis
         inf = float("inf")
 
         def per_row(f):
             return torch.tensor([f(s.edit) for _, s, _ in rows], dtype=torch.float32, device=device)
 
-        g.slope = per_row(lambda e: 1.0 if e.kind == EditKind.clamp else 0.0)
-        g.offset = per_row(lambda e: e.value if e.kind == EditKind.set else 0.0)
-        g.lo = per_row(lambda e: e.lo if e.kind == EditKind.clamp and e.lo is not None else -inf)
-        g.hi = per_row(lambda e: e.hi if e.kind == EditKind.clamp and e.hi is not None else inf)
+        g.slope = per_row(lambda e: 1.0 if e.kind == Kind.clamp else 0.0)
+        g.offset = per_row(lambda e: e.value if e.kind == Kind.set else 0.0)
+        g.lo = per_row(lambda e: e.lo if e.kind == Kind.clamp and e.lo is not None else -inf)
+        g.hi = per_row(lambda e: e.hi if e.kind == Kind.clamp and e.hi is not None else inf)
     return g
 
 

@@ -1,12 +1,12 @@
 """Each tap's compiled edits replayed at its eager break as a small CUDA graph of their own.
 
-A replayed step breaks at every tap and runs the tap's program there: Python, then a handful of kernel launches.
-On the H200 host that is 137-155 us a tap (bench, STEER_PROFILE=1), which is the whole cost of `ablate` at each of
-Llama-3-8B's 32 layers. The program's in-graph form (`TapProgram.in_graph`: every group on every padded row,
-weights read from `StepRows.static`, no host decision) can be captured once per tap and step size, on the
-breakable graph's own tap tensors (their addresses are fixed per step size), and then costs one graph launch.
-A step that needs the host at a tap (a request keeps the tap's value, a trace is served there) takes the eager
-path, which computes the same edit.
+A replayed step breaks at every tap and runs the tap's program there: Python, then a handful of kernel launches,
+host time a step pays at every tap, which is most of what steering at many layers costs (docs/perf-log.md). The
+program's in-graph form (`TapProgram.in_graph`: every group on every padded row, weights read from
+`StepRows.static`, no host decision) can be captured once per tap and step size, on the breakable graph's own tap
+tensors (their addresses are fixed per step size), and then costs one graph launch. A step that needs the host at
+a tap (a request keeps the tap's value, a trace is served there) takes the eager path, which computes the same
+edit.
 """
 
 import warnings
@@ -91,7 +91,7 @@ class _CudaCapture:
                 finally:
                     graph.capture_end()
             except RuntimeError as e:
-                warnings.warn(f"steer: a tap program could not be captured as a CUDA graph, it stays eager: {e}")
+                warnings.warn(f"interleaver: a tap program could not be captured as a CUDA graph, it stays eager: {e}")
                 graph = None
         main.wait_stream(side)
         return graph.replay if graph is not None else None

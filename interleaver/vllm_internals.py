@@ -1,14 +1,15 @@
 """The one door to vLLM's internals (vLLM 0.26): breakable graph recording, weak references, and the worker
 that installs taps and maps each step's rows to requests.
 
-Everything else in steer and the tap layer uses vLLM's public API or this file, so a vLLM upgrade touches this
-file alone, and CPU tests can stand a fake recording in its place. vLLM itself is imported lazily: the module
-imports without it.
+Everything else in the tap layer and the application that drives it uses vLLM's public API or this file, so a vLLM
+upgrade touches this file alone, and CPU tests can stand a fake recording in its place. vLLM itself is imported
+lazily: the module imports without it.
 """
 
 import os
 import time
-from typing import Any, Optional
+from types import SimpleNamespace
+from typing import Any, Iterable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,9 +35,9 @@ def recording() -> Optional[Any]:
     return rec if rec is not None and rec._capturing else None
 
 
-def captured(rec: Any, fn) -> None:
-    """Run `fn`'s tensor ops into the recording in progress. A CUDA graph capture records whatever kernels run;
-    a stand-in recording (the CPU tests') records `fn` itself through its `op`."""
+def record_into(rec: Any, fn) -> None:
+    """Run `fn` so that its tensor ops are recorded into the recording in progress. A CUDA graph capture records
+    whatever kernels run; a stand-in recording (the CPU tests') records `fn` itself through its `op`."""
     op = getattr(rec, "op", None)
     if op is not None:
         op(fn)
@@ -57,11 +58,11 @@ def weak(t: torch.Tensor) -> torch.Tensor:
 # --- the worker: taps installed at load, rows mapped every step ---------------------------------------------
 
 TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...], fixed before graph capture
-# additional_config key of an in-graph engine: its whole stage list [(id, location, index, edit dict)], captured
+# additional_config key of an in-graph engine: its whole stage list [(id, location, index, StageEdit dict)], captured
 IN_GRAPH_KEY = "steer_in_graph"
 # additional_config key: true to replay each tap's program at its break as a CUDA graph of its own (tap_graphs.py)
 TAP_GRAPHS_KEY = "steer_tap_graphs"
-# additional_config key of a replay engine started with stages already registered (steer.serve's presets), the
+# additional_config key of a replay engine started with stages already registered (an OpenAI server's presets), the
 # same list as IN_GRAPH_KEY's; more may still arrive through steer_set_stages
 STAGES_KEY = "steer_stages"
 
@@ -99,8 +100,7 @@ class _TapWorkerMixin:
         self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
         self.steer_batch_key, self.steer_batch = None, None
-        model = runner.get_model()
-        modules = dict(model.named_modules())
+        modules = dict(runner.get_model().named_modules())
         for path, _ in taps:
             if path not in modules:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
@@ -113,8 +113,12 @@ class _TapWorkerMixin:
             self.steer_il.in_graph = True
             self.steer_declared = len(declared)
             self.steer_il.step.use_static(runner.max_num_tokens, len(declared), runner.device)
-        prepare, execute = runner._prepare_inputs, runner.execute_model
+        self._steer_wrap_runner()
 
+    def _steer_wrap_runner(self) -> None:
+        """Fill the step's rows once the runner has prepared its inputs, and clear them after it has run."""
+        runner = self.model_runner
+        prepare, execute = runner._prepare_inputs, runner.execute_model
         clock = self.steer_clock = _Clock() if os.environ.get("STEER_PROFILE") == "1" else None
 
         def prepare_inputs(scheduler_output, *a, **k):
@@ -155,8 +159,8 @@ class _TapWorkerMixin:
                 edits.append(got[0])
                 prompt_lens[i] = got[1]
             if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
-                live = set(runner.requests)
-                for rid in [r for r in cache if r not in live]:
+                present = set(runner.requests)
+                for rid in [r for r in cache if r not in present]:
                     del cache[rid]
             self.steer_batch_key = key
             self.steer_batch = BatchEdits(edits, prompt_lens, key[1], il.step.order)
@@ -166,18 +170,18 @@ class _TapWorkerMixin:
     # collective_rpc entry points ----------------------------------------------------------------------
 
     def steer_set_stages(self, stages) -> int:
-        """Install the client's stage list ([(id, location, index, Edit.to_dict())], ids in order) as the taps'
-        programs (plain data: vLLM's RPC turns dataclasses into dicts)."""
+        """Install the client's stage list ([(id, location, index, StageEdit.to_dict())], ids in order) as the taps'
+        programs (plain data: vLLM's RPC turns dataclasses into dicts; a StageEdit itself is taken too)."""
         from interleaver.bank import Stage, layout
         from interleaver.program import TapProgram
-        from steer.edit import Edit
+        from interleaver.stage import StageEdit
 
         if getattr(self, "steer_declared", None) is not None and len(stages) != self.steer_declared:
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
                              f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
         bank = self.steer_bank
-        bank.stages = [Stage(i, loc, index, (Edit.from_dict(e) if isinstance(e, dict) else e).to(device))
+        bank.stages = [Stage(i, loc, index, (StageEdit.from_dict(e) if isinstance(e, dict) else e).to(device))
                        for i, loc, index, e in stages]
         il = self.steer_il
         stray = {s.location for s in bank.stages} - il.taps
@@ -243,6 +247,45 @@ def eager_breaks(worker) -> dict:
     entries = getattr(worker.model_runner.model, "entries", {})
     caps = [e.capture for e in entries.values() if e.capture is not None]
     return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
+
+
+class _NoWorker:
+    def load_model(self) -> None:
+        pass
+
+
+class HostWorker(_TapWorkerMixin, _NoWorker):
+    """The tap worker without vLLM, on a stand-in runner: the host work a replayed step does, run alone (the row
+    mapping and the tap programs; steer.bench.host times it). The runner offers what the worker reads of vLLM's
+    GPUModelRunner: `device`, `max_num_tokens`, `requests` (id -> `num_prompt_tokens`, `sampling_params.extra_args`),
+    `get_model()`, `query_start_loc.np`, `input_batch` (`num_reqs`, `req_ids`, `num_computed_tokens_cpu`),
+    `_prepare_inputs` and `execute_model`."""
+
+    def __init__(self, runner: Any, taps: Iterable[Tuple[str, bool]], config: Optional[dict] = None) -> None:
+        """Load the worker on `runner` as vLLM loads it: `taps` ((module path, residual?)) installed, and `config`
+        (more of vLLM's additional_config) read."""
+        self.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [[p, bool(r)] for p, r in taps],
+                                                              **(config or {})})
+        self.model_runner = runner
+        self.load_model()
+
+    @property
+    def interleaver(self):
+        """The worker's VLLMInterleaver: its programs, and `replay(location, live)` as a recorded tap runs it."""
+        return self.steer_il
+
+    def fill_step(self, num_tokens: int) -> None:
+        """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs."""
+        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
+
+
+def shutdown(llm: Any) -> None:
+    """Stop a vllm.LLM's engine core now: its process (or, in process, its executor) and the workers that hold the
+    weights, the KV cache and the graphs. vLLM 0.26's LLM has no shutdown of its own; this is the engine core
+    client's, which otherwise runs only once the LLM is garbage collected."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
 
 
 def _tap_hook(il, location: str):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
@@ -16,15 +17,22 @@ from steer.errors import ConfigError, config_error_line
 schema.register()
 
 
+PACKED = "hydra_plugins.steer_launcher.packed.PackedLauncher"
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def app(cfg: DictConfig) -> None:
+def app(cfg: DictConfig):
+    """One job. Under the packed launcher a steer or extract job comes back validated (Hydra hands the return
+    value to the launcher), to run with the other jobs that share its engine."""
     from steer import run  # heavy imports (torch, transformers) after Hydra has parsed the command line
 
     console = Console(stderr=True, soft_wrap=True)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
     try:
         conf = OmegaConf.to_object(cfg)
-        run.main(conf, out_dir, console)
+        packed = hc.mode == RunMode.MULTIRUN and OmegaConf.select(hc, "launcher._target_") == PACKED
+        return run.main(conf, out_dir, console, defer=packed)
     except ConfigError as e:
         run.record_failure(out_dir, e)
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)

@@ -6,7 +6,8 @@ import torch
 
 
 def kl_mean(steered_logits: torch.Tensor, baseline_logits: torch.Tensor) -> float:
-    """Mean over rows of KL(steered || baseline) between next-token distributions (float32 logits)."""
+    """Mean over rows of KL(steered || baseline) between next-token distributions (float32 logits or log-probs,
+    as an engine's Scores hold)."""
     ls, lb = torch.log_softmax(steered_logits.double(), -1), torch.log_softmax(baseline_logits.double(), -1)
     return float((ls.exp() * (ls - lb)).sum(-1).mean())
 

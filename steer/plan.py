@@ -23,12 +23,28 @@ class Plan:
     taps: Dict[str, Tap] = field(default_factory=dict)
     edits: Dict[str, List[Edit]] = field(default_factory=dict)
     primary: Optional[Tuple[Tap, Edit]] = None
+    # Edits compiled on a stand-in until their tap's default direction is known: (tap path, index in its list,
+    # config field prefix, edit config).
+    pending: List[Tuple[str, int, str, EditConf]] = field(default_factory=list)
 
     def add(self, tap: Tap, edit: Edit) -> None:
         self.taps.setdefault(tap.path, tap)
         self.edits.setdefault(tap.path, []).append(edit)
         if self.primary is None:
             self.primary = (tap, edit)
+
+    def with_defaults(self, default_vector: Callable[[Tap], torch.Tensor], hidden: int) -> "Plan":
+        """This plan with every pending edit compiled on its tap's default direction (files are not read again)."""
+        if not self.pending:
+            return self
+        out = Plan(taps=dict(self.taps), edits={path: list(edits) for path, edits in self.edits.items()})
+        for path, i, prefix, e in self.pending:
+            tap = self.taps[path]
+            out.edits[path][i] = _compile(e, vector.check(default_vector(tap), hidden, f"default vector at {tap.name}"),
+                                          prefix)
+        first = self.primary[0]
+        out.primary = (first, out.edits[first.path][0])  # the config's first edit is the first at its tap
+        return out
 
     def active(self) -> "Plan":
         """The same plan without edits that change nothing (so scale 0 runs no edit at all)."""
@@ -69,9 +85,14 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
         elif needs_default_vector(e) and default_vector is not None:
             vecs = vector.check(default_vector(tap), spec.hidden, f"default vector at {tap.name}")
         elif needs_default_vector(e):
-            vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction while validating
+            vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
+            plan.pending.append((tap.path, len(plan.edits.get(tap.path, [])), prefix, e))
         else:
             vecs = None
-        plan.add(tap, compile_edit(e.kind, e.scale, vecs, tokens=e.tokens, lo=e.lo, hi=e.hi, value=e.value,
-                                   field=f"{prefix}edit"))
+        plan.add(tap, _compile(e, vecs, prefix))
     return plan
+
+
+def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str) -> Edit:
+    return compile_edit(e.kind, e.scale, vecs, tokens=e.tokens, lo=e.lo, hi=e.hi, value=e.value,
+                        field=f"{prefix}edit")

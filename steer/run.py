@@ -8,11 +8,9 @@ one job or a packed group of jobs that share an engine, through the same code.
 import json
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from rich.console import Console
@@ -20,154 +18,38 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from steer import engine as engines
-from steer import metrics, prompt, results, tiny
+from steer import metrics, results
 from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default, extract_to
-from steer.model import ModelSpec, spec as model_spec
-from steer.plan import Plan, build, entries
+from steer.job import Job, engine_for, engine_key, validate  # noqa: F401 (the launcher's and tests' names)
+from steer.plan import Plan
 from steer.schema import SteerConf, Task
-from steer.tap import resolve
 
 
-def _needs_vllm(engine: str, field: str, what: str) -> None:
-    if engine != "vllm":
-        raise ConfigError(field, f"{what} needs engine=vllm (this run resolves to engine={engine})")
-
-
-def prepare(cfg: SteerConf) -> ModelSpec:
-    """Validate everything that can be checked without weights; return the model's spec."""
-    engine = engines.resolve(cfg.engine)
-    tp = cfg.vllm.tensor_parallel_size
-    if tp < 1:
-        raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {tp}")
-    if tp > 1:
-        import torch
-
-        _needs_vllm(engine, "vllm.tensor_parallel_size", f"{tp} GPUs per engine")
-        if torch.cuda.device_count() < tp:
-            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
-                                                           f"{torch.cuda.device_count()}")
-    if cfg.vllm.edits_in_graph:
-        raise ConfigError("vllm.edits_in_graph", "a steer run scores with the tap's values (projection metrics), "
-                                                 "which an engine with its edits in the graph cannot keep; the mode "
-                                                 "is for the bench and the API (VLLMEngine(..., declare=plans))")
-    kv = cfg.vllm.kv_cache_memory_bytes
-    if kv is not None and kv < 1:
-        raise ConfigError("vllm.kv_cache_memory_bytes", f"must be a positive number of bytes or null, got {kv}")
-    if cfg.vllm.tap_graphs:
-        _needs_vllm(engine, "vllm.tap_graphs", "replaying CUDA graphs at vLLM's taps")
-    g = cfg.gen
-    if g.max_new_tokens < 1:
-        raise ConfigError("gen.max_new_tokens", f"must be at least 1, got {g.max_new_tokens}")
-    if g.temperature < 0:
-        raise ConfigError("gen.temperature", f"must be >= 0 (0 is greedy), got {g.temperature}")
-    if not 0 < g.top_p <= 1:
-        raise ConfigError("gen.top_p", f"must be in (0, 1], got {g.top_p}")
-    for name in ("steer", "positive", "negative"):
-        if not list(getattr(cfg.prompts, name)):
-            raise ConfigError(f"prompts.{name}", "is empty; give at least one prompt")
-    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
-    spec = model_spec(cfg.model, cfg.cache_dir)
-    prompt.check(cfg.prompts.chat, spec.chat_template)
-    if cfg.task == Task.steer:
-        build(cfg, spec)
-    elif cfg.task == Task.select:
-        from steer import select
-
-        for cell in select.grid(cfg, spec.layers):
-            build(cell, spec)
-    else:
-        resolve(cfg.tap, spec)
-    return spec
-
-
-@lru_cache(maxsize=1)
-def _engine(name: str, spec: ModelSpec, device: str, vllm_conf: str, taps: tuple):
-    # A multirun's jobs share one process: keep the last engine rather than reload it for every job. The vLLM
-    # settings arrive as JSON only because the cache key must be hashable.
-    from steer.schema import VllmConf
-
-    return engines.make(name, spec, device, VllmConf(**json.loads(vllm_conf)), taps)
-
-
-def start_engine(cfg: SteerConf, spec: ModelSpec, taps=()):
-    """Build the tiny model if needed and start (or reuse) the engine with these taps fixed."""
-    if cfg.model.source == "tiny":
-        tiny.ensure_tiny(cfg.cache_dir, cfg.model.tiny)
-    name = engines.resolve(cfg.engine)
-    # Only an engine that records graphs fixes its taps at start; the HF engine serves any tap it is given.
-    return _engine(name, spec, cfg.device, json.dumps(asdict(cfg.vllm)), tuple(taps) if name == "vllm" else ())
-
-
-def run_taps(cfg: SteerConf, spec: ModelSpec):
-    """Every tap a run touches, in config order (an engine that records graphs needs them up front)."""
-    out = {}
-    for prefix, tap_conf, _ in entries(cfg):
-        tap = resolve(tap_conf, spec, f"{prefix}tap")
-        out.setdefault(tap.path, tap)
-    return list(out.values())
-
-
-@dataclass
-class Job:
-    """A validated steer job: its config, its model's spec and the run directory it writes."""
-
-    cfg: SteerConf
-    spec: ModelSpec
-    out_dir: Path
-    result: Optional[Dict] = None  # metrics once it ran, or {"error": message}
-    error: Optional[BaseException] = None
-
-
-# Set by the packed launcher (hydra_plugins/steer_launcher): `main` then defers steer jobs here instead of
-# running them, and the launcher runs each group of jobs that can share an engine with `execute`.
-_deferred: Optional[List[Job]] = None
-
-
-@contextmanager
-def deferring() -> Iterator[List[Job]]:
-    """Collect the steer jobs `main` is asked to run, validated but not run."""
-    global _deferred
-    _deferred = []
-    try:
-        yield _deferred
-    finally:
-        _deferred = None
-
-
-def engine_key(job: Job) -> str:
-    """Jobs with the same key can share one engine (same model, engine and engine settings)."""
-    c = job.cfg
-    return json.dumps([asdict(c.model), engines.resolve(c.engine), c.device, asdict(c.vllm)], sort_keys=True)
-
-
-def main(cfg: SteerConf, out_dir: Path, console: Console) -> Dict:
-    """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path)."""
-    spec = prepare(cfg)
-    if cfg.task == Task.extract:
-        return extract(cfg, spec, out_dir, console)
+def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False) -> Union[Dict, Job]:
+    """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path).
+    With `defer` (the packed launcher), a steer or extract job is returned validated, for the launcher to run
+    with the other jobs that share its engine."""
+    job = validate(cfg, out_dir)
     if cfg.task == Task.select:
         from steer import select
 
-        return select.run(cfg, spec, out_dir, console)
-    job = Job(cfg, spec, out_dir)
-    if _deferred is not None:
-        _deferred.append(job)
-        return {"deferred": str(out_dir)}
+        return select.run(job, console)
+    if defer:
+        return job
     out = execute([job], console)[0]
     if job.error is not None:
         raise job.error
     return out
 
 
-def extract(cfg: SteerConf, spec: ModelSpec, out_dir: Path, console: Console) -> Dict:
-    tap = resolve(cfg.tap, spec)
-    engine = start_engine(cfg, spec, [tap])
-    out = Path(cfg.extract.out).expanduser() if cfg.extract.out else out_dir / "vector.safetensors"
+def _extract(job: Job, engine, console: Console) -> Dict:
+    """task=extract: the default direction at the job's tap, written to extract.out (or the run directory)."""
+    cfg, tap = job.cfg, job.taps[0]
+    out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
     extract_to(out, cfg.extract.key, engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative),
                Recipe.from_conf(cfg.extract, cfg.prompts.chat))
-    console.print(f"wrote [bold]{out}[/] (key {cfg.extract.key!r}, tap {tap.name})")
+    console.print(f"wrote [bold]{escape(str(out))}[/] (key {cfg.extract.key!r}, tap {tap.name})")
     return {"vector": str(out), "key": cfg.extract.key, "tap": tap.name}
 
 
@@ -183,33 +65,28 @@ class _Work:
 
 
 def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None,
-            summary: Optional[bool] = None) -> List[Dict]:
-    """Run steer jobs that share an engine (see `engine_key`), every job's requests in the same batches, and
-    write each job's run directory as if it had run alone. Returns each job's metrics, or `{"error": message}`
-    for a job that failed: its directory gets error.txt and the others of the pack complete. `summary`: print
-    each job's texts and metrics (default: when there is one job)."""
+            summary: Optional[bool] = None, engine=None) -> List[Dict]:
+    """Run jobs that share an engine (see `engine_key`; `engine`: one already started for them, else one held
+    for this call), every steer job's requests in the same batches, and write each job's run directory as if it
+    had run alone. Returns each job's metrics (an extraction's vector path), or `{"error": message}` for a job
+    that failed: its directory gets error.txt and the others complete. `summary`: print each job's texts and
+    metrics (default: when there is one job)."""
+    if engine is None:
+        with engine_for(jobs) as engine:
+            return execute(jobs, console, on_done, summary, engine)
     summary = len(jobs) == 1 if summary is None else summary
-    taps = {t.path: t for job in jobs for t in run_taps(job.cfg, job.spec)}
-    engine = start_engine(jobs[0].cfg, jobs[0].spec, list(taps.values()))
-    work = []
-    for job in jobs:
-        job_log(job).info("engine %s on %s, taps %s", engine.name, job.spec.source, sorted(taps))
-        try:
-            work.append(_setup(job, engine, console))
-        except Exception as e:
-            fail(job, e, console, len(jobs) > 1)
-
+    say = len(jobs) > 1  # a failure is printed where it would not end the run
+    work = _start(jobs, engine, console, on_done, say)
     conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
     try:
         _generate(engine, work, conts, console)
     except Exception as e:  # the engine failed for the whole batch: every job of it says so
         for w in work:
-            fail(w.job, e, console, len(jobs) > 1)
+            fail(w.job, e, console, say)
         work = []
     elapsed = time.perf_counter() - t0
     tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
-
     baselines: Dict[tuple, tuple] = {}  # the unsteered re-reading of a baseline, shared by the jobs of a sweep
     for w in work:
         try:
@@ -218,7 +95,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:
-            fail(w.job, e, console, len(jobs) > 1)
+            fail(w.job, e, console, say)
             continue
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
@@ -230,12 +107,31 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     return [job.result for job in jobs]
 
 
+def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) -> List[_Work]:
+    """Run the extractions; set up each steer job's generation (a job that cannot be set up fails alone)."""
+    taps = sorted({t.path for job in jobs for t in job.taps})  # the pack's: its requests share the batches
+    work = []
+    for job in jobs:
+        job_log(job).info("engine %s on %s, taps %s", engine.name, job.spec.source, taps)
+        try:
+            if job.cfg.task == Task.extract:
+                job.result = _extract(job, engine, console)
+                if on_done:
+                    on_done(job)
+            else:
+                work.append(_setup(job, engine, console))
+        except Exception as e:
+            fail(job, e, console, say)
+    return work
+
+
 def _setup(job: Job, engine, console: Console) -> _Work:
     """A job's compiled plan and encoded prompts, checked against the model's positions."""
     cfg = job.cfg
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
-    plan = build(cfg, job.spec, default_vector=lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe))
+    plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe),
+                                  job.spec.hidden)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
     rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]
@@ -370,45 +266,42 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tupl
         jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
     scored = iter(engine.score_many(jobs))
     basis = edit.direction()
+    return [_row(engine, w, i, conts, basis, baselines[keys[i]], next(scored), next(scored))
+            for i in range(len(w.prompts))]
+
+
+def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optional[torch.Tensor], reread, base,
+         steer) -> Dict:
+    """Prompt i's line of results.jsonl, from the engine's Scores of its continuations: `reread`, the unsteered
+    model's of the baseline; `base` and `steer`, the unsteered and the steered model's of the steered one."""
+    tap, edit = w.plan.primary
+    text, fed, ids, seed = w.prompts[i], w.fed[i], w.encoded[i], w.seeds[i]
+    b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
     direction = basis[0] if basis is not None else None
-    sentiment = w.job.cfg.eval.sentiment
-    rows = []
-    for i, (text, fed, ids, seed) in enumerate(zip(w.prompts, w.fed, w.encoded, w.seeds)):
-        b, s = conts[_base_key(w, ids, seed)], conts[_steer_key(w, i)]
-        bb_logits, bb_cap = baselines[keys[i]]
-        (base_logits, base_cap), (st_logits, st_cap) = next(scored), next(scored)
-        # Logits at row t predict token t+1: the rows that predicted the steered continuation.
-        n = len(ids)
-        span = slice(n - 1, n - 1 + max(len(s), 1))
-        is_prompt = torch.tensor([True] * n + [False] * len(s))
-        wt = edit.row_weight(is_prompt)
-        selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
-        proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-        baseline, steered = engine.decode(b), engine.decode(s)
-        row = {
-            "prompt": text,
-            "fed": fed,
-            "prompt_ids": list(ids),
-            "baseline": baseline,
-            "steered": steered,
-            "baseline_ids": list(b),
-            "steered_ids": list(s),
-            "baseline_tokens": len(b),
-            "steered_tokens": len(s),
-            "tokens_changed": metrics.tokens_changed(b, s),
-            "kl": metrics.kl_mean(st_logits[span], base_logits[span]),
-            "proj_baseline": proj(base_cap[tap.path]),
-            "proj_steered": proj(st_cap[tap.path]),
-            "ppl_baseline": metrics.perplexity(bb_logits[n - 1:], b),
-            "ppl_steered": metrics.perplexity(base_logits[n - 1:], s),
-            "concept_baseline": metrics.concept(bb_cap[tap.path][n:], direction),
-            "concept_steered": metrics.concept(base_cap[tap.path][n:], direction),
-        }
-        if sentiment:
-            row["sentiment_baseline"] = metrics.sentiment(baseline)
-            row["sentiment_steered"] = metrics.sentiment(steered)
-        rows.append(row)
-    return rows
+    # Log-probs at row t predict token t+1: the rows that predicted the steered continuation.
+    n = len(ids)
+    span = slice(n - 1, n - 1 + max(len(s), 1))
+    is_prompt = torch.tensor([True] * n + [False] * len(s))
+    wt = edit.row_weight(is_prompt)
+    selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
+    proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
+    baseline, steered = engine.decode(b), engine.decode(s)
+    row = {
+        "prompt": text, "fed": fed, "prompt_ids": list(ids), "baseline": baseline, "steered": steered,
+        "baseline_ids": list(b), "steered_ids": list(s), "baseline_tokens": len(b), "steered_tokens": len(s),
+        "tokens_changed": metrics.tokens_changed(b, s),
+        "kl": metrics.kl_mean(steer.logprobs[span], base.logprobs[span]),
+        "proj_baseline": proj(base.captured[tap.path]),
+        "proj_steered": proj(steer.captured[tap.path]),
+        "ppl_baseline": metrics.perplexity(reread.logprobs[n - 1:], b),
+        "ppl_steered": metrics.perplexity(base.logprobs[n - 1:], s),
+        "concept_baseline": metrics.concept(reread.captured[tap.path][n:], direction),
+        "concept_steered": metrics.concept(base.captured[tap.path][n:], direction),
+    }
+    if w.job.cfg.eval.sentiment:
+        row["sentiment_baseline"] = metrics.sentiment(baseline)
+        row["sentiment_steered"] = metrics.sentiment(steered)
+    return row
 
 
 def _progress(console: Console, enabled: bool) -> Progress:

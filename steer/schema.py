@@ -8,21 +8,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class EditKind(str, Enum):
-    add = "add"
-    ablate = "ablate"
-    clamp = "clamp"
-    set = "set"
-    scale = "scale"
-
-
-class Tokens(str, Enum):
-    """Which rows of the residual stream an edit touches: rows fed a prompt token, a generated token, or both."""
-
-    both = "both"
-    prompt = "prompt"
-    generated = "generated"
+from steer.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
 
 
 class Task(str, Enum):

@@ -56,20 +56,20 @@ def cell_name(cfg: SteerConf) -> str:
     return f"layer{cfg.tap.layer}_scale{cfg.edit.scale:g}"
 
 
-def run(cfg: SteerConf, spec, out_dir: Path, console: Console) -> Dict:
-    """Run the grid into `out_dir`, write the selection report and return the best pair (or none)."""
+def run(job, console: Console) -> Dict:
+    """Run the grid of a validated task=select job into its run directory, write the selection report and return
+    the best pair (or none)."""
+    from steer import job as jobs_mod
     from steer import run as runs
 
-    cells = grid(cfg, spec.layers)
-    jobs = []
-    for c in cells:
-        d = out_dir / cell_name(c)
-        d.mkdir(parents=True, exist_ok=True)
-        jobs.append(runs.Job(c, spec, d))
+    cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
+    for cell in jobs:
+        cell.out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} "
                   f"scales) in one packed sweep")
-    for start in range(0, len(jobs), PACK):
-        runs.execute(jobs[start : start + PACK], console, summary=False)
+    with jobs_mod.engine_for(jobs) as engine:
+        for start in range(0, len(jobs), PACK):
+            runs.execute(jobs[start : start + PACK], console, summary=False, engine=engine)
     table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio) for job in jobs]
     best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,

@@ -1,3 +1,4 @@
+import io
 import os
 
 import pytest
@@ -27,6 +28,14 @@ def hf_engine(tiny_spec):
     from steer.engine.hf import HFEngine
 
     return HFEngine(tiny_spec)
+
+
+@pytest.fixture
+def console():
+    """A rich Console that prints into memory (`console.file.getvalue()`), wide enough that no line wraps."""
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=300)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,8 @@
-"""Helpers the tests share: composing configs as `python -m steer` does, and running the CLI."""
+"""Helpers the tests share: composing configs as the commands do, one-edit plans, running the CLI and reading
+what a sweep wrote."""
 
+import csv
+import importlib
 import os
 import subprocess
 import sys
@@ -13,6 +16,9 @@ CONF = ROOT / "conf"
 # the tap and strength its tests were written for, unless a test names a model, tap, strength or experiment.
 TINY = {"model": "model=tiny", "tap": "tap=layer1", "edit.scale": "edit.scale=4"}
 
+# Two prompts, for runs that want more than one prompt and little time.
+TWO_PROMPTS = "prompts.steer=['The weather today is','My friend looked at me and said']"
+
 
 def on_tiny(overrides):
     """`overrides` and then the tiny model's defaults that they do not set themselves (after them, since Hydra's
@@ -24,19 +30,50 @@ def on_tiny(overrides):
     return list(overrides) + [v for k, v in TINY.items() if not named(k)]
 
 
+# The schema each top-level config is checked against, as its command registers it.
+SCHEMAS = {"config": "steer.schema", "serve": "steer.serve.schema", "bench": "steer.bench.schema"}
+
+
+def compose_conf(name, overrides, **kw):
+    """conf/<name>.yaml composed with `overrides` (a DictConfig), as Hydra composes it for the command that reads
+    it; `kw` goes to Hydra's compose (e.g. return_hydra_config)."""
+    from hydra import compose as _compose, initialize_config_dir
+
+    importlib.import_module(SCHEMAS[name]).register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return _compose(config_name=name, overrides=list(overrides), **kw)
+
+
 def compose(*overrides, tiny=True):
     """Compose conf/config.yaml with overrides, as Hydra does for `python -m steer` (on the tiny model unless
     `tiny` is False or the overrides say otherwise)."""
-    overrides = on_tiny(overrides) if tiny else overrides
-    from hydra import compose as _compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from steer import schema
+    return OmegaConf.to_object(compose_conf("config", on_tiny(overrides) if tiny else overrides))
 
-    schema.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = _compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_object(cfg)
+
+def plan(spec, layer, edit):
+    """A plan of one edit at the residual stream after decoder `layer`."""
+    from steer.plan import Plan
+    from steer.schema import TapConf
+    from steer.tap import resolve
+
+    p = Plan()
+    p.add(resolve(TapConf(layer=layer), spec), edit)
+    return p
+
+
+def sweep_jobs(sweep):
+    """The job directories of a sweep, in job order ([] before the sweep has started)."""
+    if not sweep.exists():
+        return []
+    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def summary_rows(sweep):
+    """The rows of a sweep's summary.csv."""
+    with (sweep / "summary.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def cli_env(cache_dir):

@@ -1,12 +1,10 @@
 """Every committed config composes against the schema, and the schema rejects what it should."""
 
-from pathlib import Path
-
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from helpers import CONF, compose
+from helpers import CONF, compose, compose_conf
 from steer.schema import EditKind, SteerConf
 
 # conf/preset/ belongs to conf/serve.yaml (python -m steer.serve): tests/serve/test_serve_presets.py checks it.
@@ -55,8 +53,5 @@ def test_bad_overrides_fail_at_composition(override):
 @pytest.mark.parametrize("launcher,key,value", [("slurm_gpu", "gpus_per_node", 1), ("local_procs", "timeout_min", 60),
                                                 ("packed", "pack_size", 16)])
 def test_launcher_configs_compose(launcher, key, value):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    cfg = compose_conf("config", [f"hydra/launcher={launcher}"], return_hydra_config=True)
     assert cfg.hydra.launcher[key] == value

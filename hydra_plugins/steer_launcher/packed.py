@@ -122,48 +122,61 @@ class PackedLauncher(Launcher):
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, sweep_dir: Path,
                 job_dirs: List[Path]) -> Tuple[List[JobReturn], List[str]]:
-        from steer import run
+        from steer.job import Job
 
         returns: List[JobReturn] = []
         pending: Dict[str, Tuple[int, str, JobReturn]] = {}
         failed: List[str] = []
-        with run.deferring() as jobs:
-            for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-                with open_dict(cfg):
-                    cfg.hydra.job.id = cfg.hydra.job.num = idx
-                job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
-                job_dirs.append(job_dir)
-                shown = " ".join(filter_overrides(overrides))
-                # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
-                note = ""
-                if complete(job_dir) and not self.force:
-                    changed = config_changes(job_dir, cfg)
-                    if changed is None:
-                        log.info(f"\t#{idx} : {shown} (complete, skipped)")
-                        returns.append(_done(cfg, overrides, job_dir))
-                        continue
-                    note = f" (config changed: {changed}, rerunning)"
-                elif (job_dir / "error.txt").is_file():
-                    note = " (failed before, rerunning)"
-                for name in STALE:  # a rerun that stops part way must not leave the old results beside the new config
-                    if (job_dir / name).is_file():
-                        (job_dir / name).unlink()
-                log.info(f"\t#{idx} : {shown}{note}")
-                n = len(jobs)
-                ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
-                              job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-                returns.append(ret)
-                configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-                if ret.status == JobStatus.FAILED:
-                    failed.append(_say_failed(idx, shown, ret, job_dir, f"{type(ret._return_value).__name__}: "
-                                                                        f"{ret._return_value}"))
-                elif len(jobs) > n:  # a steer job, validated and waiting for its group
-                    pending[str(jobs[-1].out_dir)] = (idx, shown, ret)
+        jobs: List[Job] = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            ret, job_dir, shown = self._validate(idx, overrides, sweep_dir)
+            job_dirs.append(job_dir)
+            returns.append(ret)
+            if ret.status == JobStatus.FAILED:
+                failed.append(_say_failed(idx, shown, ret, job_dir, f"{type(ret._return_value).__name__}: "
+                                                                    f"{ret._return_value}"))
+            elif isinstance(ret.return_value, Job):  # validated, waiting for its engine group
+                jobs.append(ret.return_value)
+                pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
+        return returns, failed + self._run_groups(jobs, pending)
+
+    def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[JobReturn, Path, str]:
+        """A job of the sweep: done already if complete with the same config, else composed and handed to the task
+        function, which validates it and hands back the job (or runs it, for a task that is not deferred)."""
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            cfg.hydra.job.id = cfg.hydra.job.num = idx
+        job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+        shown = " ".join(filter_overrides(overrides))
+        # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
+        note = ""
+        if complete(job_dir) and not self.force:
+            changed = config_changes(job_dir, cfg)
+            if changed is None:
+                log.info(f"\t#{idx} : {shown} (complete, skipped)")
+                return _done(cfg, overrides, job_dir), job_dir, shown
+            note = f" (config changed: {changed}, rerunning)"
+        elif (job_dir / "error.txt").is_file():
+            note = " (failed before, rerunning)"
+        for name in STALE:  # a rerun that stops part way must not leave the old results beside the new config
+            if (job_dir / name).is_file():
+                (job_dir / name).unlink()
+        log.info(f"\t#{idx} : {shown}{note}")
+        ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return ret, job_dir, shown
+
+    def _run_groups(self, jobs: list, pending: Dict[str, Tuple[int, str, JobReturn]]) -> List[str]:
+        """Run the validated jobs, a group per engine (the first here, each other in a process of its own); set
+        each job's return value; the numbers of those that failed."""
+        from steer.job import engine_key
+
         groups: Dict[str, list] = {}
         for job in jobs:
-            groups.setdefault(run.engine_key(job), []).append(job)
+            groups.setdefault(engine_key(job), []).append(job)
         log.info(f"{len(jobs)} jobs to run in {len(groups)} engine group(s), packs of {self.pack_size}")
+        failed = []
         for i, group in enumerate(groups.values()):
             metrics = run_group(group, self.pack_size) if i == 0 else _in_own_process(group, self.pack_size)
             for job, m in zip(group, metrics):
@@ -172,7 +185,7 @@ class PackedLauncher(Launcher):
                     failed.append(_say_failed(idx, shown, ret, job.out_dir, str(m["error"])))
                 else:
                     ret.return_value = m
-        return returns, failed
+        return failed
 
 
 def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: str) -> str:
@@ -206,18 +219,24 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from steer import run
+    from steer.job import engine_for
 
     console = Console(stderr=True)
     out = []
     with Progress(TextColumn("sweep jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not jobs[0].cfg.progress) as progress:
         task = progress.add_task("jobs", total=len(jobs))
-        for start in range(0, len(jobs), pack_size):
-            pack = jobs[start : start + pack_size]
-            try:
-                out += run.execute(pack, console, on_done=lambda job: progress.advance(task), summary=False)
-            except Exception as e:
-                out += [_pack_failed(job, e) for job in pack]
+        try:
+            with engine_for(jobs) as engine:
+                for start in range(0, len(jobs), pack_size):
+                    pack = jobs[start : start + pack_size]
+                    try:
+                        out += run.execute(pack, console, on_done=lambda job: progress.advance(task),
+                                           summary=False, engine=engine)
+                    except Exception as e:
+                        out += [_pack_failed(job, e) for job in pack]
+        except Exception as e:  # the engine did not start (or did not close): the jobs not yet done fail
+            out += [_pack_failed(job, e) for job in jobs[len(out):]]
     return out
 
 

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin, tap_location
+from interleaver.vllm_internals import HostWorker, tap_location
 from steer.bench.workload import scenario
+from steer.engine.vllm import stage_edit
 
 _TAP = "layers.0"
 
@@ -47,31 +48,24 @@ class _Runner:
         return None
 
 
-class _Base:
-    def load_model(self):
-        pass
-
-
 def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
     """Microseconds per decode step of fill_step and of one tap's replay, `n` requests steered by `scen_name`."""
-    worker = type("Worker", (_TapWorkerMixin, _Base), {})()
-    worker.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [[_TAP, True]]})
-    runner = worker.model_runner = _Runner(n, hidden)
-    worker.load_model()
+    runner = _Runner(n, hidden)
+    worker = HostWorker(runner, [(_TAP, True)])
     bank, loc = EditBank(), tap_location(_TAP)
     edits = scenario(scen_name, hidden, 1, n, 0).edits
-    per_request = [RequestEdits(bank.register(loc, [e])) for e in edits]  # the bank keeps one stage per edit
+    per_request = [RequestEdits(bank.register(loc, [stage_edit(e)])) for e in edits]  # one stage per distinct edit
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     for i, rid in enumerate(runner.input_batch.req_ids):
         args = {"steer": per_request[i].to_args()}
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
     runner.query_start_loc.np[:] = np.arange(n + 1)
-    il = worker.steer_il
+    il = worker.interleaver
     fill = replay = 0.0
     for step in range(steps):
         runner.input_batch.num_computed_tokens_cpu[:] = 32 + step
         t0 = time.perf_counter()
-        worker._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=n))
+        worker.fill_step(n)
         t1 = time.perf_counter()
         il.replay(loc, (runner.x.clone(), runner.x))
         t2 = time.perf_counter()

@@ -16,6 +16,7 @@ column is the same calls launched one by one (launch-bound). The ratio to the fl
 """
 
 import argparse
+from contextlib import nullcontext
 from typing import Callable, Dict, List
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from interleaver.bank import EditBank, RequestEdits, Span, StepRows, layout
 from interleaver.program import TapProgram
 from steer.bench.workload import scenario
+from steer.engine.vllm import stage_edit
 
 _TAP = "layers.0"
 
@@ -30,8 +32,8 @@ _TAP = "layers.0"
 def _program(scen_name: str, rows: int, hidden: int, device) -> tuple:
     """A tap program for `rows` decode rows steered by `scen_name`, and the step's weights."""
     bank = EditBank()  # registers each distinct edit once, however many requests ask for it
-    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register(_TAP, [e])))  # one generated row each: a decode step
-             for i, e in enumerate(scenario(scen_name, hidden, 1, rows, 0).edits)]
+    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register(_TAP, [stage_edit(e)])))
+             for i, e in enumerate(scenario(scen_name, hidden, 1, rows, 0).edits)]  # one generated row each: decode
     step = StepRows()
     step.order = layout(bank.stages)
     step.set(spans, rows, len(bank.stages), device)
@@ -71,33 +73,14 @@ def measure(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: 
     program, weights = _program(scen_name, rows, hidden, device)
     g = torch.Generator(device=device).manual_seed(0)
     h, r = (torch.randn(rows, hidden, generator=g, device=device).to(dtype) * 0.01 for _ in range(2))
-    plain = program._fused
-    forms = {"floor": lambda: h.add_(r)}
-    if plain is not None:
-        forms["fused"] = lambda: program.in_graph((h, r), weights)
-
-        def through_jit():  # the same kernel, each launch through Triton's JIT: what a direct launch saves
-            direct, plain.direct = plain.direct, False
-            try:
-                program.in_graph((h, r), weights)
-            finally:
-                plain.direct = direct
-
-        forms["jit"] = through_jit
-
-    def torch_form():
-        program._fused = None
-        try:
-            program.in_graph((h, r), weights)
-        finally:
-            program._fused = plain
-
-    forms["torch"] = torch_form
+    stream_add, edit = (lambda: h.add_(r)), (lambda: program.in_graph((h, r), weights))
     out = []
-    for name, fn in forms.items():
-        out.append({"rows": rows, "scenario": scen_name, "form": name,
-                    "graph_us": _time(fn, taps, replays, graph=True),
-                    "eager_us": _time(fn, taps, replays, graph=False)})
+    for name in ("floor", *(("fused", "jit", "torch") if program.fused else ("torch",))):
+        with nullcontext() if name == "floor" else program.form(name):  # the forms of this module's docstring
+            fn = stream_add if name == "floor" else edit
+            out.append({"rows": rows, "scenario": scen_name, "form": name,
+                        "graph_us": _time(fn, taps, replays, graph=True),
+                        "eager_us": _time(fn, taps, replays, graph=False)})
     floor = out[0]["graph_us"]
     for o in out:
         o["vs_floor"] = o["graph_us"] / floor

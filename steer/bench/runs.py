@@ -74,8 +74,8 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
         _run_group(cfg, m, where, group, out, env, ready, turns)
     finally:
         # The engine shuts down when its last reference goes, and a traced runner is a cycle (run.trace calls run):
-        # left to exit, this process would wait forever on vLLM's engine core, which nothing then stops
-        # (2026-11-29: a traced engine held its lane until the device time ran out).
+        # left to exit, this process would wait forever on vLLM's engine core, which nothing then stops, and hold
+        # its lane.
         gc.collect()
         if turns is not None:
             # Should the way out hang, the scheduler kills this process after waves.EXIT_S; its threads' stacks,
@@ -219,34 +219,24 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
 TRACEABLE = ("a", "b", "c", "f", "g")  # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
 
 
-def _traceable(run, llm, trace_dir: Optional[str]):
+def _traceable(run, profiled, trace_dir: Optional[str]):
     """Give `run` a `trace(prompts, scen, tokens)` (one pass under vLLM's profiler, its kernel table handed back)
-    where the engine was started with a profiler directory."""
+    where the engine was started with a profiler directory. `profiled`: a vLLM LLM or a VLLMEngine (its
+    start_profile and stop_profile)."""
     if trace_dir:
         def trace(prompts, scen, tokens) -> str:
-            llm.start_profile()
+            from steer.bench import timeline
+
+            profiled.start_profile()
             try:
                 run(prompts, scen, tokens)
             finally:
-                llm.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
+                profiled.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
             table = (Path(trace_dir) / "profiler_out_0.txt").read_text()
-            return table + "\n" + _timeline(Path(trace_dir))
+            return table + "\n" + timeline.report(Path(trace_dir))
 
         run.trace = trace
     return run
-
-
-def _timeline(trace_dir: Path) -> str:
-    """The decode steps' GPU busy and idle time and host calls, from the newest Chrome trace in `trace_dir`."""
-    from steer.bench import timeline
-
-    path = timeline.latest(trace_dir)
-    if path is None:
-        return "timeline: no Chrome trace in the profiler's directory\n"
-    try:
-        return f"{timeline.summary(timeline.load(path))}(from {path.name})\n"
-    except Exception as e:  # the kernel table above stands on its own
-        return f"timeline: {path.name} unreadable: {type(e).__name__}: {e}\n"
 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:
@@ -357,12 +347,10 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
-        params = engine.sampling_params(plans_, max_tokens=tokens, temperature=0.0, ignore_eos=True,
-                                        detokenize=False)
-        return _count(engine.llm.generate(_token_prompts(prompts), params, use_tqdm=False))
+        return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
 
-    run.profile = lambda: engine.llm.collective_rpc("steer_profile")[0]
-    return _traceable(run, engine.llm, group.trace_dir)
+    run.profile = engine.host_profile
+    return _traceable(run, engine, group.trace_dir)
 
 
 def _declared(cfg, spec, group, plan) -> list:

@@ -110,3 +110,15 @@ def latest(directory: Path) -> Optional[Path]:
     """The newest Chrome trace torch's profiler wrote under `directory`, or None."""
     found = sorted(Path(directory).rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
+
+
+def report(directory: Path) -> str:
+    """The decode steps' GPU busy and idle time and host calls, from the newest Chrome trace in `directory` (the
+    profiler's); a line saying why where there is none or it cannot be read."""
+    path = latest(directory)
+    if path is None:
+        return "timeline: no Chrome trace in the profiler's directory\n"
+    try:
+        return f"{summary(load(path))}(from {path.name})\n"
+    except Exception as e:  # the kernel table beside it stands on its own
+        return f"timeline: {path.name} unreadable: {type(e).__name__}: {e}\n"

@@ -6,14 +6,13 @@ ready and waits, holding its memory. Then they take turns: in each round, each e
 every cell it still needs (its cells' warm-ups come with their first pass) while the rest wait idle, until every
 engine has all its passes. A host-bound model's passes drift and jump with whatever else the machine does; in
 rounds, every configuration of a wave samples the same stretch of the run, so their ratios do not depend on which
-was timed first (the tiny model's passes were bimodal on 2026-11-29, 0.33 s or 0.50 s, and engines timed one
-after another gave c/b 1.20, which no steered run can be).
+was timed first (the measurement that showed it: docs/perf-log.md, bench).
 
 A start that fails beside others (memory, a port taken at the same moment) is tried once more alone after its
 wave, so crowding never costs a figure.
 
 An engine is finished when it says so, not when its process ends: a process that hangs on its way out (waiting on
-an engine core nothing stopped, 2026-11-29 after a profiled pass) would otherwise hold its GPU memory and its lane.
+an engine core nothing stopped, as one can after a profiled pass) would otherwise hold its GPU memory and its lane.
 Each engine process leads a process group of its own, and once finished it gets `EXIT_S` to end before the group
 (its engine core included) is killed.
 """

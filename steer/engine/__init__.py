@@ -1,10 +1,14 @@
 """Engines run a model with a Plan's edits at its taps. `make` picks one by the config's `engine`.
 
-Every engine offers encode/decode, generate_many (prompt ids, plan or None, seed) and score_many (prompt,
-continuation, plan, captured tap paths); run.py needs nothing else.
+Every engine is an `Engine` (steer/engine/base.py): encode/render/decode, max_len, generate(_many) (prompt ids,
+plan or None, seed), score(_many) (prompt, continuation, plan, captured tap paths) returning `Scores` (log-probs
+and tap values), and close (also as a context manager); run.py needs nothing else.
 """
 
+from steer.engine.base import Engine, Scores
 from steer.errors import ConfigError
+
+__all__ = ["ENGINES", "Engine", "Scores", "make", "resolve", "stop_ids"]
 
 ENGINES = ("auto", "hf", "vllm")
 
@@ -25,7 +29,7 @@ def resolve(name: str) -> str:
     return name
 
 
-def make(name: str, spec, device: str, vllm_conf=None, taps=()):
+def make(name: str, spec, device: str, vllm_conf=None, taps=()) -> Engine:
     """Start the named engine on the model `spec` (this loads the weights); `taps` are fixed for its life."""
     if resolve(name) == "vllm":
         from steer.engine.vllm import VLLMEngine

@@ -5,20 +5,21 @@ stays plain: one request at a time, a KV cache, and hooks that edit the tap's ou
 layers return the summed residual stream, so a residual tap sees exactly the `h` of GUIDE.md section 5.
 """
 
+import gc
 import inspect
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from steer import prompt
 from steer.engine import stop_ids
+from steer.engine.base import Engine, Scores
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf
 
 
-class HFEngine:
+class HFEngine(Engine):
     name = "hf"
 
     def __init__(self, spec: ModelSpec, device: str = "cpu"):
@@ -39,16 +40,18 @@ class HFEngine:
         """Positions a request may use, prompt and continuation together."""
         return int(self.model.config.max_position_embeddings)
 
-    def render(self, text: str, chat: str = "false") -> Tuple[str, List[int]]:
-        """The exact text fed for prompt `text` and its ids: raw, or a user turn of the chat template (`chat`:
-        auto / true / false, as prompts.chat). Both engines go through steer.prompt.render: identical ids."""
-        return prompt.render(self.tokenizer, text, chat)
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
 
-    def encode(self, text: str, chat: str = "false") -> List[int]:
-        return self.render(text, chat)[1]
-
-    def decode(self, ids: List[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def close(self) -> None:
+        """Drop the model (and, on a GPU, the cached memory it held)."""
+        if self.model is None:
+            return
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @contextmanager
     def _hooks(self, plan: Optional[Plan], capture: Optional[Dict[str, List[torch.Tensor]]] = None) -> Iterator[None]:
@@ -110,21 +113,22 @@ class HFEngine:
                 progress(1)
         return out
 
-    def score_many(self, jobs):
+    def score_many(self, jobs) -> List[Scores]:
         """`score` for every (prompt, continuation, plan, capture) job."""
         return [self.score(*job) for job in jobs]
 
     @torch.no_grad()
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
-              capture: Tuple[str, ...] = ()) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """Teacher-force prompt + continuation in one pass (rows marked prompt/generated as in generation).
-        Returns float32 logits `[len, vocab]` and each captured tap's `[len, hidden]` value after its edits."""
+              capture: Tuple[str, ...] = ()) -> Scores:
+        """Teacher-force prompt + continuation in one pass (rows marked prompt/generated as in generation): the
+        log-softmax of the logits `[len, vocab]`, in float32 on the CPU (vLLM's log-probs are its float32 logits'
+        too), and each captured tap's `[len, hidden]` value after its edits."""
         store: Dict[str, List[torch.Tensor]] = {p: [] for p in capture}
         mask = torch.tensor([True] * len(prompt_ids) + [False] * len(cont_ids))
         with self._hooks(plan, store):
             res = self._forward(list(prompt_ids) + list(cont_ids), mask, cache=False)
         caps = {p: v[0].reshape(-1, v[0].shape[-1]).float().cpu() for p, v in store.items()}
-        return res.logits[0].float().cpu(), caps
+        return Scores(torch.log_softmax(res.logits[0].float().cpu(), -1), caps)
 
 
 def _primary(output):

@@ -1,26 +1,41 @@
 """The vLLM engine: compiled edits replayed inside vLLM's breakable CUDA graphs, at graph speed.
 
-Taps are fixed when the engine starts (vLLM records its graphs then); edits are registered as stages of an
-EditBank and shipped to the worker once, and each request carries only its (stage, strength, tokens) entries in
-SamplingParams.extra_args. Baseline and steered requests share batches: a request with no entries is untouched.
+Taps are fixed when the engine starts (vLLM records its graphs then); edits are converted to the interleaver's
+stage records (`stage_edits`), registered as stages of an EditBank and shipped to the worker once, and each
+request carries only its (stage, strength, tokens) entries in SamplingParams.extra_args. Baseline and steered
+requests share batches: a request with no entries is untouched.
 Prefix caching is switched off (a prefix cached without an edit must not serve a steered request); chunked
 prefill stays on and is correct, since a row's edit depends only on its position and its request.
 Only public vLLM API is used here; the internals live in interleaver/vllm_internals.py.
 """
 
+import gc
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, tap_location, worker_cls
-from steer import prompt
+from interleaver.stage import Kind, Rows, StageEdit
+from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, shutdown, tap_location, worker_cls
+from steer.edit import Edit
 from steer.engine import stop_ids
+from steer.engine.base import Engine, GenJob, ScoreJob, Scores
 from steer.model import ModelSpec
 from steer.plan import Plan
 from steer.schema import GenConf, VllmConf
 from steer.tap import Tap
+
+
+def stage_edit(e: Edit) -> StageEdit:
+    """A compiled edit as the interleaver's stage record: the same delta (`Edit.delta` is linear in `Edit.strength`,
+    which the record carries), on the rows `e.tokens` selects."""
+    return StageEdit(Kind(e.kind.value), e.basis, e.lo, e.hi, e.value, e.strength, Rows(e.tokens.value))
+
+
+def stage_edits(edits: Sequence[Edit]) -> List[StageEdit]:
+    """A tap's compiled edits, in order, as what `EditBank.register` takes."""
+    return [stage_edit(e) for e in edits]
 
 
 def available() -> bool:
@@ -34,24 +49,15 @@ def available() -> bool:
     return True
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     name = "vllm"
 
     def __init__(self, spec: ModelSpec, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan] = (),
                  profile_dir: Optional[str] = None):
         """Start vLLM with `taps`. With `conf.edits_in_graph`, the edits of `declare` (every plan the engine will
         serve) are captured into the graphs, and the engine serves those alone. With `profile_dir`, vLLM's torch
-        profiler is ready for `self.llm.start_profile()` (see `profiler_config`)."""
-        # Breakable graphs are what let a tap run at its point of every replay; read when the engine starts.
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        # Our RPCs carry compiled edits and tensors between this process and its own engine workers.
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        # The HF engine or a vector extraction may have touched CUDA here already: fork would break it.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        # The tap worker hooks the V1 GPUModelRunner (interleaver/vllm_internals.py); 0.26 would otherwise pick
-        # its V2 runner for Llama-family models.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        profiler is ready for `start_profile()` (see `profiler_config`)."""
+        _set_environment()
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -60,18 +66,7 @@ class VLLMEngine:
         self.taps = {t.path: t for t in taps}
         self.bank = EditBank()
         self.in_graph = conf.edits_in_graph
-        extra = {TAPS_KEY: [[t.path, t.residual] for t in taps]}
-        if conf.tap_graphs:
-            if self.in_graph:
-                raise ValueError("vllm.tap_graphs: an engine with vllm.edits_in_graph has no breaks to replay "
-                                 "graphs at; set one of the two")
-            extra[TAP_GRAPHS_KEY] = True
-        if self.in_graph:
-            for p in declare:
-                self._edits(p)
-            if not self.bank.stages:
-                raise ValueError("vllm.edits_in_graph: declare the plans the engine serves when it starts")
-            extra[IN_GRAPH_KEY] = self._stage_list()
+        extra = self._additional_config(conf, taps, declare)
         self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
@@ -96,28 +91,64 @@ class VLLMEngine:
         )
         self._keys = 0
 
+    def _additional_config(self, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan]) -> dict:
+        """What the tap worker reads when it loads the model: the taps, and the declared edits of an in-graph
+        engine (registered in this engine's bank)."""
+        extra = {TAPS_KEY: [[t.path, t.residual] for t in taps]}
+        if conf.tap_graphs:
+            if self.in_graph:
+                raise ValueError("vllm.tap_graphs: an engine with vllm.edits_in_graph has no breaks to replay "
+                                 "graphs at; set one of the two")
+            extra[TAP_GRAPHS_KEY] = True
+        if self.in_graph:
+            for p in declare:
+                self._edits(p)
+            if not self.bank.stages:
+                raise ValueError("vllm.edits_in_graph: declare the plans the engine serves when it starts")
+            extra[IN_GRAPH_KEY] = self._stage_list()
+        return extra
+
     @property
     def max_len(self) -> int:
         """Positions a request may use, prompt and continuation together."""
         return int(self.llm.llm_engine.model_config.max_model_len)
 
-    def render(self, text: str, chat: str = "false") -> Tuple[str, List[int]]:
-        """The exact text fed for prompt `text` and its ids: raw, or a user turn of the chat template (`chat`:
-        auto / true / false, as prompts.chat). Both engines go through steer.prompt.render: identical ids."""
-        return prompt.render(self.tokenizer, text, chat)
+    @property
+    def vocab_size(self) -> int:
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
 
-    def encode(self, text: str, chat: str = "false") -> List[int]:
-        return self.render(text, chat)[1]
+    def close(self) -> None:
+        """Shut vLLM's engine core down (the process and workers that hold the weights, the KV cache and the
+        graphs) and free what this process cached on the GPU. vLLM frees a worker's memory when its process ends;
+        in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it frees what it can of its own."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        shutdown(llm)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
-    def decode(self, ids: List[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def start_profile(self) -> None:
+        """Arm vLLM's torch profiler (an engine started with `profile_dir`)."""
+        self.llm.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop it: the kernel table and the Chrome trace are in `profile_dir` when this returns."""
+        self.llm.stop_profile()
+
+    def host_profile(self) -> dict:
+        """The taps' host seconds and calls per section since the last call, and how many tap program calls took
+        the fused kernel and the torch form (STEER_PROFILE=1 in the engine's environment; else {}): rank 0's."""
+        return self.llm.collective_rpc("steer_profile")[0]
 
     def _edits(self, plan: Optional[Plan], **kw) -> RequestEdits:
         entries = []
         for path, edits in (plan.edits.items() if plan else []):
             if path not in self.taps:
                 raise ValueError(f"edit at {path!r}, which is not a tap of this engine: {sorted(self.taps)}")
-            entries += self.bank.register(tap_location(path), edits)
+            entries += self.bank.register(tap_location(path), stage_edits(edits))
         return RequestEdits(entries, **kw)
 
     def _stage_list(self) -> list:
@@ -151,12 +182,15 @@ class VLLMEngine:
             kw.setdefault("stop_token_ids", sorted(self.stop_ids))
         return SamplingParams(extra_args=extra, **kw)
 
-    def generate_many(self, jobs: Sequence[Tuple[List[int], Optional[Plan], int]], gen: GenConf,
-                      progress=None) -> List[List[int]]:
+    def _generate(self, prompts: Sequence[Sequence[int]], params: list) -> list:
+        """vLLM's RequestOutputs for token prompts, one batched call."""
+        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+
+    def generate_many(self, jobs: Sequence[GenJob], gen: GenConf, progress=None) -> List[List[int]]:
         """Continue every (prompt ids, plan or None, seed) job in one batched vLLM call."""
         params = self.sampling_params([plan for _, plan, _ in jobs], [seed for _, _, seed in jobs],
                                       max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p)
-        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids, _, _ in jobs], params, use_tqdm=False)
+        outs = self._generate([ids for ids, _, _ in jobs], params)
         if progress:
             progress(len(jobs))
         # vLLM keeps the end-of-sequence token it stopped on; the HF engine stops before it.
@@ -166,7 +200,17 @@ class VLLMEngine:
     def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
         return self.generate_many([(prompt_ids, plan, seed)], gen)[0]
 
-    def score_many(self, jobs: Sequence[Tuple[List[int], List[int], Optional[Plan], Tuple[str, ...]]]):
+    def generate_tokens(self, prompts: Sequence[Sequence[int]], plans: Sequence[Optional[Plan]], max_tokens: int,
+                        ignore_eos: bool = False, detokenize: bool = True) -> List[Sequence[int]]:
+        """Greedy continuations of token prompts under their plans (None: unsteered), in one batched call, as vLLM
+        hands them back (a stop token it stopped on included). With `ignore_eos` each runs to exactly
+        `max_tokens`; without `detokenize` none is decoded (a dummy-weight model samples ids its tokenizer may
+        lack). The bench's timed pass: every configuration does the same work."""
+        params = self.sampling_params(plans, max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                                      detokenize=detokenize)
+        return [o.outputs[0].token_ids for o in self._generate(prompts, params)]
+
+    def score_many(self, jobs: Sequence[ScoreJob]) -> List[Scores]:
         """Teacher-force each (prompt, continuation, plan, capture paths) job: per-row log-probs `[T, vocab]`
         (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits."""
         params, keys = [], []
@@ -184,21 +228,35 @@ class VLLMEngine:
             # the forward pass.
             params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
                                        flat_logprobs=True, detokenize=False))
-        outs = self.llm.generate([{"prompt_token_ids": list(p) + list(c)} for p, c, _, _ in jobs], params,
-                                 use_tqdm=False)
+        outs = self._generate([list(p) + list(c) for p, c, _, _ in jobs], params)
         kept = {loc: {k: [torch.tensor(b) for b in blocks] for k, blocks in by_key.items()}
                 for loc, by_key in rank_zero(self.llm.collective_rpc("steer_take_kept")).items()}
-        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        vocab = self.vocab_size
         results = []
         for (prompt_ids, cont_ids, _, capture), key, o in zip(jobs, keys, outs):
             # Row t predicts token t + 1: prompt positions 1.. then the one sampled position.
             logprobs = torch.cat([_dense(o.prompt_logprobs, 1, vocab), _dense(o.outputs[0].logprobs, 0, vocab)])
             caps = {p: torch.cat(kept.get(tap_location(p), {}).get(key, []), 0) for p in capture}
-            results.append((logprobs, caps))
+            results.append(Scores(logprobs, caps))
         return results
 
-    def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan], capture: Tuple[str, ...] = ()):
+    def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
+              capture: Tuple[str, ...] = ()) -> Scores:
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
+
+
+def _set_environment() -> None:
+    """vLLM's settings that it reads from the environment when an engine starts."""
+    # Breakable graphs are what let a tap run at its point of every replay.
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # Our RPCs carry compiled edits and tensors between this process and its own engine workers.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # The HF engine or a vector extraction may have touched CUDA here already: fork would break it.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # The tap worker hooks the V1 GPUModelRunner (interleaver/vllm_internals.py); 0.26 would otherwise pick
+    # its V2 runner for Llama-family models.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def profiler_config(directory: str) -> dict:

@@ -154,9 +154,7 @@ class HFServer:
         self.created = int(time.time())
         tok = engine.tokenizer
         self.chat_template = None if getattr(tok, "chat_template", None) else plain_chat_template(tok)
-        config = engine.model.config
-        self.max_len = int(getattr(engine, "max_len", None) or config.max_position_embeddings)
-        self.vocab = int(config.vocab_size)
+        self.max_len, self.vocab = engine.max_len, engine.vocab_size
 
     # --- requests -> what the engine runs --------------------------------------------------------------
 

@@ -14,7 +14,7 @@ The stage list travels to the worker as plain data in vLLM's additional_config (
 import json
 from typing import Dict, List, Sequence
 
-from steer.schema import EditKind
+from steer.kinds import EditKind
 from steer.serve.presets import Preset
 
 
@@ -22,6 +22,7 @@ class StageTable:
     def __init__(self, presets: Dict[str, Preset]):
         from interleaver.bank import EditBank
         from interleaver.vllm_internals import tap_location
+        from steer.engine.vllm import stage_edits
 
         self.bank = EditBank()
         self.taps = {}
@@ -37,13 +38,14 @@ class StageTable:
             for name, edits in mine.items():
                 starts = {}
                 for start in sorted(_sums([len(v) for m, v in mine.items() if m != name])):
-                    entries = self.bank.register(loc, edits, start)
+                    entries = self.bank.register(loc, stage_edits(edits), start)
                     starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
                                           for (sid, strength, tokens), e in zip(entries, edits)]
                 self.presets[name].append([loc, len(edits), starts])
 
     def stage_list(self) -> list:
-        """[(id, location, index, Edit.to_dict())]: what VLLMEngine ships, and the worker's steer_set_stages takes."""
+        """[(id, location, index, StageEdit.to_dict())]: what VLLMEngine ships, and the worker's steer_set_stages
+        takes."""
         return [[s.id, s.location, s.index, s.edit.to_dict()] for s in self.bank.stages]
 
     def tap_list(self) -> list:

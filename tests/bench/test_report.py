@@ -7,8 +7,8 @@ from statistics import median
 import pytest
 from omegaconf import OmegaConf
 
+from bench_common import bench_conf
 from steer.bench import report
-from test_workload import bench_conf
 
 
 def records(cfg):

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from bench_common import COMMAND, bench_conf, ended, one_tap, records, stand_in_runner
 from steer.bench import runs
 from test_timeline import synthetic_trace
-from test_workload import bench_conf
 
 
 def test_groups_start_each_engine_once():
@@ -24,31 +24,29 @@ def test_groups_start_each_engine_once():
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
+def stand_in(engine_c):
+    """c's engines record every pass (requests, scenario, tokens); k8's passes fail."""
     calls = []
 
-    def start(cfg, m, where, group):
-        def run(prompts, scen, tokens):
-            calls.append((len(prompts), scen.name if scen else None, tokens))
-            if scen and scen.name == "k8":
-                raise RuntimeError("boom")
-            return len(prompts) * tokens
+    def run(prompts, scen, tokens):
+        calls.append((len(prompts), scen.name if scen else None, tokens))
+        if scen and scen.name == "k8":
+            raise RuntimeError("boom")
+        return len(prompts) * tokens
 
-        return run
-
-    monkeypatch.setitem(runs._RUNNERS, "c", start)
-    monkeypatch.setattr(runs, "_machine", lambda: {"gpu": "stand-in"})
+    engine_c(lambda cfg, m, where, group: run, {"gpu": "stand-in"})
     return calls
 
 
-def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_dir):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0", cache_dir=cache_dir)
-    m = cfg.models["tiny"]
-    from steer.bench import workload
+def run_group(cfg, where, group, out):
+    """One engine process's work, in this process: `group`'s cells on the tiny model at `where`, into `out`."""
+    runs.run_group(cfg, cfg.models["tiny"], where, group, str(out))
+    return records(out)
 
-    where = workload.model_dir(m, cache_dir)
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
-    runs.run_group(cfg, m, str(where), group, str(tmp_path / "out.json"))
+
+def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0")
+    runs.run_group(cfg, cfg.models["tiny"], bench_model, one_tap(cfg), str(tmp_path / "out.json"))
     got = json.loads((tmp_path / "out.json").read_text())
     by = {r["scenario"]: r for r in got["records"]}
     assert by["add"]["status"] == "ok" and by["add"]["tok_s"] == pytest.approx(24 / by["add"]["wall_s"])
@@ -61,72 +59,57 @@ def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, cache_
     assert got["machine"] == {"gpu": "stand-in"}
 
 
-def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table(monkeypatch, tmp_path, cache_dir):
-    from steer.bench import workload
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[tiny/c/k1/*]", "trace_tokens=3",
-                     cache_dir=cache_dir)
-    passes, dirs = [], []
+def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table(engine_c, tmp_path, bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[tiny/c/k1/*]", "trace_tokens=3")
+    seen, dirs = [], []
 
     def start(cfg, m, where, group):
         dirs.append(group.trace_dir)
 
         def run(prompts, scen, tokens):
-            passes.append((scen.name, tokens))
+            seen.append((scen.name, tokens))
             return len(prompts) * tokens
 
-        return runs._traceable(run, _Profiled(passes, group.trace_dir), group.trace_dir)
+        return runs._traceable(run, _Profiled(seen, group.trace_dir), group.trace_dir)
 
-    monkeypatch.setitem(runs._RUNNERS, "c", start)
-    monkeypatch.setattr(runs, "_machine", lambda: {})
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    engine_c(start)
+    group = one_tap(cfg)
     group.cells = group.cells[:2][::-1]  # k1, then add
-    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
-                   str(tmp_path / ".tiny-c-1taps.json"))
+    recs = run_group(cfg, bench_model, group, tmp_path / ".tiny-c-1taps.json")
     assert dirs == [str(tmp_path / "traces" / "tiny-c-1taps")]
     # warm-up and one timed pass each, and only then the traced pass of trace_tokens, between start and stop
-    assert passes == [("k1", 6), ("k1", 6), ("add", 6), ("add", 6), "start", ("k1", 3), "stop"]
-    recs = json.loads((tmp_path / ".tiny-c-1taps.json").read_text())["records"]
+    assert seen == [("k1", 6), ("k1", 6), ("add", 6), ("add", 6), "start", ("k1", 3), "stop"]
     assert recs[0]["trace"] == "trace-tiny-c-k1-4x6.txt" and "trace" not in recs[1]
     table = (tmp_path / "trace-tiny-c-k1-4x6.txt").read_text()
     assert table.startswith("kernel table 1\ntimeline: 2 decode steps of 4 requests") and "worker.1" in table
 
 
-def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_path, cache_dir, monkeypatch):
-    from steer.bench import workload
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", cache_dir=cache_dir)
+def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_path, bench_model, monkeypatch):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]")
     seen = []
     monkeypatch.setitem(runs._RUNNERS, "d", lambda cfg, m, w, group: seen.append(group.trace_dir) or
                         (lambda prompts, scen, tokens: None))
-    group = next(g for g in runs.plan_groups(bench_conf("configs=[d]"), "tiny", 4) if len(g.layers) == 1)
+    group = one_tap(bench_conf("configs=[d]"), "d")
     group.cells = group.cells[:1]
-    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
-                   str(tmp_path / "out.json"))
+    run_group(cfg, bench_model, group, tmp_path / "out.json")
     assert seen == [None] and not list(tmp_path.glob("trace-*"))
 
 
-def test_a_trace_that_never_comes_back_is_given_up(monkeypatch, tmp_path, cache_dir):
+def test_a_trace_that_never_comes_back_is_given_up(engine_c, tmp_path, bench_model):
     import time as clock
 
-    from steer.bench import workload
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", "trace_timeout_s=0.2",
-                     cache_dir=cache_dir)
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", "trace_timeout_s=0.2")
 
     def start(cfg, m, where, group):
-        run = lambda prompts, scen, tokens: len(prompts) * tokens  # noqa: E731
+        run = stand_in_runner()
         run.trace = lambda prompts, scen, tokens: clock.sleep(30)  # a profiler stuck in its stop
         return run
 
-    monkeypatch.setitem(runs._RUNNERS, "c", start)
-    monkeypatch.setattr(runs, "_machine", lambda: {})
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    engine_c(start)
+    group = one_tap(cfg)
     group.cells = group.cells[:1]
     t0 = clock.monotonic()
-    runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
-                   str(tmp_path / "out.json"))
-    rec = json.loads((tmp_path / "out.json").read_text())["records"][0]
+    [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
     assert clock.monotonic() - t0 < 10 and rec["status"] == "ok"
     assert rec["trace"].startswith("failed: TimeoutError: no trace after 0.2 s")
 
@@ -149,47 +132,39 @@ class _Profiled:
         (Path(self.dir) / "worker.1.pt.trace.json").write_text(json.dumps({"traceEvents": synthetic_trace()}))
 
 
-def test_a_traced_engine_is_let_go_when_its_cells_are_done(monkeypatch, tmp_path, cache_dir):
+def test_a_traced_engine_is_let_go_when_its_cells_are_done(engine_c, tmp_path, bench_model):
     # vLLM stops its engine core when the LLM's last reference goes; a process that still holds one on its way
     # out waits for that engine core forever. A traced runner is a reference cycle, which counting never frees.
     import gc
     import weakref
 
-    from steer.bench import workload
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]", cache_dir=cache_dir)
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]")
     engines = []
 
     def start(cfg, m, where, group):
         llm = _Profiled([], group.trace_dir)
         engines.append(weakref.ref(llm))
-        return runs._traceable(lambda prompts, scen, tokens: len(prompts) * tokens, llm, group.trace_dir)
+        return runs._traceable(stand_in_runner(), llm, group.trace_dir)
 
-    monkeypatch.setitem(runs._RUNNERS, "c", start)
-    monkeypatch.setattr(runs, "_machine", lambda: {})
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    engine_c(start)
+    group = one_tap(cfg)
     group.cells = group.cells[:1]
     gc.disable()  # only run_group's own collection may free it
     try:
-        runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
-                       str(tmp_path / "out.json"))
+        [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
         assert len(engines) == 1 and engines[0]() is None
     finally:
         gc.enable()
-    assert json.loads((tmp_path / "out.json").read_text())["records"][0]["trace"].startswith("trace-")
+    assert rec["trace"].startswith("trace-")
 
 
-def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, cache_dir, monkeypatch):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7", cache_dir=cache_dir)
+def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, bench_model, monkeypatch):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7")
     clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
     monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock) * 0.125)
-    from steer.bench import workload
-
-    where = workload.model_dir(cfg.models["tiny"], cache_dir)
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    group = one_tap(cfg)
     group.cells = [c for c in group.cells if c["scenario"] == "add"]
-    runs.run_group(cfg, cfg.models["tiny"], str(where), group, str(tmp_path / "out.json"))
-    rec = json.loads((tmp_path / "out.json").read_text())["records"][0]
+    [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
     assert rec["walls_s"] == [0.125] * 7  # 1 s would take 8 passes: max_repeats stops it at 7
     assert len(stand_in) == 1 + 7  # and one warm-up pass
 
@@ -201,18 +176,17 @@ def test_more_passes_until_repeats_and_seconds(walls, more):
     assert runs._more(walls, cfg) is more
 
 
-def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, cache_dir):
+def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, bench_model):
     import threading
     from multiprocessing import Pipe
 
-    from steer.bench import waves, workload
+    from steer.bench import waves
 
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0", cache_dir=cache_dir)
-    m = cfg.models["tiny"]
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0")
+    group = one_tap(cfg)
     group.cells = group.cells[:2]  # add, k1
     ready, (scheduler, child_end) = threading.Event(), Pipe()
-    child = threading.Thread(target=runs.run_group, args=(cfg, m, str(workload.model_dir(m, cache_dir)), group,
+    child = threading.Thread(target=runs.run_group, args=(cfg, cfg.models["tiny"], bench_model, group,
                                                           str(tmp_path / "out.json"), None, ready,
                                                           waves.Turns(child_end)))
     child.start()
@@ -228,17 +202,17 @@ def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in,
         scheduler.send(waves.ROUND)
         assert scheduler.recv() is False  # finished
         assert [s for _, s, _ in stand_in[4:]] == ["add", "k1"]
-        records = json.loads((tmp_path / "out.json").read_text())["records"]
-        assert [(r["scenario"], r["status"], len(r["walls_s"])) for r in records] == [("add", "ok", 2), ("k1", "ok", 2)]
+        assert [(r["scenario"], r["status"], len(r["walls_s"])) for r in records(tmp_path / "out.json")] == [
+            ("add", "ok", 2), ("k1", "ok", 2)]
     finally:
         faulthandler.cancel_dump_traceback_later()  # armed for a process on its way out; this one goes on
         child.join(30)
 
 
-def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_dir):
+def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_dir, bench_model):
     from steer.bench import workload
 
-    cfg = bench_conf("batches=[[64,128],[256,256]]", cache_dir=cache_dir)
+    cfg = bench_conf("batches=[[64,128],[256,256]]")
     where = workload.model_dir(cfg.models["llama3_8b"], cache_dir)
     v = runs._vllm_conf(cfg, cfg.models["llama3_8b"], where, tap_graphs=True)
     # Llama-3-8B: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 128 KiB a token; 256 x (32 + 256) x 5/4 tokens
@@ -253,10 +227,8 @@ def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):
         raise RuntimeError("no GPU here")
 
     monkeypatch.setitem(runs._RUNNERS, "a", broken)
-    group = runs.plan_groups(cfg, "tiny", 4)[0]
-    runs.run_group(cfg, cfg.models["tiny"], "/nowhere", group, str(tmp_path / "out.json"))
-    records = json.loads((tmp_path / "out.json").read_text())["records"]
-    assert [r["status"] for r in records] == ["error"] and "no GPU here" in records[0]["detail"]
+    [rec] = run_group(cfg, "/nowhere", runs.plan_groups(cfg, "tiny", 4)[0], tmp_path / "out.json")
+    assert rec["status"] == "error" and "no GPU here" in rec["detail"]
 
 
 def test_in_graph_configuration_starts_one_engine_per_tap_set():
@@ -267,124 +239,88 @@ def test_in_graph_configuration_starts_one_engine_per_tap_set():
     assert [len(g.cells) for g in f] == [8, 2]
 
 
-def test_declared_plans_name_every_edit_of_the_group(cache_dir):
+def test_declared_plans_name_every_edit_of_the_group(bench_model):
+    from pathlib import Path
+
     from steer.bench import workload
     from steer.plan import Plan
 
-    cfg = bench_conf("configs=[f]", "batches=[[16,4]]", cache_dir=cache_dir)
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.layers == [2])
-    spec = workload.spec(cfg.models["tiny"], "tiny", workload.model_dir(cfg.models["tiny"], cache_dir))
+    cfg = bench_conf("configs=[f]", "batches=[[16,4]]")
+    group = one_tap(cfg, "f")
+    spec = workload.spec(cfg.models["tiny"], "tiny", Path(bench_model))
     seen = []
     plans = runs._declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
     # add, k1, k8, k64 for 16 requests each: 1 + 1 + 8 + 16 distinct edits, all at the one tap
     assert len(plans) == 4 * 16 and len({id(e) for e, _ in seen}) == 26 and {at for _, at in seen} == {(2,)}
 
 
-def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(monkeypatch, tmp_path, cache_dir):
-    from rich.console import Console
+def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(engine_c, new_book, tmp_path, bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0")
 
-    from steer.bench import workload
-    from steer.bench.__main__ import _Book
+    def run(prompts, scen, tokens):
+        if scen.name == "k1":
+            raise KeyboardInterrupt  # stands in for the process being killed: nothing after this runs
+        return len(prompts) * tokens
 
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", cache_dir=cache_dir)
-
-    def start(cfg, m, where, group):
-        def run(prompts, scen, tokens):
-            if scen.name == "k1":
-                raise KeyboardInterrupt  # stands in for the process being killed: nothing after this runs
-            return len(prompts) * tokens
-
-        return run
-
-    monkeypatch.setitem(runs._RUNNERS, "c", start)
-    monkeypatch.setattr(runs, "_machine", lambda: {"gpu": "stand-in"})
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
+    engine_c(lambda cfg, m, where, group: run, {"gpu": "stand-in"})
+    group = one_tap(cfg)
     assert [c["scenario"] for c in group.cells] == ["add", "k1", "k8", "k64"]
-    book = _Book(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    book = new_book(cfg)
     with pytest.raises(KeyboardInterrupt):
-        runs.run_group(cfg, cfg.models["tiny"], str(workload.model_dir(cfg.models["tiny"], cache_dir)), group,
-                       str(book._out(group)))
-
-    class Killed:
-        exitcode = -9
-
-    book.finish(group, Killed())
+        run_group(cfg, bench_model, group, book._out(group))
+    book.finish(group, ended())
     assert [(r["scenario"], r["status"]) for r in book.records] == [
         ("add", "ok"), ("k1", "error"), ("k8", "error"), ("k64", "error")]
     assert "ended with code -9 before this cell had its passes" in book.records[1]["detail"]
     assert book.machine == {"gpu": "stand-in"} and (tmp_path / "bench.md").exists()
 
 
-def test_cells_finished_out_of_order_are_kept_and_only_the_rest_marked(tmp_path):
+def test_cells_finished_out_of_order_are_kept_and_only_the_rest_marked(new_book):
     # In rounds, a cell of few passes (256 x 256) finishes before one of many (64 x 128) of the same engine.
-    from rich.console import Console
-
-    from steer.bench.__main__ import _Book
     from steer.results import write_json
 
     cfg = bench_conf("batches=[[4,6],[8,6]]")
-    group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c" and len(g.layers) == 1)
-    book = _Book(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    group = one_tap(cfg)
+    book = new_book(cfg)
     late = group.cells[3]
     write_json(book._out(group), {"records": [{**late, "status": "ok", "wall_s": 1.0, "tok_s": 48.0, "spread": 0.0,
                                                "walls_s": [1.0]}], "machine": {}})
-
-    class Killed:
-        exitcode = -9
-
-    book.finish(group, Killed())
+    book.finish(group, ended())
     by = {(r["scenario"], r["requests"]): r["status"] for r in book.records}
     assert len(by) == len(group.cells) and by.pop((late["scenario"], late["requests"])) == "ok"
     assert set(by.values()) == {"error"}
 
 
 @pytest.mark.parametrize("ready, when", [(True, "when its lane moved on"), (False, "when its start timed out")])
-def test_a_killed_engine_is_said_so_in_the_log(tmp_path, ready, when):
-    import io
-
-    from rich.console import Console
-
-    from steer.bench.__main__ import _Book
-
+def test_a_killed_engine_is_said_so_in_the_log(new_book, console, ready, when):
     cfg = bench_conf("batches=[[4,6]]")
     group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "b")
-    log = io.StringIO()
-    book = _Book(cfg, tmp_path, Console(file=log, width=300), "python -m steer.bench")
-
-    class Killed:
-        exitcode, killed = -9, True
-
-        def ready(self):
-            return ready
-
-    book.finish(group, Killed())
-    assert f"[bench] tiny b: engine process still running {when}; killed with its process group" in log.getvalue()
+    book = new_book(cfg)
+    book.finish(group, ended(killed=True, ready=ready))
+    said = f"[bench] tiny b: engine process still running {when}; killed with its process group"
+    assert said in console.file.getvalue()
     assert [r["status"] for r in book.records] == ["error"]
 
 
 def _stand_in_group(*args):
     """run_group in a child process, its engine a stand-in (vLLM is not there)."""
-    runs._RUNNERS["c"] = lambda cfg, m, where, group: lambda prompts, scen, tokens: len(prompts) * tokens
+    runs._RUNNERS["c"] = lambda cfg, m, where, group: stand_in_runner()
     runs._machine = lambda: {"gpu": "stand-in"}
     runs.run_group(*args)
 
 
-def test_engine_processes_take_their_rounds_and_end_on_their_own(tmp_path, cache_dir):
+def test_engine_processes_take_their_rounds_and_end_on_their_own(new_book, bench_model):
     import multiprocessing
 
-    from rich.console import Console
+    from steer.bench import waves
 
-    from steer.bench import waves, workload
-    from steer.bench.__main__ import _Book
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0", cache_dir=cache_dir)
-    m = cfg.models["tiny"]
+    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0")
     groups = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c"]
-    book = _Book(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    book = new_book(cfg)
     ctx, engines = multiprocessing.get_context("spawn"), []
 
     def start(g):
-        engines.append(waves.Process(ctx, _stand_in_group, (cfg, m, str(workload.model_dir(m, cache_dir)), g,
+        engines.append(waves.Process(ctx, _stand_in_group, (cfg, cfg.models["tiny"], bench_model, g,
                                                             str(book._out(g)), {})))
         return engines[-1]
 
@@ -394,12 +330,10 @@ def test_engine_processes_take_their_rounds_and_end_on_their_own(tmp_path, cache
     assert {len(r["walls_s"]) for r in book.records} == {3}
 
 
-def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cache_dir):
+def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cache_dir, bench_model, console):
     import threading
 
     import steer.engine.vllm
-    from rich.console import Console
-
     from steer.bench import __main__ as bench_main
 
     cfg = bench_conf("run=[tiny]", "configs=[a,b,c,d]", "scenarios=[add]", "batches=[[4,6]]",
@@ -431,5 +365,5 @@ def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cach
     monkeypatch.setattr(steer.engine.vllm, "available", lambda: True)
     monkeypatch.setattr(bench_main._Book, "start", lambda self, g, m, w, env: Engine(g, env))
     monkeypatch.setattr(bench_main._Book, "finish", lambda self, g, e: None)
-    bench_main.run(cfg, tmp_path, Console(file=open("/dev/null", "w")), "python -m steer.bench")
+    bench_main.run(cfg, tmp_path, console, COMMAND)
     assert sorted(seen) == [("a", "0", "lane0"), ("b", "0", "lane0"), ("c", "0", "lane0"), ("d", "1", "lane1")]

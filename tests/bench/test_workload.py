@@ -4,21 +4,11 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from helpers import CONF
+from bench_common import bench_conf
 from steer.bench import schema, workload
 from steer.errors import ConfigError
 from steer.schema import EditKind
-
-schema.register()
-
-
-def bench_conf(*overrides, cache_dir="/tmp/unused"):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=[f"cache_dir={cache_dir}", *overrides])
-    return OmegaConf.to_object(cfg)
 
 
 def test_committed_bench_config_composes_and_checks():
@@ -83,13 +73,16 @@ def test_prompts_are_the_same_for_everyone():
     assert p == workload.prompts(4, 7, 0) and len(p) == 4 and all(len(x) == 7 and min(x) >= 2 for x in p)
 
 
-def test_llama3_8b_shape_is_written_once_with_the_tiny_tokenizer(cache_dir):
+def test_llama3_8b_shape_is_written_once_with_the_tiny_tokenizer(cache_dir, bench_model):
+    from pathlib import Path
+
     cfg = bench_conf(cache_dir=cache_dir)
     m = cfg.models["llama3_8b"]
     where = workload.model_dir(m, cache_dir)
     config = json.loads((where / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
-    assert (where / "tokenizer.json").exists() and not list(where.glob("*.safetensors"))
+    assert (where / "tokenizer.json").read_text() == (Path(bench_model) / "tokenizer.json").read_text()
+    assert not list(where.glob("*.safetensors"))
     spec = workload.spec(m, "llama3_8b", where)
     assert spec.layers == 32 and spec.hidden == 4096 and spec.layer_path(16) == "model.layers.16"
     assert workload.model_dir(m, cache_dir) == where

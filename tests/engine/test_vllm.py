@@ -19,6 +19,6 @@ def test_flat_logprobs_become_dense_rows():
     assert _dense(flat, 3, 4).shape == (0, 4)
 
 
-def test_one_ranks_captures_stand_for_all():
-    kept = {"model.layers.1.output": {"k": [[[1.0, 2.0]]]}}
-    assert rank_zero([kept, kept]) == kept and rank_zero([]) == {}
+def test_rank_zeros_captures_stand_for_all():
+    ranks = [{"model.layers.1.output": {"k": [[[float(r), 2.0]]]}} for r in range(3)]
+    assert rank_zero(ranks) == ranks[0] and rank_zero(ranks[::-1]) == ranks[2] and rank_zero([]) == {}

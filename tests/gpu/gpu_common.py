@@ -1,9 +1,7 @@
-"""What the GPU tests share: prompts, generation settings, tolerances, and how they build engines and plans."""
+"""What the GPU tests share: prompts, generation settings, tolerances, and how they build engines and edits."""
 
 from steer.edit import compile_edit
-from steer.plan import Plan
-from steer.schema import EditKind, GenConf, TapConf, Tokens, VllmConf
-from steer.tap import resolve
+from steer.schema import EditKind, GenConf, Tokens, VllmConf
 
 PROMPTS = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said"]
 GEN = GenConf(max_new_tokens=16)
@@ -14,12 +12,6 @@ def vllm_engine(spec, taps, declare=(), **kw):
     from steer.engine.vllm import VLLMEngine
 
     return VLLMEngine(spec, VllmConf(gpu_memory_utilization=0.12, **kw), taps, declare)
-
-
-def plan(spec, layer, edit):
-    p = Plan()
-    p.add(resolve(TapConf(layer=layer), spec), edit)
-    return p
 
 
 def edits(direction):

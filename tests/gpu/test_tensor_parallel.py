@@ -7,7 +7,8 @@ runs differ in the all-reduce's summation order only)."""
 import pytest
 import torch
 
-from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
+from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
+from helpers import plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                   reason="needs two GPUs (the nvidia-h200-x2 machine)")]
@@ -30,8 +31,8 @@ def test_two_ranks_steer_like_one(tp1, tp2, tiny_spec, direction, name):
     steered = tp2.generate_many(jobs, GEN)
     assert steered == tp1.generate_many(jobs, GEN)
     assert steered != tp1.generate_many([(i, None, s) for i, _, s in jobs], GEN)  # the edit did something
-    first2 = tp2.score(jobs[0][0], [], p)[0][-1]
-    first1 = tp1.score(jobs[0][0], [], p)[0][-1]
+    first2 = tp2.score(jobs[0][0], [], p).logprobs[-1]
+    first1 = tp1.score(jobs[0][0], [], p).logprobs[-1]
     torch.testing.assert_close(first2, first1, atol=LOGPROB_ATOL, rtol=0)
 
 
@@ -46,7 +47,7 @@ def test_two_ranks_keep_one_copy_of_a_capture(tp1, tp2, tiny_spec, direction):
     p = plan(tiny_spec, 1, edits(direction)["add"])
     ids = tp1.encode(PROMPTS[0])
     path = tiny_spec.layer_path(1)
-    cap2 = tp2.score(ids, [], p, (path,))[1][path]
-    cap1 = tp1.score(ids, [], p, (path,))[1][path]
+    cap2 = tp2.score(ids, [], p, (path,)).captured[path]
+    cap1 = tp1.score(ids, [], p, (path,)).captured[path]
     assert cap2.shape == cap1.shape == (len(ids), tiny_spec.hidden)
     torch.testing.assert_close(cap2, cap1, atol=1e-4, rtol=1e-4)

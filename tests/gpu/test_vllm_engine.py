@@ -6,7 +6,8 @@ Tolerance: greedy tokens must be identical; first-step log-probs within 2e-3 (ab
 import pytest
 import torch
 
-from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, plan, vllm_engine
+from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
+from helpers import plan
 from interleaver.vllm_internals import eager_breaks
 from steer.edit import compile_edit
 from steer.schema import EditKind, TapConf
@@ -39,8 +40,8 @@ def test_edit_graph_equals_eager_and_hf(graph, eager, hf, tiny_spec, direction, 
     assert g == h, f"{name}: vLLM differs from the HF engine"
     unsteered = graph.generate_many([(i, None, 0) for i in ids], GEN)
     assert unsteered != g, f"{name}: the edit changed nothing (a test that cannot fail)"
-    first_v = graph.score(ids[0], [], p)[0][-1]
-    first_h = torch.log_softmax(hf.score(ids[0], [], p)[0][-1], -1)
+    first_v = graph.score(ids[0], [], p).logprobs[-1]
+    first_h = hf.score(ids[0], [], p).logprobs[-1]
     assert (first_v - first_h).abs().max() < LOGPROB_ATOL
 
 
@@ -75,8 +76,8 @@ def test_long_prompt_eager_step_matches(graph, eager, hf, tiny_spec, direction):
 def test_capture_matches_hf_tap_value(graph, hf, tiny_spec, direction):
     ids, cont = hf.encode(PROMPTS[1]), hf.encode(" sad and tired")[1:]
     p = plan(tiny_spec, 1, edits(direction)["ablate"])
-    v_logits, v_cap = graph.score(ids, cont, p, ("model.layers.1",))
-    h_logits, h_cap = hf.score(ids, cont, p, ("model.layers.1",))
+    v_cap = graph.score(ids, cont, p, ("model.layers.1",)).captured
+    h_cap = hf.score(ids, cont, p, ("model.layers.1",)).captured
     v, h = v_cap["model.layers.1"], h_cap["model.layers.1"]
     assert v.shape == h.shape
     # The residual stream's rows have norms near 60; fp32 kernels that sum in another order differ by ~1e-4 of that.
@@ -98,26 +99,32 @@ def test_no_taps_records_no_extra_breaks(graph, tiny_spec, taps):
     assert tapped["eager_breaks"] == base["eager_breaks"] + len(taps) * base["graphs"]
 
 
-def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
-    """The stretch mode: edits captured into the graphs (no eager break) give the replay engine's tokens, for a
-    mixed batch with an unsteered request, a two-tap request and a prompt longer than any graph."""
+def mixed_batch(tiny_spec, direction, hf):
+    """A mixed batch: the edits, six requests' plans (every kind, an unsteered request, a two-tap one) and their
+    (prompt ids, plan, seed) jobs."""
     e = edits(direction)
     two = plan(tiny_spec, 1, e["add"])
     two.add(resolve(TapConf(layer=2), tiny_spec), e["clamp"])
     plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), None, two,
              plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["scale"])]
+    prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
+    return e, plans, [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
+
+
+def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
+    """The stretch mode: edits captured into the graphs (no eager break) give the replay engine's tokens, for a
+    mixed batch with an unsteered request, a two-tap request and a prompt longer than any graph."""
+    e, plans, jobs = mixed_batch(tiny_spec, direction, hf)
     in_graph = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
                            edits_in_graph=True)
     replayed, captured = (engine.llm.collective_rpc(eager_breaks)[0] for engine in (graph, in_graph))
     assert captured["graphs"] == replayed["graphs"] > 0
     assert captured["eager_breaks"] == replayed["eager_breaks"] - len(taps) * replayed["graphs"]  # none at taps
-    prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
-    jobs = [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
     assert in_graph.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
     long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
     assert in_graph.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
-    lp_graph, _ = graph.score(jobs[0][0], [], plans[0])
-    lp_in, _ = in_graph.score(jobs[0][0], [], plans[0])
+    lp_graph = graph.score(jobs[0][0], [], plans[0]).logprobs
+    lp_in = in_graph.score(jobs[0][0], [], plans[0]).logprobs
     torch.testing.assert_close(lp_in[-1], lp_graph[-1], atol=LOGPROB_ATOL, rtol=0)
     with pytest.raises(ValueError, match="was not declared"):
         in_graph.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
@@ -128,16 +135,10 @@ def test_tap_graphs_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
     """vllm.tap_graphs: each tap's program replayed as a graph of its own at the break gives the eager programs'
     tokens (a mixed batch, a long prompt's eager prefill), keeps every break, serves captures eagerly, and takes
     edits registered after its graphs were made."""
-    e = edits(direction)
-    two = plan(tiny_spec, 1, e["add"])
-    two.add(resolve(TapConf(layer=2), tiny_spec), e["clamp"])
-    plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), None, two,
-             plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["scale"])]
+    _, plans, jobs = mixed_batch(tiny_spec, direction, hf)
     graphed = vllm_engine(tiny_spec, taps, max_cudagraph_capture_size=MAX_GRAPH, tap_graphs=True)
     replayed, with_graphs = (engine.llm.collective_rpc(eager_breaks)[0] for engine in (graph, graphed))
     assert with_graphs == replayed
-    prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
-    jobs = [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
     assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
     assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)  # now from replayed tap graphs
     long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]

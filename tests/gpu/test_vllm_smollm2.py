@@ -10,10 +10,10 @@ import io
 import json
 
 import pytest
-import torch
 from rich.console import Console
 
 from helpers import compose
+from steer import engine as engines
 from steer import run
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def _jobs(engine, tmp_path, device):
         cfg = compose("model=smollm2", f"engine={engine}", f"device={device}", "progress=false", *over)
         d = tmp_path / f"{engine}-{name}"
         d.mkdir()
-        jobs.append(run.Job(cfg, run.prepare(cfg), d))
+        jobs.append(run.validate(cfg, d))
     return jobs
 
 
@@ -57,15 +57,14 @@ def _tie(engine, ids, a, b, plan):
         pair = (longer[k], engine.tokenizer.eos_token_id)
     else:
         pair = (a[k], b[k])
-    logits, _ = engine.score(ids, a[:k], plan)
-    lp = torch.log_softmax(logits[len(ids) + k - 1].double(), -1)
+    lp = engine.score(ids, a[:k], plan).logprobs[len(ids) + k - 1].double()
     return abs(float(lp[pair[0]] - lp[pair[1]])) < TIE, k, float(lp[pair[0]] - lp[pair[1]])
 
 
 def test_vllm_equals_hf_on_smollm2(available, tmp_path):
     _, v = _texts("vllm", tmp_path, "cuda")
     jobs, h = _texts("hf", tmp_path, "cuda")
-    hf = run.start_engine(jobs[0].cfg, jobs[0].spec)
+    hf = engines.make("hf", jobs[0].spec, "cuda")
     report, ties = {}, []
     for job, name in zip(jobs, EDITS):
         plan = run._setup(job, hf, Console(file=io.StringIO())).steering

@@ -5,15 +5,13 @@ import pytest
 import torch
 
 import mixed
-from fake import PAD, FakeRecording
-from interleaver import Span, vllm_internals
+from fake import PAD
+from interleaver import Span
 
 TAP = "model.layers.1.output"
 
 
-@pytest.fixture(autouse=True)
-def fake_recording(monkeypatch):
-    monkeypatch.setattr(vllm_internals, "_recording_class", FakeRecording)
+pytestmark = pytest.mark.usefixtures("fake_recording")
 
 
 def engine(in_graph: bool, edits):

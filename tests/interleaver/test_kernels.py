@@ -7,6 +7,7 @@ import torch
 from interleaver import kernels
 from interleaver.program import TapProgram
 from steer.edit import compile_edit
+from steer.engine.vllm import stage_edits
 from steer.schema import EditKind
 from test_program import TAP, _each_alone, _mixed_edits, _run
 
@@ -59,7 +60,7 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_form_and_says_so(monkeypa
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(kernels.Fused, "warm", broken)
     bank = EditBank()
-    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])
+    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
     with pytest.warns(RuntimeWarning, match="did not build .*PTX assembly failed.*torch form"):
         program = TapProgram(TAP, bank.at(TAP), True)
     assert program._fused is None
@@ -70,7 +71,7 @@ def test_without_a_gpu_no_program_is_fused():
     from interleaver.bank import EditBank
 
     bank = EditBank()
-    bank.register(TAP, [edit])
+    bank.register(TAP, stage_edits([edit]))
     assert TapProgram(TAP, bank.at(TAP), True)._fused is None and not kernels.available("cpu")
 
 
@@ -98,7 +99,7 @@ def test_a_program_counts_which_form_edited(fused):
     from interleaver.bank import EditBank, RequestEdits, Span, StepRows
 
     bank = EditBank()
-    req = RequestEdits(bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    req = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])))
     step = StepRows()
     step.set([Span(0, 2, 0, 4, req)], 2, len(bank.stages), "cpu")
     program = TapProgram(TAP, bank.at(TAP), False)

@@ -6,6 +6,7 @@ import torch
 from interleaver.bank import EditBank, RequestEdits, Span, StepRows, layout
 from interleaver.program import TapProgram
 from steer.edit import compile_edit
+from steer.engine.vllm import stage_edits
 from steer.schema import EditKind, Tokens
 
 H = 16
@@ -31,7 +32,7 @@ def _run(program_edits, residual, order=True, device="cpu", dtype=torch.float32,
     `fused=False` keeps a GPU program on its torch form."""
     g = torch.Generator().manual_seed(0)
     bank = EditBank()
-    reqs = [RequestEdits(bank.register(TAP, e)) if e else None for e in program_edits]
+    reqs = [RequestEdits(bank.register(TAP, stage_edits(e))) if e else None for e in program_edits]
     n = 2 * len(reqs)
     spans = [Span(2 * i, 2, 0, 4, r) for i, r in enumerate(reqs)]
     step = StepRows()
@@ -86,8 +87,8 @@ def test_a_requests_edits_at_one_tap_run_in_its_own_order():
 def test_step_weights_follow_prompt_and_generated_rows():
     bank = EditBank()
     v = torch.ones(1, H)
-    gen = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
-    both = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 3.0, v)]))
+    gen = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])))
+    both = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.add, 3.0, v)])))
     scored = RequestEdits(gen.entries, prompt_len=6)  # a scoring pass: its prompt ends at 6, not at its own end
     step = StepRows()
     # a 4-row prefill chunk from position 2 of a 5-token prompt; one decode row; a scoring pass of 8 rows
@@ -99,8 +100,9 @@ def test_step_weights_follow_prompt_and_generated_rows():
 def test_a_bank_forgets_refused_stages():
     bank = EditBank()
     v = torch.ones(1, H)
-    first = bank.register(TAP, [compile_edit(EditKind.add, 1.0, v)])
-    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])
+    first = bank.register(TAP, stage_edits([compile_edit(EditKind.add, 1.0, v)]))
+    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
     bank.truncate(1)
-    assert len(bank.stages) == 1 and bank.register(TAP, [compile_edit(EditKind.add, 2.0, v)])[0][0] == first[0][0]
-    assert bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])[0][0] == 1
+    assert len(bank.stages) == 1
+    assert bank.register(TAP, stage_edits([compile_edit(EditKind.add, 2.0, v)]))[0][0] == first[0][0]
+    assert bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))[0][0] == 1

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 import mixed
-from fake import H, PAD, FakeRecording
+from fake import H, PAD
 from interleaver import EditBank, RequestEdits, Span, vllm_internals
 from interleaver.tap_graphs import TapGraphs
+from stand_in import tap_worker
 from steer.edit import compile_edit
+from steer.engine.vllm import stage_edits
 from steer.schema import EditKind
 
 TAPS = ["model.layers.0.output", "model.layers.1.output"]
 
 
-@pytest.fixture(autouse=True)
-def fake_recording(monkeypatch):
-    monkeypatch.setattr(vllm_internals, "_recording_class", FakeRecording)
+pytestmark = pytest.mark.usefixtures("fake_recording")
 
 
 class Capture:
@@ -122,18 +122,13 @@ def test_serve_declines_what_needs_the_eager_path():
 
 
 def test_worker_rebuilds_its_weight_buffer_and_forgets_graphs_when_stages_change():
-    from test_vllm_internals import Runner, Worker
-
-    w = Worker()
-    w.vllm_config = SimpleNamespace(additional_config={vllm_internals.TAPS_KEY: [["layers.0", True]],
-                                                       vllm_internals.TAP_GRAPHS_KEY: True})
-    w.model_runner = Runner()
-    w.load_model()
+    w = tap_worker({vllm_internals.TAP_GRAPHS_KEY: True})
     il = w.steer_il
     assert isinstance(il.tap_graphs, TapGraphs) and tuple(il.step.static.shape) == (8, 1)
     il.tap_graphs._graphs[("x", 0, (8, 4))] = lambda: None
     bank = EditBank()
-    bank.register(vllm_internals.tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, torch.ones(1, 4))] * 3)
+    add = compile_edit(EditKind.add, 1.0, torch.ones(1, 4))
+    bank.register(vllm_internals.tap_location("layers.0"), stage_edits([add] * 3))
     w.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     assert len(il.tap_graphs) == 0 and tuple(il.step.static.shape) == (8, 3)
     assert np.all(il.step.static.numpy() == 0)

@@ -1,94 +1,23 @@
 """The tap worker's bookkeeping on CPU, against a stand-in for vLLM's runner: taps installed at load, each
 step's rows mapped from the runner's own buffers (query_start_loc, num_computed_tokens, extra_args)."""
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin, tap_location
+from interleaver.vllm_internals import tap_location
+from stand_in import H, step, tap_worker
 from steer.edit import compile_edit
+from steer.engine.vllm import stage_edits
 from steer.schema import EditKind, Tokens
-
-H = 4
-
-
-class PairLayer(nn.Module):
-    def forward(self, x):
-        return x * 0.5, x * 0.5  # (hidden, residual): the stream is their sum, x
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([PairLayer(), PairLayer()])
-
-    def forward(self, x):
-        h, r = self.layers[0](x)
-        h, r = self.layers[1](h + r)
-        return h + r
-
-
-class Runner:
-    """Just what the worker reads of vLLM's GPUModelRunner."""
-
-    def __init__(self):
-        self.model, self.device, self.requests, self.max_num_tokens = Model(), "cpu", {}, 8
-        self.query_start_loc = SimpleNamespace(np=np.zeros(8, dtype=np.int32))
-        self.input_batch = SimpleNamespace(num_reqs=0, req_ids=[], num_computed_tokens_cpu=np.zeros(8, dtype=np.int64))
-        self.x = None
-
-    def get_model(self):
-        return self.model
-
-    def _prepare_inputs(self, scheduler_output, num_scheduled):
-        return None
-
-    def execute_model(self, scheduler_output):
-        self._prepare_inputs(scheduler_output, None)
-        return self.model(self.x)
-
-
-class Base:
-    def load_model(self):
-        pass
-
-
-Worker = type("Worker", (_TapWorkerMixin, Base), {})
-
-
-def step(runner, reqs, x):
-    """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step."""
-    runner.input_batch.num_reqs = len(reqs)
-    runner.input_batch.req_ids = [r[0] for r in reqs]
-    counts = [r[1] for r in reqs]
-    runner.query_start_loc.np[: len(reqs) + 1] = np.concatenate([[0], np.cumsum(counts)])
-    runner.input_batch.num_computed_tokens_cpu[: len(reqs)] = [r[2] for r in reqs]
-    for rid, _, _, plen, extra in reqs:
-        runner.requests[rid] = SimpleNamespace(num_prompt_tokens=plen,
-                                               sampling_params=SimpleNamespace(extra_args=extra))
-    runner.x = x
-    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts)))
-
-
-@pytest.fixture
-def worker():
-    w = Worker()
-    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]]})
-    w.model_runner = Runner()
-    w.load_model()
-    return w
 
 
 def test_steps_map_rows_to_requests_and_clear_after(worker):
     v = torch.randn(1, H)
     bank = EditBank()
     loc = tap_location("layers.0")
-    add = bank.register(loc, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])
-    abl = bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
+    add = bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
+    abl = bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
     assert worker.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]) == 2
     x = torch.randn(6, H)
     # a: 3 prompt rows; b: one decode row; c: unsteered; d: a generated row
@@ -118,36 +47,25 @@ def test_capture_only_request_keeps_its_rows(worker):
 
 def test_edit_at_a_location_that_is_no_tap_is_refused(worker):
     bank = EditBank()
-    bank.register(tap_location("layers.1"), [compile_edit(EditKind.add, 1.0, torch.ones(1, H))])
+    bank.register(tap_location("layers.1"), stage_edits([compile_edit(EditKind.add, 1.0, torch.ones(1, H))]))
     with pytest.raises(ValueError, match="not a tap of this engine"):
         worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
 
 
 def test_tap_naming_no_module_fails_at_load():
-    w = Worker()
-    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.7", True]]})
-    w.model_runner = Runner()
     with pytest.raises(ValueError, match="'layers.7' names no module"):
-        w.load_model()
+        tap_worker(taps=[("layers.7", True)])
 
 
 def test_two_ranks_given_the_same_stages_and_step_edit_alike():
     """Tensor parallelism, simulated: each rank's worker gets the same stage list (collective_rpc) and the same
     scheduled batch, holds the whole residual stream, and so must make the same edit and keep the same rows."""
-    from steer.engine.vllm import rank_zero
-
-    ranks = []
-    for _ in range(2):
-        w = Worker()
-        w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]]})
-        w.model_runner = Runner()
-        w.load_model()
-        ranks.append(w)
+    ranks = [tap_worker() for _ in range(2)]
     v, d = torch.randn(1, H), torch.randn(1, H)
     bank = EditBank()
     loc = tap_location("layers.0")
-    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]), capture=[loc], key="k")
-    abl = RequestEdits(bank.register(loc, [compile_edit(EditKind.ablate, 1.0, d)]))
+    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v)])), capture=[loc], key="k")
+    abl = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, d)])))
     stages = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
     x = torch.randn(4, H)
     outs, kept = [], []
@@ -157,7 +75,7 @@ def test_two_ranks_given_the_same_stages_and_step_edit_alike():
                                           ("c", 1, 4, 3, {"steer": abl.to_args()})], x))
         kept.append(w.steer_take_kept())
     assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], x)
-    assert kept[0] == kept[1] == rank_zero(kept) and len(kept[0][loc]["k"]) == 1
+    assert kept[0] == kept[1] and len(kept[0][loc]["k"]) == 1
 
 
 def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
@@ -165,8 +83,8 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
     still move from prompt to generated, and a request that joins is served from its first step."""
     v = torch.randn(1, H)
     bank = EditBank()
-    gen = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v,
-                                                                              tokens=Tokens.generated)]))
+    gen = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v,
+                                                                              tokens=Tokens.generated)])))
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     x = torch.randn(2, H)
     a = ("a", 1, 3, 4, {"steer": gen.to_args()})
@@ -184,9 +102,9 @@ def test_steady_decode_steps_reuse_the_device_weights(worker):
     device tensor serves, until a row is a prompt token again or the batch changes."""
     v = torch.randn(1, H)
     bank = EditBank()
-    both = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v)]))
-    gen = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 2.0, v,
-                                                                              tokens=Tokens.generated)]))
+    both = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
+    gen = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 2.0, v,
+                                                                              tokens=Tokens.generated)])))
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     rows = worker.steer_il.step
     rows.use_static(8, len(bank.stages), "cpu")  # as graphed programs read them
@@ -211,17 +129,14 @@ def test_an_in_graph_worker_serves_only_its_declared_stages():
     bank = EditBank()
     loc = tap_location("layers.0")
     v = torch.randn(1, H)
-    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]))
+    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v)])))
     declared = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
-    w = Worker()
-    w.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [["layers.0", True]], IN_GRAPH_KEY: declared})
-    w.model_runner = Runner()
-    w.load_model()
+    w = tap_worker({IN_GRAPH_KEY: declared})
     assert w.steer_il.in_graph and tuple(w.steer_il.step.static.shape) == (8, 1)
     x = torch.randn(3, H)
     out = step(w.model_runner, [("a", 2, 0, 2, {"steer": add.to_args()}), ("b", 1, 4, 2, None)], x)
     torch.testing.assert_close(out[:2], x[:2] + 2.0 * v[0])  # an eager step: the in-graph program on real rows
     assert torch.equal(out[2], x[2])
-    bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
+    bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
     with pytest.raises(ValueError, match="cannot serve others"):
         w.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages])

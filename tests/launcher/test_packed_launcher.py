@@ -1,4 +1,5 @@
-"""The packed launcher on the HF engine (CPU): same results as the basic launcher, resume after a kill."""
+"""The packed launcher on the HF engine (CPU): same results as the basic launcher from one engine, resume after a
+kill."""
 
 import json
 import os
@@ -7,29 +8,29 @@ import subprocess
 import sys
 import time
 
-from helpers import cli_env, on_tiny, run_cli
+from helpers import TWO_PROMPTS, cli_env, on_tiny, run_cli, sweep_jobs as jobs, summary_rows
 
 from hydra_plugins.steer_launcher.packed import complete
 
-QUICK = ["gen.max_new_tokens=6", "prompts.steer=['The weather today is','My friend looked at me and said']"]
+QUICK = ["gen.max_new_tokens=6", TWO_PROMPTS]
 SWEEP = ["-m", "edit=add", "edit.scale=0,2,4,8", "tap.layer=1,2"]
 
 
-def jobs(sweep):
-    if not sweep.exists():
-        return []
-    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+def engine_taps(job):
+    """The taps of the engine a job ran on, as its steer.log names them."""
+    [line] = [x for x in (job / "steer.log").read_text().splitlines() if " - engine " in x]
+    return line.split(", taps ")[1]
 
 
-def test_packed_sweep_equals_unpacked(tmp_path, cache_dir, tiny_spec):
-    walls = {}
+def test_packed_sweep_equals_unpacked_from_one_engine(tmp_path, cache_dir, tiny_spec):
     for launcher in ("packed", "basic"):
-        t = time.perf_counter()
         res = run_cli(SWEEP + QUICK + [f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path / launcher}"],
                       tmp_path, cache_dir)
-        walls[launcher] = time.perf_counter() - t
         assert res.returncode == 0, res.stderr[-3000:]
     packed, basic = jobs(tmp_path / "packed"), jobs(tmp_path / "basic")
+    # the packed launcher ran all 8 jobs on one engine tapping both layers; the basic one, each on its own engine
+    assert {engine_taps(j) for j in packed} == {"['model.layers.1', 'model.layers.2']"}
+    assert sorted(engine_taps(j) for j in basic) == ["['model.layers.1']"] * 4 + ["['model.layers.2']"] * 4
     assert len(packed) == len(basic) == 8
     for p, b in zip(packed, basic):
         assert sorted(os.listdir(p)) == sorted(os.listdir(b))
@@ -38,7 +39,22 @@ def test_packed_sweep_equals_unpacked(tmp_path, cache_dir, tiny_spec):
         mp.pop("tokens_per_s"), mb.pop("tokens_per_s")
         assert mp == mb
         assert (p / ".hydra" / "overrides.yaml").read_text() == (b / ".hydra" / "overrides.yaml").read_text()
-    print(f"\n8-job sweep wall time: packed {walls['packed']:.1f}s, basic {walls['basic']:.1f}s")
+
+
+def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tiny_spec):
+    """task=extract jobs are validated first and run together on one engine, like steer jobs: each writes the
+    default direction at its own tap, the same as a single extraction."""
+    sweep, single = tmp_path / "sweep", tmp_path / "single"
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {engine_taps(j) for j in jobs(sweep)} == {"['model.layers.1', 'model.layers.2']"}
+    res = run_cli(["task=extract", "tap.layer=2", f"hydra.run.dir={single}"], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import torch
+    from safetensors.torch import load_file
+
+    vecs = [load_file(str(d / "vector.safetensors"))["direction"] for d in (sweep / "1", single)]
+    assert vecs[0].shape[-1] == tiny_spec.hidden and torch.equal(*vecs)
 
 
 def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
@@ -61,8 +77,7 @@ def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
         assert (sweep / name / "metrics.json").stat().st_mtime_ns == mtime
     assert (res.stdout + res.stderr).count("(complete, skipped)") == len(done)
     assert f"{8 - len(done)} jobs to run" in res.stdout + res.stderr
-    rows = (sweep / "summary.csv").read_text().strip().splitlines()
-    assert len(rows) == 9
+    assert [r["job"] for r in summary_rows(sweep)] == [str(i) for i in range(8)]
 
 
 def test_force_reruns_complete_jobs(tmp_path, cache_dir):
@@ -92,4 +107,4 @@ def test_submitit_local_runs_each_job_in_its_own_process(tmp_path, cache_dir):
                   tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [complete(j) for j in jobs(sweep)] == [True, True]
-    assert len((sweep / "summary.csv").read_text().strip().splitlines()) == 3
+    assert [r["job"] for r in summary_rows(sweep)] == ["0", "1"]

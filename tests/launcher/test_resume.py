@@ -1,6 +1,5 @@
 """The packed launcher's resume, failed jobs and Ctrl-C, on the HF engine (CPU)."""
 
-import csv
 import json
 import os
 import signal
@@ -8,32 +7,16 @@ import subprocess
 import sys
 import time
 
-from helpers import CONF, cli_env, on_tiny, run_cli
+from helpers import TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, summary_rows as summary, sweep_jobs as jobs
 
 from hydra_plugins.steer_launcher import packed
 from hydra_plugins.steer_launcher.packed import complete
 
-QUICK = ["engine=hf", "gen.max_new_tokens=4",
-         "prompts.steer=['The weather today is','My friend looked at me and said']"]
-
-
-def jobs(sweep):
-    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) if sweep.exists() else []
-
-
-def summary(sweep):
-    with (sweep / "summary.csv").open(newline="") as f:
-        return list(csv.DictReader(f))
+QUICK = ["engine=hf", "gen.max_new_tokens=4", TWO_PROMPTS]
 
 
 def _cfg(*overrides):
-    from hydra import compose, initialize_config_dir
-
-    from steer import schema
-
-    schema.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=on_tiny(overrides))
+    return compose_conf("config", on_tiny(overrides))
 
 
 def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
@@ -69,25 +52,49 @@ def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec)
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
-def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypatch):
+def _stand_in_jobs(tmp_path, n):
     from types import SimpleNamespace
 
-    from steer import run
-
-    js = [SimpleNamespace(cfg=SimpleNamespace(progress=False), out_dir=tmp_path / str(i)) for i in range(4)]
+    js = [SimpleNamespace(cfg=SimpleNamespace(progress=False), out_dir=tmp_path / str(i)) for i in range(n)]
     for j in js:
         j.out_dir.mkdir()
+    return js
 
-    def execute(pack, console, on_done=None, summary=None):
+
+def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypatch):
+    from contextlib import nullcontext
+
+    from steer import job, run
+
+    js = _stand_in_jobs(tmp_path, 4)
+    engine = object()
+
+    def execute(pack, console, on_done=None, summary=None, engine=None):
+        assert engine is held  # every pack runs on the group's one engine
         if js[0] in pack:
-            raise RuntimeError("engine did not start")
+            raise RuntimeError("the engine failed mid-pack")
         return [{"kl_mean": 1.0} for _ in pack]
 
+    held = engine
+    monkeypatch.setattr(job, "engine_for", lambda jobs: nullcontext(engine))
     monkeypatch.setattr(run, "execute", execute)
     out = packed.run_group(js, 2)
-    assert out == [{"error": "RuntimeError: engine did not start"}] * 2 + [{"kl_mean": 1.0}] * 2
-    assert "RuntimeError: engine did not start" in (js[0].out_dir / "error.txt").read_text()
+    assert out == [{"error": "RuntimeError: the engine failed mid-pack"}] * 2 + [{"kl_mean": 1.0}] * 2
+    assert "RuntimeError: the engine failed mid-pack" in (js[0].out_dir / "error.txt").read_text()
     assert not (js[2].out_dir / "error.txt").exists()
+
+
+def test_run_group_fails_every_job_when_its_engine_does_not_start(tmp_path, monkeypatch):
+    from steer import job
+
+    js = _stand_in_jobs(tmp_path, 3)
+
+    def engine_for(jobs):
+        raise RuntimeError("engine did not start")
+
+    monkeypatch.setattr(job, "engine_for", engine_for)
+    assert packed.run_group(js, 2) == [{"error": "RuntimeError: engine did not start"}] * 3
+    assert all((j.out_dir / "error.txt").is_file() for j in js)
 
 
 def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path, cache_dir, tiny_spec):

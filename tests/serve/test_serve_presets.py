@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import CONF, cli_env
+from helpers import cli_env, compose_conf
 from steer.edit import Edit
 from steer.errors import ConfigError
 from steer.schema import EditKind
@@ -17,14 +17,9 @@ from steer.serve.schema import ServeOptions
 
 
 def compose_serve(*overrides):
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from steer.serve import schema
-
-    schema.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
+    return OmegaConf.to_object(compose_conf("serve", overrides))
 
 
 def test_serve_config_composes():
