@@ -3,12 +3,7 @@
 openai client (or httpx where a request must be malformed on purpose)."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +12,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import httpx
 
 from helpers import cli_env
+from steer.serve.process import free_port, running
 
 MODEL = "steer-test"  # the served model name every test server is started with, whatever the model
 PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
@@ -29,12 +25,6 @@ CASES: List[Tuple[Optional[str], Optional[float]]] = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> Iterator[str]:
     """`python -m steer.serve *args` on a free port; yields its base URL once /health answers. The server runs in
@@ -42,35 +32,10 @@ def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> I
     port = free_port()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "server.log"
-    env = cli_env(cache_dir)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "steer.serve", *args, f"serve.port={port}",
-                                 "serve.log_level=warning", f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"],
-                                cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not answer in {timeout} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+    cmd = [sys.executable, "-m", "steer.serve", *args, f"serve.port={port}", "serve.log_level=warning",
+           f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
+    with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir) as url:
         yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def client(url: str):

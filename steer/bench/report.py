@@ -62,6 +62,15 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
 
 
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
+    """bench.md: how it was measured, a table per model and batch, the targets, and the cells without a figure."""
+    lines = _preamble(cfg, machine, when, command) + _tables(rows, cfg)
+    if goals:
+        lines += _targets_table(goals)
+    lines += _missing(rows)
+    return "\n".join(lines)
+
+
+def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[str]:
     warm = "a whole pass" if cfg.warmup_tokens is None else f"{cfg.warmup_tokens} new tokens"
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
@@ -74,13 +83,19 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
     if len(cfg.lanes) > 1:
         lines[-1:-1] = ["Lanes, each starting and timing its own engines as above, side by side with the other: "
                         + "; ".join(f"GPU {ln.gpus} runs {', '.join(ln.runs)}" for ln in cfg.lanes) + "."]
-    lines += [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
+    return lines + [f"- **{c}**: {CONFIGS[c]}" for c in cfg.configs] + [""]
+
+
+def _tables(rows: List[Dict], cfg: BenchConf) -> List[str]:
+    """A table per model and batch: a row per scenario, each configuration's tok/s and its ratios."""
     configs = cfg.configs
-    head = ["scenario"] + [f"{c} tok/s" for c in configs]
     steered = [c for c in configs if c not in ("a", "b")]
-    head += [f"{c}/{base}" for c in steered for base in ("a", "b") if base in configs]
-    if "c" in configs and "d" in configs:
+    ratios = [(c, base) for c in steered for base in ("a", "b") if base in configs]
+    c_over_d = "c" in configs and "d" in configs
+    head = ["scenario"] + [f"{c} tok/s" for c in configs] + [f"{c}/{base}" for c, base in ratios]
+    if c_over_d:
         head.append("c/d")
+    lines = []
     for model in cfg.run:
         for req, tok in cfg.batches:
             lines += [f"**{model}**, {req} requests x {tok} new tokens", "", "| " + " | ".join(head) + " |",
@@ -89,35 +104,42 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
                 mine = {r["config"]: r for r in rows if (r["model"], r["requests"], r["new_tokens"], r["scenario"])
                         == (model, req, tok, scen)}
                 vals = [scen] + [_fmt_tok(mine[c]) for c in configs]
-                vals += [_fmt(mine[c][f"vs_{base}"]) for c in steered for base in ("a", "b") if base in configs]
-                if "c" in configs and "d" in configs:
+                vals += [_fmt(mine[c][f"vs_{base}"]) for c, base in ratios]
+                if c_over_d:
                     vals.append(_fmt(_ratio(mine["c"]["tok_s"], mine["d"]["tok_s"])))
                 lines.append("| " + " | ".join(vals) + " |")
             lines.append("")
-    if goals:
-        # The verdict is the medians'. The fastest passes' ratio beside it tells a cost from noise: a host-bound
-        # model's passes can spread by half (the tiny model's do, alone on the machine), and a ratio that holds
-        # between fastest passes but not between medians is the noise's, not the steering's.
-        lines += ["Targets (holds: measured, the medians' ratio; fastest passes: the same ratio between each cell's "
-                  "fastest pass):", "", "| target | scenario | model | batch | measured | fastest passes | holds |",
-                  "|---|---|---|---|---:|---:|---|"]
-        for g in goals:
-            verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
-                f"**no** ({g['ratio'] - g['required']:+.3f})"
-            lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
-                         f"{_fmt(g['best'])} | {verdict} |")
-        lines.append("")
+    return lines
+
+
+def _targets_table(goals: List[Dict]) -> List[str]:
+    # The verdict is the medians'. The fastest passes' ratio beside it tells a cost from noise: a host-bound
+    # model's passes can spread by half (the tiny model's do, alone on the machine), and a ratio that holds
+    # between fastest passes but not between medians is the noise's, not the steering's.
+    lines = ["Targets (holds: measured, the medians' ratio; fastest passes: the same ratio between each cell's "
+             "fastest pass):", "", "| target | scenario | model | batch | measured | fastest passes | holds |",
+             "|---|---|---|---|---:|---:|---|"]
+    for g in goals:
+        verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
+            f"**no** ({g['ratio'] - g['required']:+.3f})"
+        lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
+                     f"{_fmt(g['best'])} | {verdict} |")
+    return lines + [""]
+
+
+def _missing(rows: List[Dict]) -> List[str]:
+    """Why cells have no figure, once per model, configuration and reason."""
     errors = [r for r in rows if r["status"] not in ("ok",)]
-    if errors:
-        lines += ["Cells without a figure:", ""]
-        seen = set()
-        for r in errors:
-            key = (r["model"], r["config"], r["status"], r["detail"])
-            if key not in seen:
-                seen.add(key)
-                lines.append(f"- {r['model']} {r['config']}: {r['status']} {r['detail']}".rstrip())
-        lines.append("")
-    return "\n".join(lines)
+    if not errors:
+        return []
+    lines = ["Cells without a figure:", ""]
+    seen = set()
+    for r in errors:
+        key = (r["model"], r["config"], r["status"], r["detail"])
+        if key not in seen:
+            seen.add(key)
+            lines.append(f"- {r['model']} {r['config']}: {r['status']} {r['detail']}".rstrip())
+    return lines + [""]
 
 
 def write(out_dir, rows: List[Dict], goals: List[Dict], md: str, cfg: BenchConf) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from steer.bench import waves, workload
 from steer.bench.schema import BenchConf, BenchModelConf
-from steer.results import write_text
+from steer.results import write_json, write_text
 
 
 @dataclass
@@ -134,18 +134,23 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
     # Traces come after every timed pass: once vLLM's profiler has run, each later step pays for its annotations.
     for t in cells:
         if t.cell in traced and hasattr(runner, "trace") and t.record["status"] == "ok":
-            n, tokens = t.cell["requests"], t.cell["tokens"]
-            name = f"trace-{group.model}-{group.config}-{t.cell['scenario']}-{n}x{tokens}.txt"
-            try:
-                with _deadline(cfg.trace_timeout_s):
-                    text = runner.trace(*t.inputs, min(cfg.trace_tokens, tokens))
-            except Exception as e:
-                traceback.print_exc()
-                t.record["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
-            else:
-                write_text(Path(out).parent / name, text)
-                t.record["trace"] = name
+            _trace(cfg, group, runner, t, out)
             _write(out, [t.record for t in cells], machine)
+
+
+def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
+    """A timed cell's pass under vLLM's profiler, written beside `out`; its record names the file or the failure."""
+    n, tokens = t.cell["requests"], t.cell["tokens"]
+    name = f"trace-{group.model}-{group.config}-{t.cell['scenario']}-{n}x{tokens}.txt"
+    try:
+        with _deadline(cfg.trace_timeout_s):
+            text = runner.trace(*t.inputs, min(cfg.trace_tokens, tokens))
+    except Exception as e:
+        traceback.print_exc()
+        t.record["trace"] = f"failed: {type(e).__name__}: {e}"[:300]
+    else:
+        write_text(Path(out).parent / name, text)
+        t.record["trace"] = name
 
 
 def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
@@ -257,8 +262,6 @@ def _sync() -> None:
 
 
 def _write(out: str, records: List[Dict], machine: Dict) -> None:
-    from steer.results import write_json
-
     write_json(Path(out), {"records": records, "machine": machine})
 
 

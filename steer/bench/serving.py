@@ -16,17 +16,15 @@ ratios to the stock server's unsteered load measured in the same run.
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
+
+from steer.serve.process import free_port, running
 
 SERVED = "llama3_8b_shape"
 LAYERS = 32
@@ -56,46 +54,6 @@ def write_presets(work: Path, hidden: int) -> Path:
         (pdir / f"{name}.yaml").write_text(json.dumps({"description": f"bench: {kind} at {len(layers)} layer(s)",
                                                        "edits": edits}))
     return pdir
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def started(cmd: List[str], log: Path, port: int, timeout: float = 900) -> Iterator[str]:
-    """A server subprocess in its own session; yields its URL once /health answers, ends it (and its workers)."""
-    import httpx
-
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no answer in {timeout} s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def stock_cmd(model: Path, port: int, gpu_util: float) -> List[str]:
@@ -191,7 +149,7 @@ def main(argv=None) -> None:
         port = free_port()
         cmd = make(model, port, args.gpu_memory_utilization) if make else \
             steer_cmd(model, presets, port, args.gpu_memory_utilization, name)
-        with started(cmd, out / f"server-{name}.log", port) as url:
+        with running(cmd, port, out / f"server-{name}.log") as url:
             for load_name, cycle in LOADS.items():
                 if name == "stock" and load_name != "unsteered":
                     continue

@@ -242,8 +242,8 @@ class HFServer:
 
 
 def build_app(server: HFServer):
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    """The FastAPI app of `server`: OpenAI's completion endpoints, /v1/models, /v1/steer/presets and /health."""
+    from fastapi import FastAPI
 
     @asynccontextmanager
     async def lifespan(app):
@@ -251,60 +251,25 @@ def build_app(server: HFServer):
         server.worker.stop()
 
     app = FastAPI(title="steer serve (engine=hf)", lifespan=lifespan)
+    _generation_routes(app, server)
+    _info_routes(app, server)
+    return app
 
-    def error(e: RequestError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
 
-    def internal(e: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse({"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_error",
-                                       "param": None, "code": None}}, status_code=500)
-
-    async def parse(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise RequestError(None, f"the request body is not valid JSON: {e}") from e
-
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    async def serve(request: Request, chat: bool):
-        try:
-            body = await parse(request)
-            req, encoded, plan = await (server.chat(body) if chat else server.completions(body))
-        except RequestError as e:
-            return error(e)
-        except Exception as e:
-            return internal(e)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": server.model_name}
-        if req.stream:
-            return StreamingResponse(_sse(server, req, encoded, plan, dict(head), chat), media_type="text/event-stream")
-        choices, done = [], 0
-        try:
-            for i, ids in enumerate(encoded):
-                text, reason, n = await server.generate(ids, plan, req, server._seed(req, i))
-                done += n
-                if chat:
-                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                    "logprobs": None, "finish_reason": reason})
-                else:
-                    choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
-        except Exception as e:
-            return internal(e)
-        return JSONResponse({**head, "choices": choices, "usage": usage(sum(map(len, encoded)), done)})
+def _generation_routes(app, server: HFServer) -> None:
+    from fastapi import Request
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, chat=False)
+        return await _serve(server, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(request, chat=True)
+        return await _serve(server, request, chat=True)
+
+
+def _info_routes(app, server: HFServer) -> None:
+    from fastapi.responses import JSONResponse
 
     @app.get("/v1/models")
     async def models():
@@ -321,7 +286,66 @@ def build_app(server: HFServer):
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         return {"status": "ok"}
 
-    return app
+
+async def _serve(server: HFServer, request, chat: bool):
+    """A completion's (chat: a chat completion's) response: one JSON body, or server-sent events if it streams."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    try:
+        body = await _parse(request)
+        req, encoded, plan = await (server.chat(body) if chat else server.completions(body))
+    except RequestError as e:
+        return JSONResponse(e.body(), status_code=e.status)
+    except Exception as e:
+        return _internal(e)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": server.model_name}
+    if req.stream:
+        return StreamingResponse(_sse(server, req, encoded, plan, dict(head), chat), media_type="text/event-stream")
+    try:
+        choices, done = await _choices(server, req, encoded, plan, chat)
+    except Exception as e:
+        return _internal(e)
+    return JSONResponse({**head, "choices": choices, "usage": _usage(sum(map(len, encoded)), done)})
+
+
+async def _choices(server: HFServer, req, encoded, plan, chat: bool) -> Tuple[List[dict], int]:
+    """Each prompt's choice, generated one after the other, and the tokens generated in all."""
+    choices, done = [], 0
+    for i, ids in enumerate(encoded):
+        text, reason, n = await server.generate(ids, plan, req, server._seed(req, i))
+        done += n
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+    return choices, done
+
+
+async def _parse(request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise RequestError(None, f"the request body is not valid JSON: {e}") from e
+
+
+def _internal(e: Exception):
+    from fastapi.responses import JSONResponse
+
+    log.exception("request failed")
+    return JSONResponse(_internal_body(e), status_code=500)
+
+
+def _internal_body(e: Exception) -> dict:
+    return {"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_error", "param": None, "code": None}}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _sse(server: HFServer, req, encoded, plan, head: dict, chat: bool):
@@ -350,9 +374,9 @@ async def _sse(server: HFServer, req, encoded, plan, head: dict, chat: bool):
                     done += end[1]
                     yield chunk(i, None, end[0])
         if req.include_usage:
-            n = sum(map(len, encoded))
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': {'prompt_tokens': n, 'completion_tokens': done, 'total_tokens': n + done}})}\n\n"
+            usage = _usage(sum(map(len, encoded)), done)
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
     except Exception as e:  # the stream has started: the error goes in it
         log.exception("stream failed")
-        yield f"data: {json.dumps({'error': {'message': f'{type(e).__name__}: {e}', 'type': 'internal_error', 'param': None, 'code': None}})}\n\n"
+        yield f"data: {json.dumps(_internal_body(e))}\n\n"
     yield "data: [DONE]\n\n"

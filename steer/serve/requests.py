@@ -8,7 +8,7 @@ fields are ignored, as vLLM does.
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from steer.serve.protocol import RequestError, SteerArgs, is_number, parse_steer
 
@@ -98,17 +98,8 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError("model", "must be a string (GET /v1/models lists this server's)")
-    for key, ok in _UNSUPPORTED.items():
-        if key in body and body[key] not in ok:
-            raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise RequestError("n", "the hf engine serves n=1 only")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise RequestError(max_tokens_field, "must be an integer >= 1")
+    _refuse_unsupported(body)
+    max_tokens = _max_tokens(body, default_max_tokens, max_tokens_field)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
@@ -116,7 +107,38 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise RequestError("seed", f"must be an integer in [0, {MAX_SEED}]")
-    stop = body.get("stop")
+    stops = _stops(body.get("stop"))
+    stream, include_usage = _streaming(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError("user", "must be a string")
+    steer = parse_steer(body, presets, max_scale)
+    return GenRequest(model, prompts, messages, max_tokens, temperature, top_p, seed, stops, stream,
+                      include_usage, steer)
+
+
+def _refuse_unsupported(body: Dict[str, Any]) -> None:
+    """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
+    for key, ok in _UNSUPPORTED.items():
+        if key in body and body[key] not in ok:
+            raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise RequestError("n", "the hf engine serves n=1 only")
+
+
+def _max_tokens(body: Dict[str, Any], default: int, field: str) -> int:
+    # `field` is the name the client used (chat's max_completion_tokens arrives as max_tokens), so errors cite it.
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        return int(default)
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise RequestError(field, "must be an integer >= 1")
+    return int(max_tokens)
+
+
+def _stops(stop: Any) -> List[str]:
+    """OpenAI's `stop` as a list of non-empty strings."""
     if stop is None:
         stops = []
     elif isinstance(stop, str):
@@ -125,7 +147,11 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
         stops = list(stop)
     else:
         raise RequestError("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
-    stops = [s for s in stops if s]
+    return [s for s in stops if s]
+
+
+def _streaming(body: Dict[str, Any]) -> Tuple[bool, bool]:
+    """(stream, stream_options.include_usage), both False when not given."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -139,12 +165,7 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise RequestError("stream_options.include_usage", "must be a boolean")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise RequestError("user", "must be a string")
-    steer = parse_steer(body, presets, max_scale)
-    return GenRequest(model, prompts, messages, int(max_tokens), temperature, top_p, seed, stops, stream,
-                      include_usage, steer)
+    return stream, include_usage
 
 
 def _object(body: Any) -> Dict[str, Any]:
