@@ -51,6 +51,36 @@ def render(tokenizer, text: str, chat) -> Tuple[str, List[int]]:
     return text, list(tokenizer(text, verbose=False)["input_ids"])
 
 
+_MARK = "\ue000steer-user-text\ue001"  # private-use characters: in no template, no prompt
+
+
+def text_tokens(tokenizer, text: str, chat, field: str = "extract.span") -> List[bool]:
+    """Which of `render(tokenizer, text, chat)`'s ids carry the prompt's own text (one flag per id): in a chat
+    rendering the tokens of the user turn's content, not the system prompt, the turn markers or the generation
+    prompt; raw, the text's tokens, not a BOS or other token the tokenizer adds. The content's place is found by
+    rendering the same turn with a marker in its stead (what comes before and after it is the template's), and a
+    token is the text's if its characters overlap it (tokenizer offsets, so a fast tokenizer)."""
+    fed, ids = render(tokenizer, text, chat)
+    if uses_chat(tokenizer, chat):
+        marked, _ = render(tokenizer, _MARK, chat)
+        before, _, after = marked.partition(_MARK)
+        start, end = len(before), len(fed) - len(after)
+        if not (fed.startswith(before) and fed.endswith(after) and start < end):
+            raise ConfigError(field, f"cannot find prompt {text!r} in its chat rendering {fed!r}; use "
+                                     f"{field}=all")
+    else:
+        start, end = 0, len(text)
+    enc = None
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(fed, add_special_tokens=not uses_chat(tokenizer, chat), return_offsets_mapping=True,
+                        verbose=False)
+    if enc is None or list(enc["input_ids"]) != ids:
+        raise ConfigError(field, f"user needs token offsets from a fast tokenizer, and "
+                                 f"{getattr(tokenizer, 'name_or_path', '?')!r} gave none that match the ids fed; "
+                                 f"use {field}=all")
+    return [b > a and a < end and b > start for a, b in enc["offset_mapping"]]
+
+
 def template_in_dir(path: str | Path) -> Optional[bool]:
     """Whether the tokenizer saved in directory `path` has a chat template; None if there is no tokenizer there."""
     path = Path(path)

@@ -114,7 +114,13 @@ class ExtractConf:
     # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
     # positive_i - negative_i, pointing toward the positive set (steer/extract.py)
     method: str = "diffmean"
-    position: str = "mean"  # "mean" over the prompt's tokens or the "last" token (of the chat-formatted prompt)
+    position: str = "mean"  # "mean" over the span's tokens or its "last" token
+    # The tokens a row is read from: "all", every token fed; "user", the prompt's own text (in a chat rendering, the
+    # user turn's content, not the system prompt, turn markers or generation prompt that every prompt shares)
+    span: str = "all"
+    # Take out of the direction its part along the rows' mean (the midpoint of the two sets' means): a direction
+    # that shares the mean every token has moves every token when it is ablated (steer/extract.py)
+    orthogonal_to_mean: bool = True
     skip_first: bool = True  # leave the first token (an attention sink, GUIDE.md section 9) out of means
     skip_special: bool = True  # leave special tokens (BOS, chat markers) out of means
     out: Optional[str] = None  # null: vector.safetensors in the run dir

@@ -58,6 +58,7 @@ def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec):
         assert m[-1]["proj_steered"] > 1.5 * m[-1]["proj_baseline"]
     if name == "refusal_ablation_layers":  # the direction is gone at the tap, whichever layer it is
         assert all(mr["proj_steered"] < 1e-3 * mr["proj_baseline"] for mr in m)
-    if name == "clamp_sweep":  # a falling ceiling pushes the projection further from where it sat
+    if name == "clamp_sweep":  # every generated row sits at or below the ceiling: |h . d| >= |hi| on average
         proj = [mr["proj_steered"] for mr in m]
-        assert proj == sorted(proj) and proj[-1] > proj[0] * 1.2, proj
+        assert all(p >= -float(hi) - 1e-3 for p, hi in zip(proj, values)), (proj, values)
+        assert proj[-1] > proj[0], proj  # the lowest ceiling moves the rows furthest

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ def direct_mean(engine, prompts, layer, last, skip=0):
 
 def test_diff_of_means_matches_direct_computation(hf_engine, tiny_spec):
     tap = resolve(TapConf(layer=1), tiny_spec)
-    raw = dict(skip_first=False, skip_special=False)
+    raw = dict(span="all", skip_first=False, skip_special=False, orthogonal_to_mean=False)  # every token fed
     for position in ("mean", "last"):
         d = diff_of_means(hf_engine, tap, POS, NEG, position, **raw)
         last = position == "last"
@@ -30,11 +32,25 @@ def test_diff_of_means_matches_direct_computation(hf_engine, tiny_spec):
         torch.testing.assert_close(d, expected, atol=1e-4, rtol=1e-4)
     # The default leaves out the first token (the tiny model's is its BOS, a special token too).
     expected = direct_mean(hf_engine, POS, 1, False, skip=1) - direct_mean(hf_engine, NEG, 1, False, skip=1)
-    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG), expected, atol=1e-4, rtol=1e-4)
+    plain = dict(orthogonal_to_mean=False)
+    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, **plain), expected, atol=1e-4, rtol=1e-4)
     assert hf_engine.encode(POS[0])[0] == hf_engine.tokenizer.bos_token_id
-    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, skip_first=False), expected, atol=1e-4,
-                               rtol=1e-4)  # skip_special alone drops the BOS here
+    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, skip_first=False, **plain), expected,
+                               atol=1e-4, rtol=1e-4)  # skip_special alone drops the BOS here
     assert abs(float(diff_of_means(hf_engine, tap, POS, NEG, normalize=True).norm()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["diffmean", "pca"])
+def test_the_default_direction_has_no_part_along_the_rows_mean(hf_engine, tiny_spec, method):
+    tap = resolve(TapConf(layer=1), tiny_spec)
+    pos = POS + ["We laughed and smiled"]
+    neg = NEG + ["We cried and sighed"]
+    mean = (direct_mean(hf_engine, pos, 1, False, skip=1) + direct_mean(hf_engine, neg, 1, False, skip=1)) / 2
+    plain = direction(hf_engine, tap, pos, neg, Recipe(method=method, orthogonal_to_mean=False))
+    d = direction(hf_engine, tap, pos, neg, Recipe(method=method))  # orthogonal_to_mean is the default
+    torch.testing.assert_close(d, plain - (plain @ mean) / (mean @ mean) * mean, atol=1e-4, rtol=1e-4)
+    assert abs(float(d @ mean)) < 1e-4 * float(d.norm() * mean.norm())
+    assert abs(float(plain @ mean)) > 1e-2 * float(plain.norm() * mean.norm())  # there was a part to take out
 
 
 def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
@@ -42,9 +58,10 @@ def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
     p = extract_to(tmp_path / "v.safetensors", "joy", hf_engine, tap, POS, NEG)
     meta = vector.metadata(p)
     assert meta["tap"] == "layer2" and meta["positive"] == "2"
-    assert {k: meta[k] for k in ("method", "position", "chat", "skip_first", "skip_special", "normalize")} == {
-        "method": "diffmean", "position": "mean", "chat": "false", "skip_first": "true", "skip_special": "true",
-        "normalize": "false"}
+    assert {k: meta[k] for k in ("method", "position", "span", "chat", "skip_first", "skip_special", "normalize",
+                                 "orthogonal_to_mean")} == {
+        "method": "diffmean", "position": "mean", "span": "all", "chat": "false", "skip_first": "true",
+        "skip_special": "true", "normalize": "false", "orthogonal_to_mean": "true"}
     first = cached_default(str(tmp_path), hf_engine, tap, POS, NEG)
     cached = list((tmp_path / "vectors").glob("*.safetensors"))
     assert len(cached) == 1
@@ -57,23 +74,24 @@ def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
 def test_cached_default_is_keyed_on_the_recipe(hf_engine, tiny_spec, tmp_path):
     tap = resolve(TapConf(layer=2), tiny_spec)
     base = cached_default(str(tmp_path), hf_engine, tap, POS, NEG)
-    for n, recipe in enumerate([Recipe(skip_first=False, skip_special=False), Recipe(position="last"),
-                                Recipe(method="pca"), Recipe(normalize=True)], start=2):
+    for n, recipe in enumerate([Recipe(span="all", skip_first=False, skip_special=False), Recipe(position="last"),
+                                Recipe(method="pca"), Recipe(normalize=True), Recipe(orthogonal_to_mean=False)],
+                               start=2):
         other = cached_default(str(tmp_path), hf_engine, tap, POS, NEG, recipe)
         assert not torch.allclose(other, base)
         assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == n
     meta = [vector.metadata(p) for p in (tmp_path / "vectors").glob("*.safetensors")]
-    assert sorted(m["method"] for m in meta) == ["diffmean"] * 4 + ["pca"]
+    assert sorted(m["method"] for m in meta) == ["diffmean"] * 5 + ["pca"]
     # chat "auto" on a tokenizer without a template resolves to raw prompts: the same vector, the same file.
     assert torch.equal(cached_default(str(tmp_path), hf_engine, tap, POS, NEG, Recipe(chat="auto")), base)
-    assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 5
+    assert len(list((tmp_path / "vectors").glob("*.safetensors"))) == 6
 
 
 def test_pca_points_toward_the_positive_set(hf_engine, tiny_spec):
     tap = resolve(TapConf(layer=1), tiny_spec)
     pos = POS + ["We laughed and smiled", "She was delighted and warm"]
     neg = NEG + ["We cried and sighed", "She was miserable and cold"]
-    recipe = Recipe(method="pca")
+    recipe = Recipe(method="pca", orthogonal_to_mean=False)
     d = direction(hf_engine, tap, pos, neg, recipe)
     p, n = prompt_rows(hf_engine, tap, pos, recipe), prompt_rows(hf_engine, tap, neg, recipe)
     mean_diff = p.mean(0) - n.mean(0)
@@ -85,7 +103,8 @@ def test_pca_points_toward_the_positive_set(hf_engine, tiny_spec):
     torch.testing.assert_close(d.norm(), (mean_diff @ d / d.norm()).abs(), atol=1e-4, rtol=1e-4)
     # One pair: pca is that pair's difference, which is the difference of means.
     torch.testing.assert_close(direction(hf_engine, tap, pos[:1], neg[:1], recipe),
-                               direction(hf_engine, tap, pos[:1], neg[:1]), atol=1e-4, rtol=1e-4)
+                               direction(hf_engine, tap, pos[:1], neg[:1], replace(recipe, method="diffmean")),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("conf, field", [

@@ -68,3 +68,20 @@ def test_both_engines_render_through_one_function(hf_engine):
     assert hf_engine.render("The weather today is", "auto") == prompt.render(hf_engine.tokenizer,
                                                                              "The weather today is", "auto")
     assert hf_engine.encode("The weather today is") == hf_engine.tokenizer("The weather today is")["input_ids"]
+
+
+def test_text_tokens_are_the_user_turns_content(tokenizer):
+    """Which ids carry the prompt's own text: not the template's tokens around it, whatever the template does to the
+    content (here it trims it), and not a BOS of a raw prompt."""
+    tokenizer.chat_template = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    fed, ids = prompt.render(tokenizer, "  The weather today is ", "true")
+    flags = prompt.text_tokens(tokenizer, "  The weather today is ", "true")
+    assert fed == "<s>[user] The weather today is\n[assistant] " and len(flags) == len(ids)
+    assert tokenizer.decode([i for i, f in zip(ids, flags) if f]).strip() == "The weather today is"
+    assert not any(flags[:3]) and not any(flags[-6:])  # '<s>', '[user] ' ... '\n[assistant] '
+    raw = prompt.text_tokens(tokenizer, "The weather today is", "false")
+    assert raw == [False] + [True] * (len(raw) - 1)  # the BOS is the tokenizer's, not the text's
+    tokenizer.chat_template = "{{ bos_token }}[user] (hidden)\n"  # a template that drops the content
+    with pytest.raises(ConfigError) as e:
+        prompt.text_tokens(tokenizer, "The weather today is", "true")
+    assert e.value.field == "extract.span"

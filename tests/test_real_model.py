@@ -42,16 +42,16 @@ def test_the_committed_joy_experiment_steers_without_damage(smollm2, tmp_path):
 
 
 def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smollm2, tmp_path):
-    """No sink blow-up: with the first token left out of the direction's means, ablating it at layer 12 no longer
-    turns text into blanks. Measured on 2026-12-02 (3 prompts x 16 tokens), ppl_steered / ppl_baseline was 1.05-1.47
-    at 11 of the 13 layers, 2.20 at layer 6 and 2.40 at layer 14, where the text turns gloomy but stays fluent
-    ("a storm of the unrelenting fury"): the issue's <= 2x holds at 11 layers, not at all 13."""
+    """No sink blow-up, and no steering by ablation: with the first token left out of the direction's means, ablating
+    it at layer 12 no longer turns text into blanks; with the direction made orthogonal to the rows' mean
+    (extract.orthogonal_to_mean), ablating it no longer moves every token by that mean's share (at layers 6 and 14,
+    |cosine| 0.17-0.18 with it, ablation had pushed the text to gloom, "a storm of the unrelenting fury", and to joy,
+    "I'm so excited to share", at 2.20 and 2.40 x the baseline's perplexity). Measured on 2026-12-02 (3 prompts x 16
+    tokens): ppl_steered / ppl_baseline 1.04-1.16 at every layer 6..18 (1.05-2.40 before)."""
     layers = range(6, 19)
     out = _run([compose(*QUICK, "edit=ablate", f"tap.layer={layer}") for layer in layers], tmp_path)
     ratios = {layer: m["ppl_steered"] / m["ppl_baseline"] for layer, m in zip(layers, out)}
-    assert all(r <= 3.0 for r in ratios.values()), ratios  # a sink blow-up (blanks, "rrrrr") is far beyond
-    assert sum(r <= 2.0 for r in ratios.values()) >= 11, ratios
-    assert ratios[12] <= 2.0, ratios  # the layer whose sink blew up before
+    assert all(r <= 2.0 for r in ratios.values()), ratios  # issue 16: <= 2x at any single layer 6..18
     # The direction is removed where it is applied (the attention sink left out of the mean keeps it small).
     assert all(m["proj_steered"] < 1e-3 * max(m["proj_baseline"], 1.0) for m in out), out
 

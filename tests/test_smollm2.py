@@ -91,7 +91,7 @@ def test_chat_on_and_off_feed_different_ids(smol):
 
 def test_skip_first_drops_the_attention_sink_at_layer_12(smol, smollm2_spec):
     tap = resolve(TapConf(layer=12), smollm2_spec)
-    every = direction(smol, tap, POS, NEG, Recipe(skip_first=False, skip_special=False))
+    every = direction(smol, tap, POS, NEG, Recipe(skip_first=False, skip_special=False, orthogonal_to_mean=False))
     clean = direction(smol, tap, POS, NEG, Recipe())  # skip_first and skip_special, raw prompts
     assert float(torch.cosine_similarity(every, clean, dim=0)) < 0.9
     _, captured = smol.score(smol.encode(POS[0]), [], None, (tap.path,))
