@@ -7,6 +7,7 @@ tap layer uses nnsight's public API or this file, so an nnsight upgrade touches 
 
 import importlib
 import pkgutil
+import warnings
 from typing import Any, List, Optional
 
 
@@ -26,6 +27,9 @@ def _load_anyio() -> None:
             importlib.import_module(mod.name)
         except ImportError:
             pass
+        except TypeError as e:  # nnsight came first, by a path that does not pass here: say so, do not fail
+            warnings.warn(f"interleaver: anyio's {mod.name} did not load after nnsight's `.save` mount ({e}); a web "
+                          "server in this process may refuse streamed responses. Import interleaver before nnsight.")
 
 
 _load_anyio()

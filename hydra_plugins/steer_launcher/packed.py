@@ -236,6 +236,8 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
                     except Exception as e:
                         out += [_pack_failed(job, e) for job in pack]
         except Exception as e:  # the engine did not start (or did not close): the jobs not yet done fail
+            if len(out) == len(jobs):
+                log.warning(f"the engine did not close cleanly: {type(e).__name__}: {e}")
             out += [_pack_failed(job, e) for job in jobs[len(out):]]
     return out
 

@@ -368,6 +368,7 @@ def _declared(cfg, spec, group, plan) -> list:
 
 
 def _nnsight(cfg, m, where, group, taps: bool):
+    import interleaver  # noqa: F401  (first: it loads anyio's modules before nnsight mounts `.save`)
     from nnsight.modeling.vllm import VLLM
 
     from steer.bench.trace import generate
