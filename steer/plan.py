@@ -40,8 +40,8 @@ class Plan:
         out = Plan(taps=dict(self.taps), edits={path: list(edits) for path, edits in self.edits.items()})
         for path, i, prefix, e in self.pending:
             tap = self.taps[path]
-            out.edits[path][i] = _compile(e, vector.check(default_vector(tap), hidden, f"default vector at {tap.name}"),
-                                          prefix)
+            vecs = vector.check(default_vector(tap), hidden, f"default vector at {tap.name}")
+            out.edits[path][i] = _compile(e, vecs, prefix)
         first = self.primary[0]
         out.primary = (first, out.edits[first.path][0])  # the config's first edit is the first at its tap
         return out
@@ -69,28 +69,28 @@ def needs_default_vector(e: EditConf) -> bool:
 
 
 def build(cfg: SteerConf, spec: ModelSpec, default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
-    """Resolve taps, load and check vectors, compile edits. With `default_vector` None, only files are read
-    (the early validation pass): edits that need an extracted vector are checked for everything else."""
+    """Resolve taps, load and check vectors, compile edits. With `default_vector` None, only files are read (the
+    validation pass): an edit that needs an extracted vector is checked for everything else and waits in
+    `pending` (`Plan.with_defaults`)."""
     return compile_entries(entries(cfg), spec, default_vector)
 
 
 def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelSpec,
                     default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
-    """`build` for any (field prefix, tap config, edit config) list, e.g. a steer.serve preset's edits."""
+    """`build` for any (field prefix, tap config, edit config) list, e.g. a steer.serve preset's edits; with
+    `default_vector`, the pending edits are then compiled on it."""
     plan = Plan()
     for prefix, tap_conf, e in items:
         tap = resolve(tap_conf, spec, f"{prefix}tap")
         if e.vector.path is not None:
             vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector")
-        elif needs_default_vector(e) and default_vector is not None:
-            vecs = vector.check(default_vector(tap), spec.hidden, f"default vector at {tap.name}")
         elif needs_default_vector(e):
             vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
             plan.pending.append((tap.path, len(plan.edits.get(tap.path, [])), prefix, e))
         else:
             vecs = None
         plan.add(tap, _compile(e, vecs, prefix))
-    return plan
+    return plan if default_vector is None else plan.with_defaults(default_vector, spec.hidden)
 
 
 def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str) -> Edit:

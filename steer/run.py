@@ -21,7 +21,7 @@ from rich.table import Table
 from steer import metrics, results
 from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default, extract_to
-from steer.job import Job, engine_for, engine_key, validate  # noqa: F401 (the launcher's and tests' names)
+from steer.job import Job, engine_for, validate  # noqa: F401 (validate: the tests' name for it)
 from steer.plan import Plan
 from steer.schema import SteerConf, Task
 
