@@ -9,8 +9,8 @@ equal the HF engine's, tests/gpu/test_vllm_engine.py). Concurrent requests with 
 import httpx
 import pytest
 
-from serve_common import (MAX_TOKENS, check_against, check_bad_requests, check_concurrent, check_listing,
-                          check_sse_done, check_streaming, client, server)
+from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent, check_listing,
+                          check_sse_done, check_streaming, client, server, token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,9 @@ def expected(vllm_url, hf, tiny_spec, cache_dir):
 
 
 def test_answers_equal_the_hf_engine(vllm_client, expected):
-    check_against(vllm_client, expected)
+    unsteered = {p: token_logprobs(vllm_client, p) for p in PROMPTS}
+    check_against(vllm_client, expected,
+                  steers=lambda p, name, s: token_logprobs(vllm_client, p, name, s) != unsteered[p])
 
 
 def test_streaming(vllm_client, vllm_url):
