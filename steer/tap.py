@@ -23,7 +23,8 @@ def resolve(conf: TapConf, spec: ModelSpec, field: str = "tap") -> Tap:
     if conf.path is None:
         if not 0 <= conf.layer < spec.layers:
             raise ConfigError(f"{field}.layer", f"layer {conf.layer} is out of range: {spec.name} has "
-                                                f"{spec.layers} decoder layers (0..{spec.layers - 1})")
+                                                f"{spec.layers} decoder layers (0..{spec.layers - 1}); "
+                                                f"choose one with {field}.layer=N")
         return Tap(f"layer{conf.layer}", spec.layer_path(conf.layer), residual=True)
     if conf.path not in spec.modules:
         near = sorted(m for m in spec.modules if m.startswith(conf.path.rsplit(".", 1)[0]))[:12]
