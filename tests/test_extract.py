@@ -49,8 +49,10 @@ def test_the_default_direction_has_no_part_along_the_rows_mean(hf_engine, tiny_s
     plain = direction(hf_engine, tap, pos, neg, Recipe(method=method, orthogonal_to_mean=False))
     d = direction(hf_engine, tap, pos, neg, Recipe(method=method))  # orthogonal_to_mean is the default
     torch.testing.assert_close(d, plain - (plain @ mean) / (mean @ mean) * mean, atol=1e-4, rtol=1e-4)
-    assert abs(float(d @ mean)) < 1e-4 * float(d.norm() * mean.norm())
-    assert abs(float(plain @ mean)) > 1e-2 * float(plain.norm() * mean.norm())  # there was a part to take out
+    assert abs(float(d @ mean)) < 1e-5 * float(d.norm() * mean.norm())
+    # There was a part to take out, ten times what the line above tolerates. (Its size is the trained tiny model's:
+    # cos 1.8e-3 for pca under torch 2.13 on one CPU, 0.17-0.19 for the real model's diffmean.)
+    assert abs(float(plain @ mean)) > 1e-4 * float(plain.norm() * mean.norm())
 
 
 def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
