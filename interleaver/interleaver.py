@@ -85,17 +85,28 @@ class VLLMInterleaver(Interleaver):
         return super().handle(provider, value)
 
     def _in_graph(self, location: str, value: Any) -> None:
-        """Run the tap's program as part of the graph: while recording, its ops are captured on the recording's
-        tensors (all padded rows, weights from the fixed buffer); on an eager step it runs on the real rows."""
-        program = self.programs.get(location)
-        if program is None:
+        """Run the tap's program as part of a breakable graph: while recording, its ops are captured on the
+        recording's tensors; on an eager step it runs on the real rows."""
+        if location not in self.programs:
             return
         rec = vllm_internals.recording()
         if rec is not None:
-            vllm_internals.record_into(rec, lambda: program.in_graph(value, self.step.static))
+            vllm_internals.record_into(rec, lambda: self.serve_in_graph(location, value, True))
+            return
+        self.serve_in_graph(location, value, False)
+
+    def serve_in_graph(self, location: str, value: Any, capturing: bool) -> None:
+        """The tap's program in its in-graph form: while a graph is captured, on every (padded) row, the weights
+        read from the fixed buffer at replay; outside a capture, on the step's real rows; outside a step (a
+        warm-up or dummy run), not at all. (interleaver/compiled.py's op calls this too.)"""
+        program = self.programs.get(location)
+        if program is None:
+            return
+        if capturing:
+            program.in_graph(value, self.step.static)
             return
         n = self.rows()
-        if n is None:  # a warm-up or dummy run outside any step
+        if n is None:
             return
         program.in_graph(_trim(value, n), self.step.static)
 

@@ -65,6 +65,10 @@ TAP_GRAPHS_KEY = "steer_tap_graphs"
 # additional_config key of a replay engine started with stages already registered (an OpenAI server's presets), the
 # same list as IN_GRAPH_KEY's; more may still arrive through steer_set_stages
 STAGES_KEY = "steer_stages"
+# additional_config key of an in-graph engine under vLLM's own torch.compile and CUDA graphs (no breakable graphs):
+# its taps call interleaver/compiled.py's op. The value versions the op: it is part of vLLM's compile cache key.
+COMPILED_KEY = "steer_compiled"
+COMPILED_VERSION = 1
 
 
 def tap_location(path: str) -> str:
@@ -100,11 +104,15 @@ class _TapWorkerMixin:
         self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
         self.steer_batch_key, self.steer_batch = None, None
+        compiled = bool(extra.get(COMPILED_KEY))
+        if compiled and declared is None:
+            raise ValueError(f"{COMPILED_KEY}: a compiled engine runs only edits declared at start ({IN_GRAPH_KEY})")
         modules = dict(runner.get_model().named_modules())
-        for path, _ in taps:
+        for path, residual in taps:
             if path not in modules:
                 raise ValueError(f"tap {path!r} names no module of the vLLM model; e.g. {sorted(modules)[:8]}")
-            modules[path].register_forward_hook(_tap_hook(self.steer_il, tap_location(path)))
+            modules[path].register_forward_hook(_compiled_hook(self.steer_il, tap_location(path), residual)
+                                                if compiled else _tap_hook(self.steer_il, tap_location(path)))
         self.steer_declared = None
         # every tap gets a program, so capture-only requests are served too
         self.steer_set_stages(declared if declared is not None else extra.get(STAGES_KEY) or [])
@@ -286,6 +294,15 @@ def shutdown(llm: Any) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
+
+
+def _compiled_hook(il, location: str, residual: bool):
+    """A tap of a compiled engine: Dynamo traces this hook into the model's graph, and the op it calls runs the
+    tap's in-graph program (nnsight and the interleaver's `handle` stay out of the traced code)."""
+    from interleaver import compiled
+
+    compiled.serve(il, location)
+    return compiled.hook(location, residual)
 
 
 def _tap_hook(il, location: str):

@@ -146,6 +146,10 @@ class VllmConf:
     # Capture the edits into the graphs themselves (no eager break at the taps): the engine serves only the edits
     # declared when it starts, and keeps no tap values. Used by the bench (configuration f) and the API.
     edits_in_graph: bool = False
+    # edits_in_graph under vLLM's own torch.compile pipeline and CUDA graphs instead of breakable graphs: each tap is
+    # one custom op inside the compiled graph (interleaver/compiled.py), so an unsteered step runs the stock, fused
+    # model. Implies edits_in_graph.
+    compiled_edits: bool = False
     # Replay each tap's compiled edits at its break as a small CUDA graph of its own (one launch instead of
     # Python and a kernel per op); a step that keeps a tap's value or serves a trace there runs them eagerly.
     tap_graphs: bool = False

@@ -32,6 +32,7 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
     for override, says in [("vllm.tensor_parallel_size=0", "must be at least 1"),
                            ("vllm.tensor_parallel_size=2", "needs engine=vllm"),
                            ("vllm.edits_in_graph=true", "for the bench and the API"),
+                           ("vllm.compiled_edits=true", "for the bench and the API"),
                            ("vllm.tap_graphs=true", "needs engine=vllm"),
                            ("vllm.kv_cache_memory_bytes=0", "positive number of bytes")]:
         with pytest.raises(ConfigError) as e:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.bench import schema, waves
+from steer.bench import nvml, schema, waves
 from steer.errors import ConfigError
 
 schema.register()
@@ -49,6 +49,10 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
     workload.check(conf)
     if not available():
         raise ConfigError("engine", "steer.bench runs vLLM: it needs CUDA and vLLM (pip install -e '.[vllm]')")
+    read, why = nvml.reader()
+    if read is None:  # said once here; the engine processes then read nothing and say nothing
+        console.print(f"[bench] warning: no GPU clock or power readings ({why}); the report's sm_mhz and power_w "
+                      "stay empty", highlight=False, markup=False)
     book = _Book(conf, out_dir, console, command)
     lanes = [[] for _ in conf.lanes]  # per lane: (model, its groups) in run order
     for name in conf.run:

@@ -7,7 +7,9 @@ engine compiles or captures; in a round it times one pass of every cell still sh
 is output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
 least `min_timed_s` seconds of them, none begun after `max_timed_s`, after a warm-up pass of the same batch and
 edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model
-samples ids its small tokenizer does not have), so every configuration does the same work.
+samples ids its small tokenizer does not have), so every configuration does the same work. Through each timed pass
+the GPU's SM clock and power are sampled (steer/bench/nvml.py). How each configuration's engine starts and runs a
+pass is steer/bench/engines.py's.
 """
 
 import faulthandler
@@ -18,14 +20,14 @@ import statistics
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from steer.bench import waves, workload
+from steer.bench import engines, nvml, waves, workload
 from steer.bench.schema import BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
@@ -46,7 +48,7 @@ def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
     groups: Dict[tuple, Group] = {}
     for config in cfg.configs:
         for scen in cfg.scenarios:
-            taps = list(range(layers)) if scen == "ablate_all" else [layers // 2]
+            taps = workload.tapped(scen, layers)
             if config in ("a", "b"):
                 scen, taps = "unsteered", []
             elif config == "e":
@@ -91,6 +93,7 @@ class _Timing:
     cell: Dict
     inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
     walls: List[float] = field(default_factory=list)
+    gpu: List[Dict[str, float]] = field(default_factory=list)  # per timed pass: its mean SM clock and power
     host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
     record: Optional[Dict] = None
 
@@ -104,11 +107,11 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
                                         f"{group.model}-{group.config}-{len(group.layers)}taps")
     traced = [c for c in group.cells if workload.traced(cfg, group.model, group.config, c["scenario"],
                                                           (c["requests"], c["tokens"]))]
-    if traced and group.config in TRACEABLE:
+    if traced and group.config in engines.TRACEABLE:
         group.trace_dir = str(Path(out).parent / "traces" / Path(out).stem.lstrip("."))
         Path(group.trace_dir).mkdir(parents=True, exist_ok=True)
     try:
-        runner = _RUNNERS[group.config](cfg, m, Path(where), group)
+        runner = engines.RUNNERS[group.config](cfg, m, Path(where), group)
     except Exception as e:  # the engine did not start: every cell says why
         err = f"engine start failed: {type(e).__name__}: {e}"
         traceback.print_exc()
@@ -117,15 +120,16 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
         ready.set()
     spec = workload.spec(m, group.model, Path(where))
     cells = [_Timing(c, _inputs(cfg, spec, c)) for c in group.cells]
+    read, _ = nvml.reader()  # without NVML the cells go without clocks (the bench said so once, at its start)
     machine: Dict = {}
     while True:
         if turns is not None and not turns.wait():
             return  # the scheduler is gone
         for t in cells:
             if t.record is None:
-                _pass(cfg, group, runner, t)
+                _pass(cfg, group, runner, t, read)
                 if t.record is not None:  # after every cell: a process killed later keeps what it finished
-                    machine = machine or _machine()
+                    machine = machine or engines.machine()
                     _write(out, [t.record for t in cells if t.record is not None], machine)
         if all(t.record is not None for t in cells):
             break
@@ -153,8 +157,9 @@ def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
         t.record["trace"] = name
 
 
-def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
-    """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes."""
+def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
+    """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
+    `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
     try:
@@ -163,10 +168,12 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
         if profile:
             profile()  # what ran before this pass is not the cell's
         _sync()
-        t0 = time.perf_counter()
-        produced = runner(*t.inputs, tokens)
-        _sync()
-        t.walls.append(time.perf_counter() - t0)
+        with nvml.Sampler(read) if read else nullcontext() as gpu:
+            t0 = time.perf_counter()
+            produced = runner(*t.inputs, tokens)
+            _sync()
+            t.walls.append(time.perf_counter() - t0)
+        t.gpu.append(gpu.summary() if gpu else {})
         if profile:
             for k, v in profile().items():
                 acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
@@ -178,15 +185,26 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing) -> None:
         traceback.print_exc()
         t.record = {**t.cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]}
         return
-    if _more(t.walls, cfg):
-        return
+    if not _more(t.walls, cfg):
+        _finish(group, t, profile is not None)
+
+
+def _finish(group: Group, t: _Timing, profiled: bool) -> None:
+    """A cell's record from its timed passes: the median pass, their spread, and the GPU's clock and power (the
+    medians of the passes' means; absent where they were not read)."""
+    n, tokens = t.cell["requests"], t.cell["tokens"]
     walls = t.walls
     wall = statistics.median(walls)
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
+    for key in ("sm_mhz", "power_w"):
+        per_pass = [g[key] for g in t.gpu if key in g]
+        if per_pass:
+            t.record[key], t.record[f"{key}_passes"] = statistics.median(per_pass), per_pass
+    gpu = f", {t.record['sm_mhz']:,.0f} MHz, {t.record['power_w']:,.0f} W" if "sm_mhz" in t.record else ""
     print(f"[bench] {group.model} {group.config} {t.cell['scenario']} {n}x{tokens}: "
-          f"{n * tokens / wall:,.0f} tok/s (spread {t.record['spread']:.1%})", flush=True)
-    if profile:
+          f"{n * tokens / wall:,.0f} tok/s (spread {t.record['spread']:.1%}{gpu})", flush=True)
+    if profiled:
         t.record["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
                                     if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
                                     for k, v in t.host.items()}
@@ -217,31 +235,8 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
     """A cell's prompts and scenario (None: unsteered), the same in every configuration."""
     n = cell["requests"]
     scen = None if cell["scenario"] == "unsteered" else workload.scenario(
-        cell["scenario"], spec.hidden, spec.layers, n, cfg.seed)
+        cell["scenario"], spec.hidden, spec.layers, n, cfg.seed, cfg.epsilon)
     return workload.prompts(n, cfg.prompt_len, cfg.seed), scen
-
-
-TRACEABLE = ("a", "b", "c", "f", "g")  # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
-
-
-def _traceable(run, profiled, trace_dir: Optional[str]):
-    """Give `run` a `trace(prompts, scen, tokens)` (one pass under vLLM's profiler, its kernel table handed back)
-    where the engine was started with a profiler directory. `profiled`: a vLLM LLM or a VLLMEngine (its
-    start_profile and stop_profile)."""
-    if trace_dir:
-        def trace(prompts, scen, tokens) -> str:
-            from steer.bench import timeline
-
-            profiled.start_profile()
-            try:
-                run(prompts, scen, tokens)
-            finally:
-                profiled.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
-            table = (Path(trace_dir) / "profiler_out_0.txt").read_text()
-            return table + "\n" + timeline.report(Path(trace_dir))
-
-        run.trace = trace
-    return run
 
 
 def _more(walls: List[float], cfg: BenchConf) -> bool:
@@ -263,136 +258,3 @@ def _sync() -> None:
 
 def _write(out: str, records: List[Dict], machine: Dict) -> None:
     write_json(Path(out), {"records": records, "machine": machine})
-
-
-def _machine() -> Dict:
-    import vllm
-
-    import nnsight
-
-    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
-            "nnsight": getattr(nnsight, "__version__", "?")}
-
-
-def _llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Optional[str] = None) -> Dict:
-    """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c, f and g."""
-    from vllm.config import CompilationConfig
-
-    from steer.engine.vllm import compilation_config, profiler_config
-
-    v = _vllm_conf(cfg, m, where)
-    trace = {"profiler_config": profiler_config(trace_dir)} if trace_dir else {}
-    return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
-                kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
-                max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
-                tensor_parallel_size=v.tensor_parallel_size,
-                compilation_config=CompilationConfig(**compilation_config(v)), **trace)
-
-
-def _vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False):
-    """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
-    from steer.schema import VllmConf
-
-    sizes = sorted(set(cfg.capture_sizes or [r for r, _ in cfg.batches]))
-    biggest = max(r for r, _ in cfg.batches)
-    return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    kv_cache_memory_bytes=workload.kv_cache_bytes(cfg, where, m.dtype),
-                    max_model_len=cfg.max_model_len, max_num_seqs=biggest, load_format=m.load_format,
-                    max_cudagraph_capture_size=max(sizes), cudagraph_capture_sizes=sizes,
-                    tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph, tap_graphs=tap_graphs)
-
-
-def _token_prompts(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _count(outs) -> int:
-    return sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-def _plain(cfg, m, where, group, breakable: bool):
-    if breakable:
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(where), **_llm_kwargs(cfg, m, where, group.trace_dir))
-
-    def run(prompts, scen, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
-
-    return _traceable(run, llm, group.trace_dir)
-
-
-def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False):
-    from steer.engine.vllm import VLLMEngine
-    from steer.plan import Plan
-    from steer.tap import Tap
-
-    spec = workload.spec(m, "bench", where)
-    layers = group.layers
-    taps = [Tap(f"layer{i}", spec.layer_path(i), True) for i in layers]
-    by_layer = {i: t for i, t in zip(layers, taps)}
-    plans: Dict[tuple, tuple] = {}  # (id(edit), layers) -> (edit, plan): holding the edit keeps its id unique
-
-    def plan(edit, at):
-        key = (id(edit), tuple(at))
-        if key not in plans:
-            p = Plan()
-            for i in at:
-                p.add(by_layer[i], edit)
-            plans[key] = (edit, p)
-        return plans[key][1]
-
-    engine = VLLMEngine(spec, _vllm_conf(cfg, m, where, in_graph, tap_graphs), taps,
-                        _declared(cfg, spec, group, plan) if in_graph else (), profile_dir=group.trace_dir)
-
-    def run(prompts, scen, tokens):
-        plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
-        return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
-
-    run.profile = engine.host_profile
-    return _traceable(run, engine, group.trace_dir)
-
-
-def _declared(cfg, spec, group, plan) -> list:
-    """Every plan the group's cells will send (a scenario's edits do not depend on the batch size beyond which
-    request gets which, so the largest batch's requests name them all)."""
-    out = []
-    for cell in group.cells:
-        if cell["scenario"] != "unsteered":
-            scen = workload.scenario(cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed)
-            out += [plan(e, scen.layers) for e in scen.edits]
-    return out
-
-
-def _nnsight(cfg, m, where, group, taps: bool):
-    import interleaver  # noqa: F401  (first: it loads anyio's modules before nnsight mounts `.save`)
-    from nnsight.modeling.vllm import VLLM
-
-    from steer.bench.trace import generate
-
-    k = _llm_kwargs(cfg, m, where)
-    if not taps:
-        k.pop("compilation_config")
-    model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in group.layers] if taps else (),
-                 **k)
-
-    def run(prompts, scen, tokens):
-        generate(model, prompts, scen.edits if scen else [None] * len(prompts), scen.layers if scen else [], tokens,
-                 getattr(torch, m.dtype))
-        return None  # nnsight hands back no token counts without saving them; ignore_eos fixes the count
-
-    return run
-
-
-_RUNNERS = {
-    "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
-    "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
-    "c": _steer,
-    "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),
-    "e": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=False),
-    "f": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True),
-    "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
-}

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.schema import TinyConf
+from steer.schema import GgufConf, TinyConf
 
 CONFIGS = {
     "a": "vLLM default (torch.compile + CUDA graphs), unsteered",
@@ -16,13 +16,19 @@ CONFIGS = {
     "e": "vLLM eager, edit through nnsight",
     "f": "steer, edits captured into the graph (no eager break)",
     "g": "steer, each tap's edits a CUDA graph of their own at the break (vllm.tap_graphs)",
+    "h": "steer, edits compiled into vLLM's own torch.compile'd graphs (vllm.compiled_edits; a's pipeline)",
 }
+
+# A scenario's name with this suffix runs its edits at `epsilon` of their strength: the same stages, rows and
+# kernels, and data that stays the unsteered run's (steer/bench/workload.py, `faint`).
+FAINT = "@eps"
 
 
 @dataclass
 class BenchModelConf:
-    # "tiny": the embedded model; "llama3_8b_shape": Llama-3-8B's config written by steer (use load_format
-    # dummy); else a local model directory.
+    # "tiny": the embedded model; "gguf": the GGUF of `gguf` converted once into the cache (SmolLM2-135M-Instruct,
+    # conf/model/smollm2.yaml); "llama3_8b_shape": Llama-3-8B's config written by steer (use load_format dummy);
+    # else a local model directory.
     source: str = "tiny"
     dtype: str = "bfloat16"
     load_format: str = "auto"
@@ -30,6 +36,7 @@ class BenchModelConf:
     # as fit in GPU and host memory side by side.
     engines_at_once: int = 1
     tiny: TinyConf = field(default_factory=TinyConf)
+    gguf: GgufConf = field(default_factory=GgufConf)
 
 
 @dataclass
@@ -47,6 +54,9 @@ class TargetConf:
     of: str = "c"
     over: str = "b"
     at_least: float = MISSING
+    # Which ratio decides: between the cells' medians, or between their fastest passes (for a host-bound model,
+    # whose passes spread widely whatever steers them)
+    between: str = "medians"
 
 
 @dataclass
@@ -55,8 +65,11 @@ class BenchConf:
     run: List[str] = field(default_factory=list)  # which models, in order
     configs: List[str] = field(default_factory=lambda: list(CONFIGS))
     # add: one tap, every request adds the same vector; ablate_all: one direction ablated at every layer;
-    # kN: N distinct per-request edits (kinds in turn: add, ablate, clamp, set, scale) at one tap in one batch.
+    # kN: N distinct per-request edits (kinds in turn: add, ablate, clamp, set, scale) at one tap in one batch;
+    # each also as <name>@eps: the same edits at `epsilon` of their strength (every stage, row and kernel of the
+    # full edit, the unsteered run's data), whose ratio to b is the machinery's cost alone.
     scenarios: List[str] = field(default_factory=lambda: ["add", "ablate_all", "k1", "k8", "k64"])
+    epsilon: float = 1e-6
     batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
     prompt_len: int = 32
     # The warm-up: an untimed pass of the cell's batch and edits with this many new tokens (null: a whole pass).

@@ -2,14 +2,14 @@
 under vLLM's own serving benchmark (vllm.benchmarks.serve, what `vllm bench serve` runs), on Llama-3-8B's shape with
 dummy weights. GPU only.
 
-    python -m steer.bench.serving --out bench-serve [--modes replay,in_graph]
+    python -m steer.bench.serving --out bench-serve [--modes replay,in_graph,compiled]
 
 Loads (each: 256 random prompts of 256 tokens, 128 new tokens, EOS ignored, greedy, 16 requests in flight):
   unsteered    no request names a preset
   mixed        a third unsteered, a third on preset `add8` (add at layer 8), a third on `clamp16` (clamp at layer 16)
   ablate_all   every request on preset `ablate_all` (ablate at all 32 layers)
-The stock server runs `unsteered`; each steer server (replay at the breaks, or the edits captured into the graphs)
-runs all three. The report (bench-serve.md, bench-serve.json) gives output throughput and TTFT p50 of each, and their
+The stock server runs `unsteered`; each steer server (replay at the breaks, the edits captured into breakable graphs,
+or compiled into vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. The report (bench-serve.md, bench-serve.json) gives output throughput and TTFT p50 of each, and their
 ratios to the stock server's unsteered load measured in the same run.
 """
 
@@ -69,7 +69,7 @@ def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str)
            f"model.name={SERVED}", "model.dtype=bfloat16", "vllm.load_format=dummy", "vllm.max_num_seqs=256",
            f"vllm.gpu_memory_utilization={gpu_util}", f"serve.preset_dir={presets}", f"serve.port={port}",
            "serve.log_level=warning", f"hydra.run.dir={presets.parent / ('serve-' + mode)}"]
-    return out + (["vllm.edits_in_graph=true"] if mode == "in_graph" else [])
+    return out + {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(mode, [])
 
 
 def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args) -> dict:
@@ -128,7 +128,8 @@ def markdown(rows: Dict[str, dict], meta: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m steer.bench.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-serve")
-    p.add_argument("--modes", default="replay", help="steer servers to run: replay, in_graph (comma-separated)")
+    p.add_argument("--modes", default="replay,compiled",
+                   help="steer servers to run: replay, in_graph, compiled (comma-separated)")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)

@@ -8,14 +8,14 @@ import fnmatch
 import json
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from steer import model, tiny
-from steer.bench.schema import CONFIGS, BenchConf, BenchModelConf
+from steer import gguf_model, model, tiny
+from steer.bench.schema import CONFIGS, FAINT, BenchConf, BenchModelConf
 from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.schema import EditKind, ModelConf
@@ -42,22 +42,10 @@ def check(cfg: BenchConf) -> None:
         if m not in cfg.models:
             raise ConfigError(f"run[{i}]", f"model {m!r} is not defined under `models` ({sorted(cfg.models)})")
     for name, m in cfg.models.items():
-        if m.source not in ("tiny", *_SHAPES) and not Path(m.source).is_dir():
-            raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', one of {sorted(_SHAPES)}, "
-                                                       "nor a model directory")
-    for i, c in enumerate(cfg.configs):
-        if c not in CONFIGS:
-            raise ConfigError(f"configs[{i}]", f"unknown configuration {c!r}; expected one of {list(CONFIGS)}")
-    for i, s in enumerate(cfg.scenarios):
-        if s not in ("add", "ablate_all") and not _K.match(s):
-            raise ConfigError(f"scenarios[{i}]", f"unknown scenario {s!r}; expected add, ablate_all or kN (N >= 1)")
-    for i, b in enumerate(cfg.batches):
-        if len(b) != 2 or min(b) < 1:
-            raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
-    for i, t in enumerate(cfg.targets):
-        for key in ("of", "over"):
-            if getattr(t, key) not in CONFIGS:
-                raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
+        if m.source not in ("tiny", "gguf", *_SHAPES) and not Path(m.source).is_dir():
+            raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', 'gguf', one of "
+                                                       f"{sorted(_SHAPES)}, nor a model directory")
+    _check_cells(cfg)
     for name in ("prompt_len", "repeats", "tensor_parallel_size", "trace_tokens"):
         if getattr(cfg, name) < 1:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
@@ -88,6 +76,30 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
 
 
+def _check_cells(cfg: BenchConf) -> None:
+    """Configurations, scenarios, batches and targets."""
+    for i, c in enumerate(cfg.configs):
+        if c not in CONFIGS:
+            raise ConfigError(f"configs[{i}]", f"unknown configuration {c!r}; expected one of {list(CONFIGS)}")
+    for i, s in enumerate(cfg.scenarios):
+        if base(s) not in ("add", "ablate_all") and not _K.match(base(s)):
+            raise ConfigError(f"scenarios[{i}]", f"unknown scenario {s!r}; expected add, ablate_all or kN (N >= 1), "
+                                                 f"each also with {FAINT} (its edits at `epsilon` strength)")
+    if not 1e-12 <= cfg.epsilon < 1:
+        # A `scale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
+        # rounds to 1 and the edit to a no-op, which the faint edit is there not to be.
+        raise ConfigError("epsilon", f"must be in [1e-12, 1), got {cfg.epsilon}")
+    for i, b in enumerate(cfg.batches):
+        if len(b) != 2 or min(b) < 1:
+            raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
+    for i, t in enumerate(cfg.targets):
+        for key in ("of", "over"):
+            if getattr(t, key) not in CONFIGS:
+                raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
+        if t.between not in ("medians", "fastest"):
+            raise ConfigError(f"targets[{i}].between", f"expected medians or fastest, got {t.between!r}")
+
+
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
     """The skip pattern that leaves this cell out, or None."""
     return _matching(cfg.skip, model_name, config, scenario, batch)
@@ -107,6 +119,8 @@ def model_dir(m: BenchModelConf, cache_dir: str) -> Path:
     """A directory vLLM and nnsight can load (config, tokenizer; weights unless load_format is dummy)."""
     if m.source == "tiny":
         return tiny.ensure_tiny(cache_dir, m.tiny)
+    if m.source == "gguf":
+        return gguf_model.ensure(cache_dir, m.gguf)  # converted once into the cache (about a minute)
     if m.source not in _SHAPES:
         return Path(m.source)
     dest = Path(cache_dir).expanduser() / "models" / m.source
@@ -191,21 +205,49 @@ def prompts(n: int, length: int, seed: int, low: int = 2, high: int = 500) -> Li
     return torch.randint(low, high, (n, length), generator=g).tolist()
 
 
-def scenario(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario:
-    """The per-request edits of a scenario for `n` requests on a model of `layers` layers."""
+def base(name: str) -> str:
+    """The scenario a name runs the edits of (`ablate_all@eps`: ablate_all's)."""
+    return name.removesuffix(FAINT)
+
+
+def tapped(name: str, layers: int) -> List[int]:
+    """The decoder layers scenario `name` taps on a model of `layers` layers."""
+    return list(range(layers)) if base(name) == "ablate_all" else [layers // 2]
+
+
+def faint(e: Edit, epsilon: float) -> Edit:
+    """`e` at `epsilon` of its strength: a delta `epsilon` times e's, through the same ops. Every kind is linear
+    in its strength (add: the vector's scale; ablate, clamp, set: the share of the projection's move made, 1 the
+    whole move; scale: the factor minus 1), and the strength is each row's weight in the tap programs, so every
+    stage and every row the full edit uses is used and nonzero: the fused kernel skips only weights of exactly 0."""
+    s = epsilon * e.strength
+    return replace(e, scale=1.0 + s if e.kind == EditKind.scale else s)
+
+
+def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: float = 1e-6) -> Scenario:
+    """The per-request edits of a scenario for `n` requests on a model of `layers` layers (a name ending in
+    `FAINT`: its base scenario's edits at `epsilon` of their strength, requests sharing an edit as they did)."""
+    scen = _full(base(name), hidden, layers, n, seed)
+    if name == scen.name:
+        return scen
+    weak = {id(e): faint(e, epsilon) for e in scen.edits}
+    return Scenario(name, scen.layers, [weak[id(e)] for e in scen.edits])
+
+
+def _full(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario:
     g = torch.Generator().manual_seed(seed + 1)
 
     def unit() -> torch.Tensor:
         v = torch.randn(1, hidden, generator=g)
         return v / v.norm()
 
-    middle = layers // 2
+    taps = tapped(name, layers)
     if name == "add":
         e = compile_edit(EditKind.add, 4.0, unit())
-        return Scenario(name, [middle], [e] * n)
+        return Scenario(name, taps, [e] * n)
     if name == "ablate_all":
         e = compile_edit(EditKind.ablate, 1.0, unit())
-        return Scenario(name, list(range(layers)), [e] * n)
+        return Scenario(name, taps, [e] * n)
     k = int(_K.match(name).group(1))
     configs = []
     for j in range(k):
@@ -213,4 +255,4 @@ def scenario(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario
         kw = {"lo": -0.5, "hi": 0.5} if kind == EditKind.clamp else {"value": 0.25} if kind == EditKind.set else {}
         scale = 0.9 - 0.1 * j / k if kind == EditKind.scale else 1.0 + j / k
         configs.append(compile_edit(kind, scale, None if kind == EditKind.scale else unit(), **kw))
-    return Scenario(name, [middle], [configs[i % k] for i in range(n)])
+    return Scenario(name, taps, [configs[i % k] for i in range(n)])

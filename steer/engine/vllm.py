@@ -17,7 +17,8 @@ import torch
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
-from interleaver.vllm_internals import IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, shutdown, tap_location, worker_cls
+from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY,
+                                        shutdown, tap_location, worker_cls)
 from steer.edit import Edit
 from steer.engine import stop_ids
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores
@@ -57,7 +58,7 @@ class VLLMEngine(Engine):
         """Start vLLM with `taps`. With `conf.edits_in_graph`, the edits of `declare` (every plan the engine will
         serve) are captured into the graphs, and the engine serves those alone. With `profile_dir`, vLLM's torch
         profiler is ready for `start_profile()` (see `profiler_config`)."""
-        _set_environment()
+        _set_environment(breakable=not conf.compiled_edits)
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -65,7 +66,7 @@ class VLLMEngine(Engine):
         self.spec = spec
         self.taps = {t.path: t for t in taps}
         self.bank = EditBank()
-        self.in_graph = conf.edits_in_graph
+        self.in_graph = conf.edits_in_graph or conf.compiled_edits
         extra = self._additional_config(conf, taps, declare)
         self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
@@ -106,6 +107,8 @@ class VLLMEngine(Engine):
             if not self.bank.stages:
                 raise ValueError("vllm.edits_in_graph: declare the plans the engine serves when it starts")
             extra[IN_GRAPH_KEY] = self._stage_list()
+        if conf.compiled_edits:
+            extra[COMPILED_KEY] = COMPILED_VERSION
         return extra
 
     @property
@@ -245,10 +248,11 @@ class VLLMEngine(Engine):
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
 
 
-def _set_environment() -> None:
+def _set_environment(breakable: bool = True) -> None:
     """vLLM's settings that it reads from the environment when an engine starts."""
-    # Breakable graphs are what let a tap run at its point of every replay.
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    # Breakable graphs are what let a tap run at its point of every replay; they turn vLLM's torch.compile off,
+    # which an engine with compiled edits keeps on.
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if breakable else "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     # Our RPCs carry compiled edits and tensors between this process and its own engine workers.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

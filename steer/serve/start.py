@@ -28,10 +28,10 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
         raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
     if conf.vllm.tensor_parallel_size < 1:
         raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {conf.vllm.tensor_parallel_size}")
-    if name != "vllm" and (conf.vllm.edits_in_graph or conf.vllm.tap_graphs):
-        raise ConfigError("vllm.edits_in_graph" if conf.vllm.edits_in_graph else "vllm.tap_graphs",
-                          f"needs engine=vllm (this server resolves to engine={name})")
-    if conf.vllm.edits_in_graph and conf.vllm.tap_graphs:
+    modes = [f for f in ("edits_in_graph", "compiled_edits", "tap_graphs") if getattr(conf.vllm, f)]
+    if name != "vllm" and modes:
+        raise ConfigError(f"vllm.{modes[0]}", f"needs engine=vllm (this server resolves to engine={name})")
+    if (conf.vllm.edits_in_graph or conf.vllm.compiled_edits) and conf.vllm.tap_graphs:
         raise ConfigError("vllm.tap_graphs", "an engine with vllm.edits_in_graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)

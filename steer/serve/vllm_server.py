@@ -5,7 +5,8 @@ The one module of steer.serve that imports vLLM (its entrypoints; the worker's i
 interleaver/vllm_internals.py). The engine is started as steer.engine.vllm.VLLMEngine starts one (breakable CUDA
 graphs, the tap worker, prefix caching off, the V1 runner), and every preset's edits go to the workers as plain data
 inside additional_config, before vLLM records its graphs: the stage list under STAGES_KEY (replay at the taps'
-breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs). No RPC carries code or tensors, so
+breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs; with `vllm.compiled_edits=true`
+also COMPILED_KEY, and vLLM's own torch.compile and CUDA graphs instead of breakable ones). No RPC carries code or tensors, so
 VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs steer.serve.middleware.SteerMiddleware,
 which turns each request's vllm_xargs (steer, steer_scale) into the worker's entries before vLLM parses the body.
 """
@@ -26,13 +27,17 @@ from steer.serve.stages import StageTable
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
     """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
-    from interleaver.vllm_internals import IN_GRAPH_KEY, STAGES_KEY, TAP_GRAPHS_KEY, TAPS_KEY
+    from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, STAGES_KEY, TAP_GRAPHS_KEY,
+                                            TAPS_KEY)
 
     extra = {TAPS_KEY: table.tap_list()}
-    if conf.vllm.edits_in_graph:
+    if conf.vllm.edits_in_graph or conf.vllm.compiled_edits:
         if not table.bank.stages:
-            raise ConfigError("vllm.edits_in_graph", "no preset has an edit to capture into the graphs")
+            field = "edits_in_graph" if conf.vllm.edits_in_graph else "compiled_edits"
+            raise ConfigError(f"vllm.{field}", "no preset has an edit to capture into the graphs")
         extra[IN_GRAPH_KEY] = table.stage_list()
+        if conf.vllm.compiled_edits:
+            extra[COMPILED_KEY] = COMPILED_VERSION
     else:
         extra[STAGES_KEY] = table.stage_list()
         if conf.vllm.tap_graphs:
@@ -65,9 +70,10 @@ def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], out_dir
     path = Path(out_dir) / "steer_presets.json"
     stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale).dump(str(path))
     os.environ[TABLE_ENV] = str(path)
-    # As VLLMEngine: breakable graphs (a tap runs at its point of every replay), no flashinfer sampler on the GPU
-    # machine, spawned workers, the V1 runner the tap worker hooks. Set before vLLM reads its environment.
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    # As VLLMEngine: breakable graphs (a tap runs at its point of every replay) unless the edits are compiled in, no
+    # flashinfer sampler on the GPU machine, spawned workers, the V1 runner the tap worker hooks. Set before vLLM
+    # reads its environment.
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0" if conf.vllm.compiled_edits else "1"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"

@@ -4,7 +4,7 @@ run's book of records."""
 import pytest
 
 from bench_common import COMMAND, bench_conf
-from steer.bench import runs
+from steer.bench import engines
 
 
 @pytest.fixture(scope="session")
@@ -22,8 +22,8 @@ def engine_c(monkeypatch):
     returns the runner a pass calls, on a machine described as `machine`."""
 
     def install(start, machine=None):
-        monkeypatch.setitem(runs._RUNNERS, "c", start)
-        monkeypatch.setattr(runs, "_machine", lambda: machine or {})
+        monkeypatch.setitem(engines.RUNNERS, "c", start)
+        monkeypatch.setattr(engines, "machine", lambda: machine or {})
 
     return install
 

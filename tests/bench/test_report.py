@@ -90,7 +90,7 @@ def test_report_files(tmp_path):
     report.write(tmp_path, rows, goals, md, cfg)
     assert {p.name for p in tmp_path.iterdir()} == {"bench.md", "bench.csv", "bench.png"}
     table = list(csv.DictReader(open(tmp_path / "bench.csv")))
-    assert len(table) == 2 * 2 * 5 * 7
+    assert len(table) == 2 * 2 * 7 * 7  # models, batches, scenarios (two of them faint twins), configurations
     assert "| add | 1,000 | 980 | 950 | 960 | 975 | 300 | 200 |" in md and "NVIDIA H200" in md
     assert "f: error RuntimeError: boom" in md
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
@@ -102,3 +102,57 @@ def test_report_says_which_lanes_ran_side_by_side():
     assert "GPU 0 runs */[abcf]; GPU 1 runs */[de]." in md
     one = bench_conf()
     assert "side by side" not in report.markdown(report.cells([], one), [], one, {}, "now", "cmd")
+
+
+def test_machinery_and_data_are_reported_apart():
+    cfg = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[b,c,f]", "scenarios=[add,add@eps,k1]")
+    n = 64 * 128
+    walls = {("b", "unsteered"): [1.0, 1.1], ("c", "add"): [0.9, 1.0], ("c", "add@eps"): [1.2, 1.25],
+             ("f", "add"): [1.0], ("f", "add@eps"): [1.0, 1.05], ("c", "k1"): [1.0], ("f", "k1"): [1.0]}
+    recs = [{"model": "llama3_8b", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(w), "wall_s": median(w), "walls_s": w} for (c, s), w in walls.items()]
+    rows = {(r["scenario"], r["config"]): r for r in report.cells(recs, cfg)}
+    # the faint twin over b is the machinery; the full edit over its faint twin, the data (here: 8% faster on it)
+    assert rows["add@eps", "c"]["vs_b"] == pytest.approx(1.05 / 1.225)
+    assert rows["add", "c"]["vs_eps"] == pytest.approx(1.225 / 0.95)
+    assert rows["add", "c"]["best_vs_eps"] == pytest.approx(1.2 / 0.9)
+    assert rows["k1", "c"]["vs_eps"] is None and rows["add", "b"]["vs_eps"] is None  # no twin; unsteered
+    md = report.markdown(list(rows.values()), [], cfg, {}, "now", "cmd")
+    assert "Machinery (the edits at 1e-06 of their strength, over b) and data" in md
+    assert "| scenario | c: machinery | c: data | f: machinery | f: data |" in md
+    assert "| add | 0.86 (0.83) | 1.29 (1.33) | 1.02 (1.00) | 1.02 (1.00) |" in md
+    assert "`<scenario>@eps`: the scenario's edits at 1e-06 of their strength" in md
+    plain = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[b,c]", "scenarios=[add]")
+    assert "Machinery" not in report.markdown(report.cells(recs, plain), [], plain, {}, "now", "cmd")
+
+
+def test_the_gpu_clock_and_power_stand_beside_every_cell(tmp_path):
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[a,b,c]", "scenarios=[add]")
+    recs = [{"model": "tiny", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": 1000.0, "wall_s": 1.0, **gpu}
+            for c, s, gpu in (("a", "unsteered", {"sm_mhz": 1980.0, "power_w": 512.4}),
+                              ("b", "unsteered", {"sm_mhz": 1755.0, "power_w": 650.0}), ("c", "add", {}))]
+    rows = report.cells(recs, cfg)
+    md = report.markdown(rows, [], cfg, {}, "now", "cmd")
+    assert "| MHz / W | a | b | c |" in md and "| add | 1,980 / 512 | 1,755 / 650 | - |" in md
+    report.write(tmp_path, rows, [], md, cfg)
+    table = {r["config"]: r for r in csv.DictReader(open(tmp_path / "bench.csv"))}
+    assert (table["a"]["sm_mhz"], table["a"]["power_w"], table["c"]["sm_mhz"]) == ("1980.0", "512.4", "")
+    unread = [{k: v for k, v in r.items() if k not in ("sm_mhz", "power_w")} for r in recs]
+    md = report.markdown(report.cells(unread, cfg), [], cfg, {}, "now", "cmd")
+    assert "MHz / W" not in md and "SM clock and power: not read (no NVML in the engine processes" in md
+
+
+def test_a_target_between_fastest_passes_is_decided_there():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[b,f]", "scenarios=[add]",
+                     "targets=[{scenario:add,of:f,at_least:0.95,between:fastest},{scenario:add,of:f,at_least:0.95}]")
+    n = 64 * 128
+    recs = [{"model": "tiny", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(w), "wall_s": median(w), "walls_s": w}
+            for c, s, w in (("b", "unsteered", [0.4, 0.5, 0.5]), ("f", "add", [0.41, 0.6, 0.7]))]
+    fastest, medians = report.targets(report.cells(recs, cfg), cfg)
+    assert fastest["best"] == pytest.approx(0.4 / 0.41) and fastest["holds"] is True
+    assert medians["ratio"] == pytest.approx(0.5 / 0.6) and medians["holds"] is False
+    md = report.markdown(report.cells(recs, cfg), [fastest, medians], cfg, {}, "now", "cmd")
+    assert "| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | yes |" in md
+    assert "| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | **no** (-0.117) |" in md

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench_common import COMMAND, bench_conf, ended, one_tap, records, stand_in_runner
-from steer.bench import runs
+from steer.bench import engines, runs
 from test_timeline import synthetic_trace
 
 
@@ -16,9 +16,10 @@ def test_groups_start_each_engine_once():
     assert set(groups) == {("a", ()), ("b", ()), ("c", (2,)), ("c", (0, 1, 2, 3)), ("d", (2,)),
                            ("d", (0, 1, 2, 3)), ("e", ())}
     assert [c["scenario"] for c in groups[("a", ())].cells] == ["unsteered", "unsteered"]
-    assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64"}
-    assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all"}
-    assert len(groups[("e", ())].cells) == 5 * 2
+    # a faint twin runs on its scenario's engine: the same taps, the same stages
+    assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64", "add@eps"}
+    assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all", "ablate_all@eps"}
+    assert len(groups[("e", ())].cells) == 7 * 2
     graphed = {(g.config, tuple(g.layers)) for g in runs.plan_groups(bench_conf("configs=[g]"), "tiny", 4)}
     assert graphed == {("g", (2,)), ("g", (0, 1, 2, 3))}  # tap graphs: engines as c's
 
@@ -45,7 +46,7 @@ def run_group(cfg, where, group, out):
 
 
 def test_a_group_warms_up_times_and_records_each_cell(stand_in, tmp_path, bench_model):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0")
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0", "scenarios=[add,ablate_all,k1,k8,k64]")
     runs.run_group(cfg, cfg.models["tiny"], bench_model, one_tap(cfg), str(tmp_path / "out.json"))
     got = json.loads((tmp_path / "out.json").read_text())
     by = {r["scenario"]: r for r in got["records"]}
@@ -70,7 +71,7 @@ def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table
             seen.append((scen.name, tokens))
             return len(prompts) * tokens
 
-        return runs._traceable(run, _Profiled(seen, group.trace_dir), group.trace_dir)
+        return engines.traceable(run, _Profiled(seen, group.trace_dir), group.trace_dir)
 
     engine_c(start)
     group = one_tap(cfg)
@@ -87,7 +88,7 @@ def test_a_traced_cell_runs_one_more_pass_under_the_profiler_and_keeps_its_table
 def test_only_configurations_with_an_llm_of_their_own_are_traced(stand_in, tmp_path, bench_model, monkeypatch):
     cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]")
     seen = []
-    monkeypatch.setitem(runs._RUNNERS, "d", lambda cfg, m, w, group: seen.append(group.trace_dir) or
+    monkeypatch.setitem(engines.RUNNERS, "d", lambda cfg, m, w, group: seen.append(group.trace_dir) or
                         (lambda prompts, scen, tokens: None))
     group = one_tap(bench_conf("configs=[d]"), "d")
     group.cells = group.cells[:1]
@@ -139,12 +140,12 @@ def test_a_traced_engine_is_let_go_when_its_cells_are_done(engine_c, tmp_path, b
     import weakref
 
     cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "trace=[*]")
-    engines = []
+    llms = []
 
     def start(cfg, m, where, group):
         llm = _Profiled([], group.trace_dir)
-        engines.append(weakref.ref(llm))
-        return runs._traceable(stand_in_runner(), llm, group.trace_dir)
+        llms.append(weakref.ref(llm))
+        return engines.traceable(stand_in_runner(), llm, group.trace_dir)
 
     engine_c(start)
     group = one_tap(cfg)
@@ -152,7 +153,7 @@ def test_a_traced_engine_is_let_go_when_its_cells_are_done(engine_c, tmp_path, b
     gc.disable()  # only run_group's own collection may free it
     try:
         [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
-        assert len(engines) == 1 and engines[0]() is None
+        assert len(llms) == 1 and llms[0]() is None
     finally:
         gc.enable()
     assert rec["trace"].startswith("trace-")
@@ -214,7 +215,7 @@ def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_d
 
     cfg = bench_conf("batches=[[64,128],[256,256]]")
     where = workload.model_dir(cfg.models["llama3_8b"], cache_dir)
-    v = runs._vllm_conf(cfg, cfg.models["llama3_8b"], where, tap_graphs=True)
+    v = engines.vllm_conf(cfg, cfg.models["llama3_8b"], where, tap_graphs=True)
     # Llama-3-8B: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 128 KiB a token; 256 x (32 + 256) x 5/4 tokens
     assert v.kv_cache_memory_bytes == 128 * 1024 * (256 * 288 * 5 // 4)
     assert v.cudagraph_capture_sizes == [64, 256] and v.max_cudagraph_capture_size == 256 and v.tap_graphs
@@ -226,7 +227,7 @@ def test_an_engine_that_fails_to_start_marks_its_cells(monkeypatch, tmp_path):
     def broken(*a):
         raise RuntimeError("no GPU here")
 
-    monkeypatch.setitem(runs._RUNNERS, "a", broken)
+    monkeypatch.setitem(engines.RUNNERS, "a", broken)
     [rec] = run_group(cfg, "/nowhere", runs.plan_groups(cfg, "tiny", 4)[0], tmp_path / "out.json")
     assert rec["status"] == "error" and "no GPU here" in rec["detail"]
 
@@ -235,8 +236,8 @@ def test_in_graph_configuration_starts_one_engine_per_tap_set():
     cfg = bench_conf("configs=[b,f]", "batches=[[64,128],[256,256]]")
     f = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "f"]
     assert [(tuple(g.layers), {c["scenario"] for c in g.cells}) for g in f] == [
-        ((2,), {"add", "k1", "k8", "k64"}), ((0, 1, 2, 3), {"ablate_all"})]
-    assert [len(g.cells) for g in f] == [8, 2]
+        ((2,), {"add", "k1", "k8", "k64", "add@eps"}), ((0, 1, 2, 3), {"ablate_all", "ablate_all@eps"})]
+    assert [len(g.cells) for g in f] == [10, 4]
 
 
 def test_declared_plans_name_every_edit_of_the_group(bench_model):
@@ -249,13 +250,15 @@ def test_declared_plans_name_every_edit_of_the_group(bench_model):
     group = one_tap(cfg, "f")
     spec = workload.spec(cfg.models["tiny"], "tiny", Path(bench_model))
     seen = []
-    plans = runs._declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
-    # add, k1, k8, k64 for 16 requests each: 1 + 1 + 8 + 16 distinct edits, all at the one tap
-    assert len(plans) == 4 * 16 and len({id(e) for e, _ in seen}) == 26 and {at for _, at in seen} == {(2,)}
+    plans = engines.declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
+    # add, k1, k8, k64, add@eps for 16 requests each: 1 + 1 + 8 + 16 + 1 distinct edits, all at the one tap
+    assert len(plans) == 5 * 16 and len({id(e) for e, _ in seen}) == 27 and {at for _, at in seen} == {(2,)}
+    faint = [e for e, _ in seen[-16:]]
+    assert faint[0].scale == pytest.approx(4e-6) and all(e is faint[0] for e in faint)
 
 
 def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(engine_c, new_book, tmp_path, bench_model):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0")
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "scenarios=[add,ablate_all,k1,k8,k64]")
 
     def run(prompts, scen, tokens):
         if scen.name == "k1":
@@ -304,8 +307,8 @@ def test_a_killed_engine_is_said_so_in_the_log(new_book, console, ready, when):
 
 def _stand_in_group(*args):
     """run_group in a child process, its engine a stand-in (vLLM is not there)."""
-    runs._RUNNERS["c"] = lambda cfg, m, where, group: stand_in_runner()
-    runs._machine = lambda: {"gpu": "stand-in"}
+    engines.RUNNERS["c"] = lambda cfg, m, where, group: stand_in_runner()
+    engines.machine = lambda: {"gpu": "stand-in"}
     runs.run_group(*args)
 
 
@@ -326,7 +329,8 @@ def test_engine_processes_take_their_rounds_and_end_on_their_own(new_book, bench
 
     waves.run(groups, 2, start, book.finish, timeout_s=120, poll_s=0.05, exit_s=30)
     assert len(engines) == 2 and not any(e.killed for e in engines) and {e.exitcode for e in engines} == {0}
-    assert len(book.records) == 5 and {r["status"] for r in book.records} == {"ok"}  # add, k1, k8, k64; ablate_all
+    # add, k1, k8, k64, add@eps; ablate_all, ablate_all@eps
+    assert len(book.records) == 7 and {r["status"] for r in book.records} == {"ok"}
     assert {len(r["walls_s"]) for r in book.records} == {3}
 
 

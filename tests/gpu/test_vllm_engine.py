@@ -131,6 +131,28 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     assert in_graph.generate(*jobs[0][:2], GEN, 0) == graph.generate(*jobs[0][:2], GEN, 0)  # still serves
 
 
+def test_compiled_edits_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
+    """vllm.compiled_edits: vLLM's own torch.compile and CUDA graphs, each tap one custom op inside them, give the
+    replay engine's tokens for the mixed batch and a prompt longer than any graph (a compiled step without one),
+    and an unsteered request the replay engine's log-probs."""
+    from vllm.config import CompilationMode
+
+    e, plans, jobs = mixed_batch(tiny_spec, direction, hf)
+    compiled = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
+                           compiled_edits=True)
+    assert compiled.llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
+    assert compiled.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+    long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+    assert compiled.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+    for p in (plans[0], None):
+        lp_graph = graph.score(jobs[0][0], [], p).logprobs
+        torch.testing.assert_close(compiled.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1], atol=LOGPROB_ATOL,
+                                   rtol=0)
+    with pytest.raises(ValueError, match="was not declared"):
+        compiled.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
+    compiled.close()
+
+
 def test_tap_graphs_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
     """vllm.tap_graphs: each tap's program replayed as a graph of its own at the break gives the eager programs'
     tokens (a mixed batch, a long prompt's eager prefill), keeps every break, serves captures eagerly, and takes

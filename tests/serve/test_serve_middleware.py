@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import StageEdit
-from interleaver.vllm_internals import IN_GRAPH_KEY, STAGES_KEY, TAPS_KEY, tap_location
+from interleaver.vllm_internals import COMPILED_KEY, IN_GRAPH_KEY, STAGES_KEY, TAPS_KEY, tap_location
 from serve_common import bad_requests
 from steer.engine.vllm import stage_edits
 from steer.model import spec
@@ -172,6 +172,9 @@ def test_engine_config_is_plain_data(compiled, table):
         assert torch.equal(e.basis, s.edit.basis)
     conf.vllm.edits_in_graph = True
     assert engine_config(conf, table)[IN_GRAPH_KEY] == stages and STAGES_KEY not in engine_config(conf, table)
+    assert COMPILED_KEY not in engine_config(conf, table)
+    conf.vllm.edits_in_graph, conf.vllm.compiled_edits = False, True  # compiled edits are in-graph edits
+    assert engine_config(conf, table)[IN_GRAPH_KEY] == stages and engine_config(conf, table)[COMPILED_KEY]
     s = spec(ModelConf(name="tiny"), "/nonexistent")
     flags = argv(conf, s, "tiny")
     for flag, value in (("--worker-cls", "interleaver.vllm_internals.TapWorker"),

@@ -97,3 +97,15 @@ def test_compose_is_the_cli_edit_list(tiny_spec):
     assert presets.compose(compiled, ["joy", "gloom"], 0.0) is None  # scale 0: an unsteered request
     scale = presets.scaled(Edit(EditKind.scale, 0.5, None), 2.0)
     assert scale.scale == 0.0 and scale.strength == -1.0  # a scale edit's strength (scale - 1) doubles
+
+
+@pytest.mark.parametrize("mode", ["edits_in_graph", "compiled_edits", "tap_graphs"])
+def test_graph_modes_need_the_vllm_engine(mode):
+    from steer.serve.schema import ServeConf
+    from steer.serve.start import prepare
+
+    conf = ServeConf(engine="hf")
+    setattr(conf.vllm, mode, True)
+    with pytest.raises(ConfigError) as e:
+        prepare(conf)
+    assert e.value.field == f"vllm.{mode}" and "needs engine=vllm" in str(e.value)

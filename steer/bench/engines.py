@@ -1,0 +1,177 @@
+"""How each configuration starts its engine and runs one pass of a cell (GPU only: vLLM, nnsight).
+
+A configuration's runner, `RUNNERS[config](cfg, m, where, group)`, starts the engine and returns
+`run(prompts, scenario, tokens)`: one `generate` of the whole batch, every request exactly `tokens` new tokens
+(ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say). The
+engines of a, b, d and e get the settings steer's engine gets in c, f and g (`vllm_conf`), so only steering
+differs. steer/bench/runs.py times the passes.
+"""
+
+import os
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from steer.bench import workload
+from steer.bench.schema import BenchConf, BenchModelConf
+
+TRACEABLE = ("a", "b", "c", "f", "g", "h")  # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
+
+
+def traceable(run, profiled, trace_dir: Optional[str]):
+    """Give `run` a `trace(prompts, scen, tokens)` (one pass under vLLM's profiler, its kernel table handed back)
+    where the engine was started with a profiler directory. `profiled`: a vLLM LLM or a VLLMEngine (its
+    start_profile and stop_profile)."""
+    if trace_dir:
+        def trace(prompts, scen, tokens) -> str:
+            from steer.bench import timeline
+
+            profiled.start_profile()
+            try:
+                run(prompts, scen, tokens)
+            finally:
+                profiled.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
+            table = (Path(trace_dir) / "profiler_out_0.txt").read_text()
+            return table + "\n" + timeline.report(Path(trace_dir))
+
+        run.trace = trace
+    return run
+
+
+def machine() -> Dict:
+    """The GPU and the versions a run measured."""
+    import vllm
+
+    import nnsight
+
+    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": vllm.__version__,
+            "nnsight": getattr(nnsight, "__version__", "?")}
+
+
+def llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Optional[str] = None) -> Dict:
+    """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c, f and g."""
+    from vllm.config import CompilationConfig
+
+    from steer.engine.vllm import compilation_config, profiler_config
+
+    v = vllm_conf(cfg, m, where)
+    trace = {"profiler_config": profiler_config(trace_dir)} if trace_dir else {}
+    return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
+                kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
+                max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
+                tensor_parallel_size=v.tensor_parallel_size,
+                compilation_config=CompilationConfig(**compilation_config(v)), **trace)
+
+
+def vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False,
+              compiled: bool = False):
+    """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
+    from steer.schema import VllmConf
+
+    sizes = sorted(set(cfg.capture_sizes or [r for r, _ in cfg.batches]))
+    biggest = max(r for r, _ in cfg.batches)
+    return VllmConf(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    kv_cache_memory_bytes=workload.kv_cache_bytes(cfg, where, m.dtype),
+                    max_model_len=cfg.max_model_len, max_num_seqs=biggest, load_format=m.load_format,
+                    max_cudagraph_capture_size=max(sizes), cudagraph_capture_sizes=sizes,
+                    tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph, tap_graphs=tap_graphs,
+                    compiled_edits=compiled)
+
+
+def _token_prompts(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _count(outs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _plain(cfg, m, where, group, breakable: bool):
+    if breakable:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(where), **llm_kwargs(cfg, m, where, group.trace_dir))
+
+    def run(prompts, scen, tokens):
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
+
+    return traceable(run, llm, group.trace_dir)
+
+
+def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False, compiled: bool = False):
+    from steer.engine.vllm import VLLMEngine
+    from steer.plan import Plan
+    from steer.tap import Tap
+
+    spec = workload.spec(m, "bench", where)
+    layers = group.layers
+    taps = [Tap(f"layer{i}", spec.layer_path(i), True) for i in layers]
+    by_layer = {i: t for i, t in zip(layers, taps)}
+    plans: Dict[tuple, tuple] = {}  # (id(edit), layers) -> (edit, plan): holding the edit keeps its id unique
+
+    def plan(edit, at):
+        key = (id(edit), tuple(at))
+        if key not in plans:
+            p = Plan()
+            for i in at:
+                p.add(by_layer[i], edit)
+            plans[key] = (edit, p)
+        return plans[key][1]
+
+    engine = VLLMEngine(spec, vllm_conf(cfg, m, where, in_graph, tap_graphs, compiled), taps,
+                        declared(cfg, spec, group, plan) if in_graph or compiled else (), profile_dir=group.trace_dir)
+
+    def run(prompts, scen, tokens):
+        plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
+        return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
+
+    run.profile = engine.host_profile
+    return traceable(run, engine, group.trace_dir)
+
+
+def declared(cfg, spec, group, plan) -> list:
+    """Every plan the group's cells will send (a scenario's edits do not depend on the batch size beyond which
+    request gets which, so the largest batch's requests name them all)."""
+    out = []
+    for cell in group.cells:
+        if cell["scenario"] != "unsteered":
+            scen = workload.scenario(cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed,
+                                     cfg.epsilon)
+            out += [plan(e, scen.layers) for e in scen.edits]
+    return out
+
+
+def _nnsight(cfg, m, where, group, taps: bool):
+    import interleaver  # noqa: F401  (first: it loads anyio's modules before nnsight mounts `.save`)
+    from nnsight.modeling.vllm import VLLM
+
+    from steer.bench.trace import generate
+
+    k = llm_kwargs(cfg, m, where)
+    if not taps:
+        k.pop("compilation_config")
+    model = VLLM(str(where), dispatch=True, taps=[f"model.layers.{i}.output" for i in group.layers] if taps else (),
+                 **k)
+
+    def run(prompts, scen, tokens):
+        generate(model, prompts, scen.edits if scen else [None] * len(prompts), scen.layers if scen else [], tokens,
+                 getattr(torch, m.dtype))
+        return None  # nnsight hands back no token counts without saving them; ignore_eos fixes the count
+
+    return run
+
+
+RUNNERS = {
+    "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
+    "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
+    "c": _steer,
+    "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),
+    "e": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=False),
+    "f": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True),
+    "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
+    "h": lambda cfg, m, w, group: _steer(cfg, m, w, group, compiled=True),
+}
