@@ -8,7 +8,7 @@
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
-#   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g, then the tiny model, on GPU 0, the
+#   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
@@ -89,13 +89,13 @@ lanes() {
   # shellcheck disable=SC2086
   set -f
   # The 8B shape first: its c and f carry the targets the traces are for. The traces: where the 8B shape's ablate_all
-  # spends its GPU time against b's steps, and where the tiny model's c on ablate_all and f on add spend the time
+  # spends its GPU time against b's steps, and where SmolLM2's c on ablate_all and f on add spend the time
   # the host profile does not show (DEVELOPERS.md); as long as a timed pass at 64 x 128, since the 8B shape's f on
   # ablate_all lost more in its timed passes than its 16-token trace showed
-  STEER_PROFILE=1 python -m steer.bench 'run=[llama3_8b,tiny]' \
-    'lanes=[{gpus:"0",runs:["tiny/*","*/[abcfg]"]},{gpus:"1",runs:["*/[de]"]}]' \
-    'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cf]/ablate_all/64x128",tiny/b/*/256x256,tiny/c/ablate_all/256x256,'\
-'tiny/f/add/256x256]' trace_tokens=128 \
+  STEER_PROFILE=1 python -m steer.bench 'run=[llama3_8b,smollm2]' \
+    'lanes=[{gpus:"0",runs:["smollm2/*","*/[abcfgh]"]},{gpus:"1",runs:["*/[de]"]}]' \
+    'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cfh]/ablate_all/64x128",smollm2/b/*/256x256,'\
+'smollm2/c/ablate_all/256x256,smollm2/f/add/256x256]' trace_tokens=128 \
     ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
   pid=$!; set +f
   until grep -q "^\[bench\] lane 0 done" "$OUT/bench.log" 2>/dev/null || ! kill -0 $pid 2>/dev/null; do sleep 5; done
