@@ -84,7 +84,9 @@ def hook(location: str, residual: bool):
     name = TapName(location) if TapArg is TapName else location
 
     def tap_hook(module, args, output):
-        h, r = (output[0], output[1]) if residual else (output, None)
+        # A module tap's value is its output's first tensor, as the breakable path reads it (vLLM's linear layers
+        # hand on (output, bias))
+        h, r = (output[0], output[1]) if residual else (output[0] if isinstance(output, tuple) else output, None)
         torch.ops.steer.tap_edit(h, r, name)
         return None
 

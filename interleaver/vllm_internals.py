@@ -184,7 +184,7 @@ class _TapWorkerMixin:
         from interleaver.program import TapProgram
         from interleaver.stage import StageEdit
 
-        if getattr(self, "steer_declared", None) is not None and len(stages) != self.steer_declared:
+        if getattr(self, "steer_declared", None) is not None:  # its graphs read these programs' tensors
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
                              f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
@@ -255,6 +255,13 @@ def eager_breaks(worker) -> dict:
     entries = getattr(worker.model_runner.model, "entries", {})
     caps = [e.capture for e in entries.values() if e.capture is not None]
     return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
+
+
+def graphs_captured(worker) -> int:
+    """For `collective_rpc` on a compiled engine's worker: CUDA graphs vLLM's compile pipeline captured."""
+    from vllm.compilation.counter import compilation_counter
+
+    return int(compilation_counter.num_cudagraph_captured)
 
 
 class _NoWorker:

@@ -3,8 +3,9 @@
 A configuration's runner, `RUNNERS[config](cfg, m, where, group)`, starts the engine and returns
 `run(prompts, scenario, tokens)`: one `generate` of the whole batch, every request exactly `tokens` new tokens
 (ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say). The
-engines of a, b, d and e get the settings steer's engine gets in c, f and g (`vllm_conf`), so only steering
-differs. steer/bench/runs.py times the passes.
+engines of a, b, d, e and i get the settings steer's engine gets in c, f, g and h (`vllm_conf`); beyond steering,
+a differs from the others in its model runner (vLLM's default, V2; steer's worker hooks V1), which i does not.
+steer/bench/runs.py times the passes.
 """
 
 import os
@@ -16,7 +17,8 @@ import torch
 from steer.bench import workload
 from steer.bench.schema import BenchConf, BenchModelConf
 
-TRACEABLE = ("a", "b", "c", "f", "g", "h")  # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
+# the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
+TRACEABLE = ("a", "b", "c", "f", "g", "h", "i")
 
 
 def traceable(run, profiled, trace_dir: Optional[str]):
@@ -87,10 +89,14 @@ def _count(outs) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def _plain(cfg, m, where, group, breakable: bool):
-    if breakable:
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline
+def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
+    # Each engine runs in a process of its own: these settings are its alone. Set both ways, so that a variable
+    # exported in the shell cannot turn a into b.
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if breakable else "0"
+    if breakable or v1:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline, i is h's
+    else:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own choice
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(where), **llm_kwargs(cfg, m, where, group.trace_dir))
@@ -168,6 +174,7 @@ def _nnsight(cfg, m, where, group, taps: bool):
 RUNNERS = {
     "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
     "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
+    "i": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False, v1=True),
     "c": _steer,
     "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),
     "e": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=False),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from steer import results
-from steer.bench.schema import CONFIGS, FAINT, BenchConf
+from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
            "passes", "best_tok_s", "best_vs_b", "vs_eps", "best_vs_eps", "sm_mhz", "power_w", "status", "detail"]
@@ -28,11 +28,11 @@ def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
         for req, tok in cfg.batches:
             for scen in cfg.scenarios:
                 def get(config, scen=scen):
-                    return by.get((model, req, tok, "unsteered" if config in ("a", "b") else scen, config))
+                    return by.get((model, req, tok, "unsteered" if config in UNSTEERED else scen, config))
 
                 twin = scen + FAINT if scen + FAINT in cfg.scenarios else None
                 for config in cfg.configs:
-                    faint = get(config, twin) if twin and config not in ("a", "b") else None
+                    faint = get(config, twin) if twin and config not in UNSTEERED else None
                     rows.append({"model": model, "requests": req, "new_tokens": tok, "scenario": scen,
                                  "config": config, **_figures(get(config), get("a"), get("b"), faint)})
     return rows
@@ -121,8 +121,9 @@ def _tables(rows: List[Dict], cfg: BenchConf) -> List[str]:
 def _speed_table(mine: Dict, cfg: BenchConf) -> List[str]:
     """A row per scenario: each configuration's tok/s and its ratios to a and b (and c over d)."""
     configs = cfg.configs
-    steered = [c for c in configs if c not in ("a", "b")]
+    steered = [c for c in configs if c not in UNSTEERED]
     ratios = [(c, base) for c in steered for base in ("a", "b") if base in configs]
+    ratios += [("h", "i")] if "h" in configs and "i" in configs else []
     c_over_d = "c" in configs and "d" in configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs] + [f"{c}/{base}" for c, base in ratios]
     if c_over_d:
@@ -130,7 +131,7 @@ def _speed_table(mine: Dict, cfg: BenchConf) -> List[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
     for scen in cfg.scenarios:
         vals = [scen] + [_fmt_tok(mine[scen, c]) for c in configs]
-        vals += [_fmt(mine[scen, c][f"vs_{base}"]) for c, base in ratios]
+        vals += [_fmt(_ratio(mine[scen, c]["tok_s"], mine[scen, base]["tok_s"])) for c, base in ratios]
         if c_over_d:
             vals.append(_fmt(_ratio(mine[scen, "c"]["tok_s"], mine[scen, "d"]["tok_s"])))
         lines.append("| " + " | ".join(vals) + " |")
@@ -141,20 +142,30 @@ def _split_table(mine: Dict, cfg: BenchConf) -> List[str]:
     # On random weights an edit changes the numbers every GEMM multiplies and with them the GPU's power and clock;
     # the faint twin runs every kernel of the edit on the unsteered data, so the two ratios part the costs.
     pairs = [s for s in cfg.scenarios if s + FAINT in cfg.scenarios]
-    steered = [c for c in cfg.configs if c not in ("a", "b")]
-    if not pairs or not steered or "b" not in cfg.configs:
+    base = {c: _baseline(c, cfg.configs) for c in cfg.configs if c not in UNSTEERED}
+    steered = [c for c, b in base.items() if b is not None]
+    if not pairs or not steered:
         return []
-    head = ["scenario"] + [f"{c}: {what}" for c in steered for what in ("machinery", "data")]
-    lines = [f"Machinery (the edits at {cfg.epsilon:g} of their strength, over b) and data (the full edits over "
-             f"those), between medians (between fastest passes):", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" + "---:|" * (len(head) - 1)]
+    head = ["scenario"] + [f"{c}: {what}" for c in steered for what in (f"machinery (/{base[c]})", "data")]
+    lines = [f"Machinery (the edits at {cfg.epsilon:g} of their strength, over the unsteered baseline of the same "
+             f"pipeline) and data (the full edits over those), between medians (between fastest passes):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
     for scen in pairs:
         vals = [scen]
         for c in steered:
-            faint, full = mine[scen + FAINT, c], mine[scen, c]
-            vals += [_pair(faint["vs_b"], faint["best_vs_b"]), _pair(full["vs_eps"], full["best_vs_eps"])]
+            faint, full, b = mine[scen + FAINT, c], mine[scen, c], mine[scen, base[c]]
+            vals += [_pair(_ratio(faint["tok_s"], b["tok_s"]), _ratio(faint["best_tok_s"], b["best_tok_s"])),
+                     _pair(full["vs_eps"], full["best_vs_eps"])]
         lines.append("| " + " | ".join(vals) + " |")
     return lines + [""]
+
+
+def _baseline(config: str, configs) -> Optional[str]:
+    """The unsteered configuration whose pipeline `config` runs: i for compiled edits (a where i is not run: the
+    model runner differs too), b for the breakable ones; None if that one is not run."""
+    if config == "h":
+        return "i" if "i" in configs else "a" if "a" in configs else None
+    return "b" if "b" in configs else None
 
 
 def _gpu_table(mine: Dict, cfg: BenchConf) -> List[str]:

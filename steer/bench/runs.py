@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import engines, nvml, waves, workload
-from steer.bench.schema import BenchConf, BenchModelConf
+from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
 
@@ -44,12 +44,12 @@ class Group:
 
 
 def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
-    """The engine processes one model needs: a and b once (unsteered), c, d, f and g once per tap set, e once."""
+    """The engine processes one model needs: a, b and i once (unsteered), c, d, f, g and h once per tap set, e once."""
     groups: Dict[tuple, Group] = {}
     for config in cfg.configs:
         for scen in cfg.scenarios:
             taps = workload.tapped(scen, layers)
-            if config in ("a", "b"):
+            if config in UNSTEERED:
                 scen, taps = "unsteered", []
             elif config == "e":
                 taps = []  # eager: every location is served, nothing to declare

@@ -17,7 +17,12 @@ CONFIGS = {
     "f": "steer, edits captured into the graph (no eager break)",
     "g": "steer, each tap's edits a CUDA graph of their own at the break (vllm.tap_graphs)",
     "h": "steer, edits compiled into vLLM's own torch.compile'd graphs (vllm.compiled_edits; a's pipeline)",
+    "i": "vLLM default (torch.compile + CUDA graphs) on the V1 model runner steer's worker hooks, unsteered",
 }
+# The unsteered configurations: they run one unsteered batch that stands for every scenario. a is what a user runs
+# without steer (vLLM 0.26 serves Llama-family models with its V2 model runner); b is c's and f's baseline (breakable
+# graphs, V1 runner); i is h's (a's compile and graphs on the V1 runner), so h over i is steering alone.
+UNSTEERED = ("a", "b", "i")
 
 # A scenario's name with this suffix runs its edits at `epsilon` of their strength: the same stages, rows and
 # kernels, and data that stays the unsteered run's (steer/bench/workload.py, `faint`).

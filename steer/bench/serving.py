@@ -9,8 +9,9 @@ Loads (each: 256 random prompts of 256 tokens, 128 new tokens, EOS ignored, gree
   mixed        a third unsteered, a third on preset `add8` (add at layer 8), a third on `clamp16` (clamp at layer 16)
   ablate_all   every request on preset `ablate_all` (ablate at all 32 layers)
 The stock server runs `unsteered`; each steer server (replay at the breaks, the edits captured into breakable graphs,
-or compiled into vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. The report (bench-serve.md, bench-serve.json) gives output throughput and TTFT p50 of each, and their
-ratios to the stock server's unsteered load measured in the same run.
+or compiled into vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. The report (bench-serve.md,
+bench-serve.json) gives output throughput and TTFT p50 of each, and their ratios to the stock server's unsteered
+load measured in the same run.
 """
 
 import argparse

@@ -98,14 +98,15 @@ class VLLMEngine(Engine):
         extra = {TAPS_KEY: [[t.path, t.residual] for t in taps]}
         if conf.tap_graphs:
             if self.in_graph:
-                raise ValueError("vllm.tap_graphs: an engine with vllm.edits_in_graph has no breaks to replay "
-                                 "graphs at; set one of the two")
+                raise ValueError("vllm.tap_graphs: an engine with its edits in the graph (vllm.edits_in_graph, "
+                                 "vllm.compiled_edits) has no breaks to replay graphs at; set one of the two")
             extra[TAP_GRAPHS_KEY] = True
         if self.in_graph:
             for p in declare:
                 self._edits(p)
             if not self.bank.stages:
-                raise ValueError("vllm.edits_in_graph: declare the plans the engine serves when it starts")
+                raise ValueError(f"vllm.{'compiled_edits' if conf.compiled_edits else 'edits_in_graph'}: declare the "
+                                 "plans the engine serves when it starts")
             extra[IN_GRAPH_KEY] = self._stage_list()
         if conf.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
@@ -165,7 +166,8 @@ class VLLMEngine(Engine):
             new = self.bank.stages[self._pushed]
             self.bank.truncate(self._pushed)  # the declared edits stay servable
             raise ValueError(f"edit {new.edit.kind.value} at {new.location} was not declared when this engine "
-                             "started: its edits are captured into its graphs (vllm.edits_in_graph)")
+                             "started: its edits are captured into its graphs (vllm.edits_in_graph, "
+                             "vllm.compiled_edits)")
         self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(),))
         self._pushed = len(self.bank.stages)
 

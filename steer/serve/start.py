@@ -32,7 +32,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
     if name != "vllm" and modes:
         raise ConfigError(f"vllm.{modes[0]}", f"needs engine=vllm (this server resolves to engine={name})")
     if (conf.vllm.edits_in_graph or conf.vllm.compiled_edits) and conf.vllm.tap_graphs:
-        raise ConfigError("vllm.tap_graphs", "an engine with vllm.edits_in_graph has no breaks to replay graphs at; "
+        raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)
     confs = presets.read(s)
@@ -51,8 +51,10 @@ def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetCon
     `python -m steer` asks for it."""
     pos, neg = list(conf.prompts.positive), list(conf.prompts.negative)
     recipe = Recipe.from_conf(conf.extract, conf.prompts.chat)
-    default = (lambda tap: cached_default(conf.cache_dir, engine, tap, pos, neg, recipe)) if engine is not None else None
-    return presets.compile_all(confs, spec, default, conf.cache_dir)
+    def default(tap):
+        return cached_default(conf.cache_dir, engine, tap, pos, neg, recipe)
+
+    return presets.compile_all(confs, spec, default if engine is not None else None, conf.cache_dir)
 
 
 def main(conf: ServeConf, out_dir: Path, console: Console) -> None:

@@ -6,8 +6,8 @@ interleaver/vllm_internals.py). The engine is started as steer.engine.vllm.VLLME
 graphs, the tap worker, prefix caching off, the V1 runner), and every preset's edits go to the workers as plain data
 inside additional_config, before vLLM records its graphs: the stage list under STAGES_KEY (replay at the taps'
 breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs; with `vllm.compiled_edits=true`
-also COMPILED_KEY, and vLLM's own torch.compile and CUDA graphs instead of breakable ones). No RPC carries code or tensors, so
-VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs steer.serve.middleware.SteerMiddleware,
+also COMPILED_KEY, and vLLM's own torch.compile and CUDA graphs instead of breakable ones). No RPC carries code or
+tensors, so VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs steer.serve.middleware.SteerMiddleware,
 which turns each request's vllm_xargs (steer, steer_scale) into the worker's entries before vLLM parses the body.
 """
 

@@ -118,12 +118,28 @@ def test_machinery_and_data_are_reported_apart():
     assert rows["add", "c"]["best_vs_eps"] == pytest.approx(1.2 / 0.9)
     assert rows["k1", "c"]["vs_eps"] is None and rows["add", "b"]["vs_eps"] is None  # no twin; unsteered
     md = report.markdown(list(rows.values()), [], cfg, {}, "now", "cmd")
-    assert "Machinery (the edits at 1e-06 of their strength, over b) and data" in md
-    assert "| scenario | c: machinery | c: data | f: machinery | f: data |" in md
+    assert "Machinery (the edits at 1e-06 of their strength, over the unsteered baseline of the same pipeline)" in md
+    assert "| scenario | c: machinery (/b) | c: data | f: machinery (/b) | f: data |" in md
     assert "| add | 0.86 (0.83) | 1.29 (1.33) | 1.02 (1.00) | 1.02 (1.00) |" in md
     assert "`<scenario>@eps`: the scenario's edits at 1e-06 of their strength" in md
     plain = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[b,c]", "scenarios=[add]")
     assert "Machinery" not in report.markdown(report.cells(recs, plain), [], plain, {}, "now", "cmd")
+
+
+def test_compiled_edits_are_measured_against_their_own_pipeline():
+    # h (compiled edits) keeps a's compile and graphs on steer's V1 runner: its machinery is over i, not b or a
+    cfg = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[a,b,h,i]", "scenarios=[add,add@eps]")
+    n = 64 * 128
+    walls = {("a", "unsteered"): [1.0], ("b", "unsteered"): [1.1], ("i", "unsteered"): [1.25],
+             ("h", "add"): [1.3], ("h", "add@eps"): [1.25]}
+    recs = [{"model": "llama3_8b", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(w), "wall_s": median(w), "walls_s": w} for (c, s), w in walls.items()]
+    md = report.markdown(report.cells(recs, cfg), [], cfg, {}, "now", "cmd")
+    assert "| scenario | h: machinery (/i) | h: data |" in md
+    assert "| add | 1.00 (1.00) | 0.96 (0.96) |" in md
+    assert "| scenario | a tok/s | b tok/s | h tok/s | i tok/s | h/a | h/b | h/i |" in md
+    without_i = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[a,h]", "scenarios=[add,add@eps]")
+    assert "h: machinery (/a)" in report.markdown(report.cells(recs, without_i), [], without_i, {}, "now", "cmd")
 
 
 def test_the_gpu_clock_and_power_stand_beside_every_cell(tmp_path):

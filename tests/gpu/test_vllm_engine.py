@@ -3,12 +3,14 @@
 Tolerance: greedy tokens must be identical; first-step log-probs within 2e-3 (absolute) of the HF engine's
 (vLLM's fp32 kernels and HF's differ in summation order only)."""
 
+import os
+
 import pytest
 import torch
 
 from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
 from helpers import plan
-from interleaver.vllm_internals import eager_breaks
+from interleaver.vllm_internals import eager_breaks, graphs_captured
 from steer.edit import compile_edit
 from steer.schema import EditKind, TapConf
 from steer.tap import resolve
@@ -140,17 +142,21 @@ def test_compiled_edits_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     e, plans, jobs = mixed_batch(tiny_spec, direction, hf)
     compiled = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
                            compiled_edits=True)
-    assert compiled.llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
-    assert compiled.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
-    long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
-    assert compiled.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
-    for p in (plans[0], None):
-        lp_graph = graph.score(jobs[0][0], [], p).logprobs
-        torch.testing.assert_close(compiled.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1], atol=LOGPROB_ATOL,
-                                   rtol=0)
-    with pytest.raises(ValueError, match="was not declared"):
-        compiled.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
-    compiled.close()
+    try:
+        assert compiled.llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
+        assert compiled.llm.collective_rpc(graphs_captured)[0] > 0
+        assert compiled.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+        long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+        assert compiled.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+        for p in (plans[0], None):
+            lp_graph = graph.score(jobs[0][0], [], p).logprobs
+            torch.testing.assert_close(compiled.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1],
+                                       atol=LOGPROB_ATOL, rtol=0)
+        with pytest.raises(ValueError, match="was not declared"):
+            compiled.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
+    finally:
+        compiled.close()
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"  # this module's plain LLM relies on the engines' setting
 
 
 def test_tap_graphs_equal_replay_mode(graph, tiny_spec, taps, direction, hf):

@@ -62,3 +62,23 @@ def test_compiled_taps_equal_the_in_graph_eager_form():
 def test_a_compiled_engine_needs_its_edits_declared():
     with pytest.raises(ValueError, match="runs only edits declared at start"):
         tap_worker({COMPILED_KEY: COMPILED_VERSION}, taps=TAPS)
+
+
+def test_a_module_tap_edits_its_outputs_first_tensor():
+    # A tap that is not a layer's residual stream reads its module's first output, as the breakable path does
+    # (vLLM's linear layers hand on (output, bias); the stand-in's layer hands on a pair too).
+    torch._dynamo.reset()
+    bank = EditBank()
+    v = torch.randn(1, H, generator=torch.Generator().manual_seed(1))
+    add = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 3.0, v)])))
+    declared = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    taps = (("layers.0", False),)
+    w = tap_worker({IN_GRAPH_KEY: declared, COMPILED_KEY: COMPILED_VERSION}, taps=taps)
+    w.model_runner.model = torch.compile(w.model_runner.model, fullgraph=True, backend="aot_eager")
+    ref = tap_worker({IN_GRAPH_KEY: declared}, taps=taps)
+    reqs = [("a", 2, 0, 2, {"steer": add.to_args()}), ("b", 1, 3, 1, None)]
+    x = torch.randn(3, H)
+    got = step(w.model_runner, reqs, x.clone())
+    torch.testing.assert_close(got, step(ref.model_runner, reqs, x.clone()))
+    torch.testing.assert_close(got[:2], x[:2] + 3.0 * v[0])  # the first tensor's delta reaches the stream
+    assert torch.equal(got[2], x[2])
