@@ -6,6 +6,7 @@ step that mixes prompt and generated rows, and an engine that only sees a sum of
 `hidden + residual`) can compute `delta` on the sum and land it on one of them. Nothing here knows an engine.
 """
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -122,6 +123,9 @@ def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], 
 
     if kind != EditKind.scale and vectors is None:
         raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} needs a vector")
+    for name, x in (("scale", scale), ("lo", lo), ("hi", hi), ("value", value)):
+        if x is not None and not math.isfinite(x):  # a NaN edit would turn every steered token into NaN logits
+            raise ConfigError(f"{field}.{name}", f"must be a finite number, got {x}")
     if lo is not None and hi is not None and lo > hi:
         raise ConfigError(f"{field}.lo", f"clamp bounds are reversed: lo={lo} > hi={hi}")
     if vectors is not None:

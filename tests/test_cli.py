@@ -81,6 +81,8 @@ BAD = [
     (["tap.path=model.layers.1.mpl"], "tap.path: 'model.layers.1.mpl' names no module"),
     (["edit.kind=steer"], "Invalid value 'steer', expected one of [add, ablate, clamp, set, scale]"),
     (["edit.scale=big"], "Value 'big' of type 'str' could not be converted to Float"),
+    (["edit.scale=nan"], "edit.scale: must be a finite number, got nan"),
+    (["edit=clamp", "edit.lo=-inf", "edit.hi=2"], "edit.lo: must be a finite number, got -inf"),
     (["engine=nope"], "engine: unknown engine 'nope'"),
 ]
 
