@@ -39,8 +39,9 @@ def directory(opts: ServeOptions) -> Path:
     return Path(opts.preset_dir).expanduser() if opts.preset_dir else CONF_DIR / "preset"
 
 
-def read(opts: ServeOptions) -> Dict[str, PresetConf]:
-    """The presets `serve.presets` names (all in the preset directory if null), parsed onto PresetConf."""
+def read(opts: ServeOptions, model: Optional[str] = None) -> Dict[str, PresetConf]:
+    """The presets `serve.presets` names (all in the preset directory if null), parsed onto PresetConf; a preset
+    with edits of its own for `model` (its `models` entry for that model.name) gets those."""
     where = directory(opts)
     found = {p.stem: p for p in sorted(where.glob("*.yaml"))} if where.is_dir() else {}
     names = list(found) if opts.presets is None else list(opts.presets)
@@ -56,6 +57,8 @@ def read(opts: ServeOptions) -> Dict[str, PresetConf]:
             raise ConfigError(f"preset {name}", "a preset's name (its file name) may hold only letters, digits, "
                                                 "'_', '-' and '.'")
         conf = _parse(name, found[name])
+        if model in conf.models:
+            conf.edits = conf.models[model]
         if not conf.edits:
             raise ConfigError(f"preset {name}: edits", "is empty; a preset needs at least one {tap, edit} pair")
         out[name] = conf
@@ -68,27 +71,33 @@ def _parse(name: str, path: Path) -> PresetConf:
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    where = "edits"
+    where = "edits"  # the part being parsed, for the error's field name
     try:
         raw = OmegaConf.load(path)
         if not isinstance(raw, DictConfig):
             raise ConfigError(f"preset {name}", f"must be a mapping with `edits` ({path})")
-        edits = raw.get("edits", [])
-        if not isinstance(edits, ListConfig):
-            raise ConfigError(f"preset {name}: edits", f"must be a list of {{tap, edit}} pairs ({path})")
+        models = raw.get("models", None) or {}
+        if not isinstance(models, (DictConfig, dict)):
+            raise ConfigError(f"preset {name}: models", f"must map model names to edit lists ({path})")
+        lists = {"edits": raw.get("edits", []), **{f"models.{m}": v for m, v in models.items()}}
         where = ""
         top = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PresetConf),
-                                                  {k: v for k, v in raw.items() if k != "edits"}))
-        items = []
-        for i, item in enumerate(edits):
-            where = f"edits[{i}]."
-            items.append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TapEditConf), item)))
+                                                  {k: v for k, v in raw.items() if k not in ("edits", "models")}))
+        parsed = {}
+        for part, edits in lists.items():
+            if not isinstance(edits, (ListConfig, list)):
+                raise ConfigError(f"preset {name}: {part}", f"must be a list of {{tap, edit}} pairs ({path})")
+            parsed[part] = []
+            for i, item in enumerate(edits):
+                where = f"{part}[{i}]."
+                parsed[part].append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TapEditConf), item)))
     except (OmegaConfBaseException, YAMLError) as e:
         key = getattr(e, "full_key", None)
         first = " ".join(str(e).split("\n")[0].split())
         field = f"preset {name}: {where}{key}" if key else f"preset {name}"
         raise ConfigError(field, f"{first} ({path})") from e
-    top.edits = items
+    top.edits = parsed.pop("edits")
+    top.models = {part.split(".", 1)[1]: items for part, items in parsed.items()}
     return top
 
 

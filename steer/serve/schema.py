@@ -2,7 +2,7 @@
 YAML onto these dataclasses, so an unknown key or a wrong type fails before anything loads."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -18,6 +18,9 @@ class PresetConf:
 
     description: str = ""
     edits: List[TapEditConf] = field(default_factory=list)
+    # By model.name: the edits that replace `edits` on that model (its own layer and strength: a layer that suits a
+    # 4-layer model is shallow in a 30-layer one)
+    models: Dict[str, List[TapEditConf]] = field(default_factory=dict)
 
 
 @dataclass

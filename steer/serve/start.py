@@ -35,7 +35,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)
-    confs = presets.read(s)
+    confs = presets.read(s, conf.model.name)
     presets.check(confs, spec)
     if presets.needs_default(confs):
         for field in ("positive", "negative"):

@@ -61,7 +61,7 @@ def expected(url, hf, smollm2_spec, cache_dir):
     from steer.serve import presets, start
 
     conf = _serve_conf("model=smollm2", f"cache_dir={cache_dir}")
-    compiled = start.compile_presets(conf, smollm2_spec, presets.read(conf.serve), hf)
+    compiled = start.compile_presets(conf, smollm2_spec, presets.read(conf.serve, "smollm2"), hf)
     gen = GenConf(max_new_tokens=MAX_TOKENS)
 
     def text(chat):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import cli_env, compose_conf
+from helpers import cli_env, compose, compose_conf
 from steer.edit import Edit
 from steer.errors import ConfigError
 from steer.schema import EditKind
@@ -38,6 +38,18 @@ def test_committed_presets_check(tiny_spec):
     assert confs["gloom"].edits[0].edit.scale == -confs["joy"].edits[0].edit.scale
 
 
+def test_committed_presets_have_smollm2s_own_layer_and_strength():
+    # On SmolLM2 (30 layers) the presets use the pair task=select chose, as conf/experiment/smollm2_joy.yaml does;
+    # a model they name nothing for (the tiny model) gets their default edits
+    chosen = compose("+experiment=smollm2_joy", tiny=False)
+    smol, tiny = presets.read(ServeOptions(), "smollm2"), presets.read(ServeOptions(), "tiny")
+    joy = smol["joy"].edits[0]
+    assert (joy.tap.layer, joy.edit.kind, joy.edit.scale) == (chosen.tap.layer, chosen.edit.kind, chosen.edit.scale)
+    assert smol["gloom"].edits[0].edit.scale == -joy.edit.scale and smol["gloom"].edits[0].tap.layer == joy.tap.layer
+    assert smol["joy_two_taps"].edits[0].tap.layer == joy.tap.layer and len(smol["joy_two_taps"].edits) == 2
+    assert {n: c.edits for n, c in tiny.items()} == {n: c.edits for n, c in presets.read(ServeOptions()).items()}
+
+
 def _write(d, name, text):
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{name}.yaml").write_text(text)
@@ -55,6 +67,10 @@ BAD = [
      "preset bad: edits[0].edit.vector.key: key 'nope' is not in"),
     ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: SMALL}}\n",
      "the model's hidden size is 256"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\nmodels:\n  tiny:\n    - tap: {layer: 1}\n"
+     "      edit: {kind: steer}\n", "preset bad: models.tiny[0].edit.kind"),
+    ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\nmodels:\n  tiny: 3\n",
+     "preset bad: models.tiny: must be a list"),
 ]
 
 
