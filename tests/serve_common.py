@@ -121,15 +121,21 @@ def check_sse_done(url: str) -> None:
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
 
 
-def check_listing(url: str, hidden: int = 256) -> None:
+def check_listing(url: str, hidden: int = 256, model: str = "tiny") -> None:
+    """GET /v1/steer/presets lists every preset with the edits its file gives `model` (model.name), each with its
+    vector file and that file's metadata."""
+    from steer.serve import presets
+    from steer.serve.schema import ServeOptions
+
     data = httpx.get(f"{url}/v1/steer/presets", timeout=30).json()["data"]
     by = {p["name"]: p for p in data}
     assert sorted(by) == PRESETS
-    assert by["joy_two_taps"]["taps"] == ["layer1", "layer2"]
+    want = presets.read(ServeOptions(), model)["joy_two_taps"].edits
+    assert by["joy_two_taps"]["taps"] == [f"layer{te.tap.layer}" for te in want]
     two = by["joy_two_taps"]["edits"]
     assert [(e["tap"], e["kind"], e["scale"], e["tokens"]) for e in two] == [
-        ("layer1", "add", 6.0, "both"), ("layer2", "clamp", 1.0, "generated")]
-    assert (two[1]["lo"], two[1]["hi"]) == (-40.0, 40.0)
+        (f"layer{te.tap.layer}", te.edit.kind.value, te.edit.scale, te.edit.tokens.value) for te in want]
+    assert (two[1]["lo"], two[1]["hi"]) == (want[1].edit.lo, want[1].edit.hi)
     for p in data:
         for e in p["edits"]:
             v = e["vector"]
