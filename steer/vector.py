@@ -43,6 +43,8 @@ def metadata(path: str | Path) -> Dict[str, str]:
 def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector") -> torch.Tensor:
     """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{field}.path", f"{str(path)!r} is a directory; expected a .safetensors file")
     if not path.is_file():
         raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist")
     try:

@@ -163,6 +163,7 @@ def bad_requests() -> list:
         ({**ok, "vllm_xargs": {"steer_scale": 2.0}}, "vllm_xargs.steer_scale", True),
         ({**ok, "vllm_xargs": {"steer": "joy", "steer_layer": 2}}, "vllm_xargs.steer_layer", True),
         ({**ok, "vllm_xargs": {"steer_vector": "AAAA"}}, "vllm_xargs.steer_vector", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "Steer_scale": 2}}, "vllm_xargs.Steer_scale", True),
         ({**ok, "vllm_xargs": "joy"}, "vllm_xargs", True),
         ({**ok, "steer": "joy"}, "steer", True),
         (b'{"model": "steer-test", "prompt": ', None, True),

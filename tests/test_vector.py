@@ -35,6 +35,12 @@ def test_missing_file(tmp_path):
     assert e.value.field == "edit.vector.path"
 
 
+def test_a_directory_is_not_a_vector_file(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory; expected a .safetensors file") as e:
+        vector.load(tmp_path, "direction", 8)
+    assert e.value.field == "edit.vector.path"
+
+
 def test_not_safetensors(tmp_path):
     p = tmp_path / "junk.safetensors"
     p.write_text("not a safetensors file")

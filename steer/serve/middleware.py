@@ -68,7 +68,7 @@ class SteerMiddleware:
                 changed |= self._request(node, where)
             for key, value in node.items():
                 if key == "extra_args" and parent in ("", "sampling_params") and isinstance(value, dict) and any(
-                        isinstance(k, str) and k.startswith("steer") for k in value):
+                        isinstance(k, str) and k.lower().startswith("steer") for k in value):
                     raise RequestError(f"{where}extra_args", "steer edits are asked for by preset name, in "
                                                              "vllm_xargs (steer, steer_scale)")
                 if isinstance(value, (dict, list)) and key != "vllm_xargs":

@@ -42,7 +42,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float,
     """The steer arguments of a request body (a JSON object), or None when it asks for no steering. Raises
     RequestError naming the field (prefixed by `where`, e.g. "requests[0].") for anything it cannot serve."""
     for key in body:
-        if isinstance(key, str) and key.startswith("steer"):
+        if isinstance(key, str) and key.lower().startswith("steer"):
             raise RequestError(f"{where}{key}", "steering goes in vllm_xargs (extra_body={'vllm_xargs': "
                                                 "{'steer': ...}}), not at the top level of the request")
     xargs = body.get("vllm_xargs")
@@ -51,7 +51,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float,
     if not isinstance(xargs, dict):
         raise RequestError(f"{where}vllm_xargs", f"must be an object, got {_json_type(xargs)}")
     for key in xargs:
-        if key.startswith("steer") and key not in STEER_KEYS:
+        if key.lower().startswith("steer") and key not in STEER_KEYS:  # "Steer_scale" too: a typo, not ignored
             raise RequestError(f"{where}vllm_xargs.{key}", f"unknown steer argument {key!r}; this server takes "
                                                            f"{' and '.join(STEER_KEYS)}")
     steer = xargs.get("steer")
