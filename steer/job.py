@@ -74,11 +74,11 @@ def _check_engine(cfg: SteerConf, engine: str) -> None:
         if torch.cuda.device_count() < tp:
             raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
                                                            f"{torch.cuda.device_count()}")
-    if cfg.vllm.edits_in_graph or cfg.vllm.compiled_edits:
-        field = "vllm.edits_in_graph" if cfg.vllm.edits_in_graph else "vllm.compiled_edits"
-        raise ConfigError(field, "a steer run scores with the tap's values (projection metrics), which an engine "
-                                 "with its edits in the graph cannot keep; the mode is for the bench and the API "
-                                 "(VLLMEngine(..., declare=plans))")
+    if cfg.vllm.in_graph_field():
+        raise ConfigError(f"vllm.{cfg.vllm.in_graph_field()}",
+                          "a steer run scores with the tap's values (projection metrics), which an engine with its "
+                          "edits in the graph cannot keep; the mode is for the bench and the API "
+                          "(VLLMEngine(..., declare=plans))")
     kv = cfg.vllm.kv_cache_memory_bytes
     if kv is not None and kv < 1:
         raise ConfigError("vllm.kv_cache_memory_bytes", f"must be a positive number of bytes or null, got {kv}")

@@ -154,6 +154,11 @@ class VllmConf:
     # Python and a kernel per op); a step that keeps a tap's value or serves a trace there runs them eagerly.
     tap_graphs: bool = False
 
+    def in_graph_field(self) -> Optional[str]:
+        """The field that puts the edits into the graphs (`edits_in_graph`, or `compiled_edits`, which implies
+        it), for checks to name; None when the edits run at the breaks."""
+        return "edits_in_graph" if self.edits_in_graph else "compiled_edits" if self.compiled_edits else None
+
 
 @dataclass
 class EvalConf:

@@ -58,7 +58,7 @@ class VLLMEngine(Engine):
         """Start vLLM with `taps`. With `conf.edits_in_graph`, the edits of `declare` (every plan the engine will
         serve) are captured into the graphs, and the engine serves those alone. With `profile_dir`, vLLM's torch
         profiler is ready for `start_profile()` (see `profiler_config`)."""
-        _set_environment(breakable=not conf.compiled_edits)
+        set_environment(conf)
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -66,7 +66,7 @@ class VLLMEngine(Engine):
         self.spec = spec
         self.taps = {t.path: t for t in taps}
         self.bank = EditBank()
-        self.in_graph = conf.edits_in_graph or conf.compiled_edits
+        self.in_graph = conf.in_graph_field() is not None
         extra = self._additional_config(conf, taps, declare)
         self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
@@ -105,8 +105,7 @@ class VLLMEngine(Engine):
             for p in declare:
                 self._edits(p)
             if not self.bank.stages:
-                raise ValueError(f"vllm.{'compiled_edits' if conf.compiled_edits else 'edits_in_graph'}: declare the "
-                                 "plans the engine serves when it starts")
+                raise ValueError(f"vllm.{conf.in_graph_field()}: declare the plans the engine serves when it starts")
             extra[IN_GRAPH_KEY] = self._stage_list()
         if conf.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
@@ -250,14 +249,18 @@ class VLLMEngine(Engine):
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
 
 
-def _set_environment(breakable: bool = True) -> None:
-    """vLLM's settings that it reads from the environment when an engine starts."""
+def set_environment(conf: VllmConf, rpc_tensors: bool = True) -> None:
+    """vLLM's settings that it reads from the environment when an engine starts (set before it reads them)."""
     # Breakable graphs are what let a tap run at its point of every replay; they turn vLLM's torch.compile off,
     # which an engine with compiled edits keeps on.
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if breakable else "0"
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0" if conf.compiled_edits else "1"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    # Our RPCs carry compiled edits and tensors between this process and its own engine workers.
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # This engine's RPCs carry compiled edits and tensors between its process and its own workers; a server's
+    # messages are plain data, and with `rpc_tensors` false nothing else may cross.
+    if rpc_tensors:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    else:
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     # The HF engine or a vector extraction may have touched CUDA here already: fork would break it.
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     # The tap worker hooks the V1 GPUModelRunner (interleaver/vllm_internals.py); 0.26 would otherwise pick

@@ -28,10 +28,10 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
         raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
     if conf.vllm.tensor_parallel_size < 1:
         raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {conf.vllm.tensor_parallel_size}")
-    modes = [f for f in ("edits_in_graph", "compiled_edits", "tap_graphs") if getattr(conf.vllm, f)]
-    if name != "vllm" and modes:
-        raise ConfigError(f"vllm.{modes[0]}", f"needs engine=vllm (this server resolves to engine={name})")
-    if (conf.vllm.edits_in_graph or conf.vllm.compiled_edits) and conf.vllm.tap_graphs:
+    mode = conf.vllm.in_graph_field() or ("tap_graphs" if conf.vllm.tap_graphs else None)
+    if name != "vllm" and mode:
+        raise ConfigError(f"vllm.{mode}", f"needs engine=vllm (this server resolves to engine={name})")
+    if conf.vllm.in_graph_field() and conf.vllm.tap_graphs:
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)

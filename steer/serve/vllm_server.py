@@ -7,8 +7,9 @@ graphs, the tap worker, prefix caching off, the V1 runner), and every preset's e
 inside additional_config, before vLLM records its graphs: the stage list under STAGES_KEY (replay at the taps'
 breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs; with `vllm.compiled_edits=true`
 also COMPILED_KEY, and vLLM's own torch.compile and CUDA graphs instead of breakable ones). No RPC carries code or
-tensors, so VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs steer.serve.middleware.SteerMiddleware,
-which turns each request's vllm_xargs (steer, steer_scale) into the worker's entries before vLLM parses the body.
+tensors, so VLLM_ALLOW_INSECURE_SERIALIZATION stays off. vLLM's `--middleware` installs
+steer.serve.middleware.SteerMiddleware, which turns each request's vllm_xargs (steer, steer_scale) into the worker's
+entries before vLLM parses the body.
 """
 
 import json
@@ -31,10 +32,9 @@ def engine_config(conf: ServeConf, table: StageTable) -> dict:
                                             TAPS_KEY)
 
     extra = {TAPS_KEY: table.tap_list()}
-    if conf.vllm.edits_in_graph or conf.vllm.compiled_edits:
+    if conf.vllm.in_graph_field():
         if not table.bank.stages:
-            field = "edits_in_graph" if conf.vllm.edits_in_graph else "compiled_edits"
-            raise ConfigError(f"vllm.{field}", "no preset has an edit to capture into the graphs")
+            raise ConfigError(f"vllm.{conf.vllm.in_graph_field()}", "no preset has an edit to capture into the graphs")
         extra[IN_GRAPH_KEY] = table.stage_list()
         if conf.vllm.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
@@ -70,14 +70,9 @@ def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], out_dir
     path = Path(out_dir) / "steer_presets.json"
     stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale).dump(str(path))
     os.environ[TABLE_ENV] = str(path)
-    # As VLLMEngine: breakable graphs (a tap runs at its point of every replay) unless the edits are compiled in, no
-    # flashinfer sampler on the GPU machine, spawned workers, the V1 runner the tap worker hooks. Set before vLLM
-    # reads its environment.
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0" if conf.vllm.compiled_edits else "1"
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # every message to the workers is plain data
+    from steer.engine.vllm import set_environment
+
+    set_environment(conf.vllm, rpc_tensors=False)  # as VLLMEngine, but every message to the workers is plain data
 
     from transformers import AutoTokenizer
 
