@@ -1,10 +1,8 @@
 """The vLLM engine against the HF engine on a real instruct model: SmolLM2-135M-Instruct (float32, chat template
 on), the default prompts, the committed joy experiment (add) and the default direction ablated at layer 12.
 
-Greedy tokens must be identical, prompt by prompt, except where the two next-token candidates are a tie: at the
-first token where the engines differ, the HF engine's log-probs of the two tokens must be within TIE (float32
-kernels that sum in another order move a log-prob by about 1e-4 on this model; a real difference in the edit moves
-it by orders of magnitude more)."""
+Greedy tokens must be identical, prompt by prompt, except where the two next-token candidates are a tie
+(gpu_common.near_tie)."""
 
 import io
 import json
@@ -12,6 +10,7 @@ import json
 import pytest
 from rich.console import Console
 
+from gpu_common import near_tie
 from helpers import compose
 from steer import engine as engines
 from steer import run
@@ -19,7 +18,6 @@ from steer import run
 pytestmark = pytest.mark.gpu
 
 EDITS = {"add": ["+experiment=smollm2_joy"], "ablate": ["edit=ablate", "tap.layer=12"]}
-TIE = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +46,6 @@ def _texts(engine, tmp_path, device):
                   for name, job in zip(EDITS, jobs)}
 
 
-def _tie(engine, ids, a, b, plan):
-    """Whether the HF engine's next-token log-probs after prompt `ids` and the shared prefix of continuations `a`
-    and `b` put their two differing tokens within TIE of each other."""
-    k = next(i for i in range(min(len(a), len(b)) + 1) if i == min(len(a), len(b)) or a[i] != b[i])
-    if k == min(len(a), len(b)):  # one stopped where the other went on: compare the stop (EOS) with the token
-        longer = a if len(a) > len(b) else b
-        pair = (longer[k], engine.tokenizer.eos_token_id)
-    else:
-        pair = (a[k], b[k])
-    lp = engine.score(ids, a[:k], plan).logprobs[len(ids) + k - 1].double()
-    return abs(float(lp[pair[0]] - lp[pair[1]])) < TIE, k, float(lp[pair[0]] - lp[pair[1]])
-
-
 def test_vllm_equals_hf_on_smollm2(available, tmp_path):
     _, v = _texts("vllm", tmp_path, "cuda")
     jobs, h = _texts("hf", tmp_path, "cuda")
@@ -73,7 +58,7 @@ def test_vllm_equals_hf_on_smollm2(available, tmp_path):
         for rv, rh in zip(v[name], h[name]):
             for key, p in (("baseline", None), ("steered", plan)):
                 if rv[f"{key}_ids"] != rh[f"{key}_ids"]:
-                    tie, k, gap = _tie(hf, rv["prompt_ids"], rv[f"{key}_ids"], rh[f"{key}_ids"], p)
+                    tie, k, gap = near_tie(hf, rv["prompt_ids"], rv[f"{key}_ids"], rh[f"{key}_ids"], p)
                     ties.append((name, key, rv["prompt"], k, gap))
                     assert tie, f"{name} {key} {rv['prompt']!r}: differs at token {k}, log-prob gap {gap:.2e}"
         assert any(r["steered"] != r["baseline"] for r in v[name]), f"{name} changed nothing"
