@@ -54,3 +54,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With STEER_TEST_FAILURES set (tests/gpu/run.sh sets it), each failure's traceback is appended to that file
+    as it happens: a GPU run cut off by its time limit never reaches pytest's summary, where they would be."""
+    path = os.environ.get("STEER_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -23,7 +23,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 tests() {  # [report name]
   local name=${1:-gpu-tests}
-  python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} --junitxml="$OUT/$name.xml" 2>&1 \
+  STEER_TEST_FAILURES="$OUT/$name-failures.txt" python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} \
+    --junitxml="$OUT/$name.xml" 2>&1 \
     | tee "$OUT/$name.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
 }
 
