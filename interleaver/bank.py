@@ -9,6 +9,7 @@ one small loop per steered request) and ships it in one pinned host-to-device co
 the taps need.
 """
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from interleaver.stage import Rows, StageEdit
+from interleaver.stage import Kind, Rows, StageEdit
 
 _ROWS = {Rows.both.value: 0, Rows.prompt.value: 1, Rows.generated.value: 2}
 
@@ -39,12 +40,18 @@ class RequestEdits:
     prompt_len: Optional[int] = None
     capture: List[str] = field(default_factory=list)  # tap locations whose (edited) rows to keep, for scoring
     key: str = ""  # names the request's captures
+    # The request's own vectors, added at (location, index) at strength on rows: each becomes a stage in the
+    # worker that sees it first (InlineStages), its entry appended to `entries` there.
+    inline: List[Tuple[str, int, float, str, str]] = field(default_factory=list)  # (..., base64 little-endian f32)
     _dense: Optional[Tuple[int, np.ndarray]] = field(default=None, repr=False, compare=False)
 
     def to_args(self) -> Dict:
         """A plain dict that rides SamplingParams.extra_args into the worker."""
-        return {"entries": [list(e) for e in self.entries], "prompt_len": self.prompt_len,
-                "capture": list(self.capture), "key": self.key}
+        out = {"entries": [list(e) for e in self.entries], "prompt_len": self.prompt_len,
+               "capture": list(self.capture), "key": self.key}
+        if self.inline:
+            out["inline"] = [list(v) for v in self.inline]
+        return out
 
     @classmethod
     def from_args(cls, d: Optional[Dict]) -> Optional["RequestEdits"]:
@@ -53,7 +60,8 @@ class RequestEdits:
         if not d:
             return None
         return cls([(int(s), float(w), str(t)) for s, w, t in d.get("entries", [])], d.get("prompt_len"),
-                   list(d.get("capture", [])), str(d.get("key", "")))
+                   list(d.get("capture", [])), str(d.get("key", "")),
+                   [(str(loc), int(i), float(w), str(t), str(v)) for loc, i, w, t, v in d.get("inline", [])])
 
     def strengths(self, n_stages: int) -> np.ndarray:
         """`[3, n_stages]` float32: this request's strength per stage on every row, on prompt rows only, and
@@ -104,6 +112,63 @@ class EditBank:
 
     def at(self, location: str) -> List[Stage]:
         return [s for s in self.stages if s.location == location]
+
+
+class InlineStages:
+    """Requests' own vectors as stages of `bank`: a vector gets a stage (an `add` at its location and index) when a
+    request first brings it, shared by every request that brings the same one there, and its id is free for another
+    once the last such request has finished. Ids stay put while in use, so the entries of requests in flight stay
+    valid as others come and go."""
+
+    def __init__(self, bank: EditBank) -> None:
+        self.bank = bank
+        self._ids: Dict[tuple, int] = {}  # (location, index, digest) -> stage id
+        self._key: Dict[int, tuple] = {}
+        self._refs: Dict[int, int] = {}  # stage id -> requests using it
+        self._free: List[int] = []
+        self._of: Dict[str, List[int]] = {}  # request id -> its stages
+
+    def take(self, rid: str, edits: RequestEdits, device) -> bool:
+        """Give the request's inline vectors stages and append their entries to `edits.entries` (once per
+        request); True if the bank changed (its programs must be rebuilt)."""
+        if not edits.inline or rid in self._of:
+            return False
+        changed, sids = False, []
+        for loc, index, strength, rows, data in edits.inline:
+            key = (loc, int(index), hashlib.sha256(data.encode()).hexdigest())
+            sid = self._ids.get(key)
+            if sid is None:
+                sid, changed = self._place(key, loc, int(index), data, device), True
+            elif self._refs.get(sid, 0) == 0:
+                self._free.remove(sid)  # freed but not yet reused: the same vector again
+            self._refs[sid] = self._refs.get(sid, 0) + 1
+            sids.append(sid)
+            edits.entries.append((sid, float(strength), str(rows)))
+        self._of[rid] = sids
+        edits._dense = None
+        return changed
+
+    def release(self, rids) -> None:
+        """Requests that have finished (or were aborted): their vectors' stages are free once no request uses them."""
+        for rid in rids:
+            for sid in self._of.pop(rid, ()):
+                self._refs[sid] -= 1
+                if self._refs[sid] == 0:
+                    self._free.append(sid)
+
+    def _place(self, key: tuple, loc: str, index: int, data: str, device) -> int:
+        vec = np.frombuffer(base64.b64decode(data), dtype="<f4").astype(np.float32)
+        stage = StageEdit(Kind.add, torch.from_numpy(vec)[None].to(device))
+        stages = self.bank.stages
+        sid = self._free.pop(0) if self._free else len(stages)
+        if sid in self._key:
+            del self._ids[self._key.pop(sid)]
+        if sid == len(stages):
+            stages.append(Stage(sid, loc, index, stage))
+        else:
+            stages[sid] = Stage(sid, loc, index, stage)
+        self._ids[key], self._key[sid] = sid, key
+        return sid
 
 
 def layout(stages: Sequence[Stage]) -> np.ndarray:

@@ -88,7 +88,7 @@ class _TapWorkerMixin:
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
-        from interleaver.bank import EditBank
+        from interleaver.bank import EditBank, InlineStages
         from interleaver.interleaver import VLLMInterleaver
 
         extra = self.vllm_config.additional_config or {}
@@ -101,6 +101,7 @@ class _TapWorkerMixin:
 
             self.steer_il.tap_graphs = TapGraphs()
         self.steer_bank = EditBank()
+        self.steer_inline = InlineStages(self.steer_bank)
         self.steer_residual = {tap_location(p): r for p, r in taps}
         self.steer_requests = {}
         self.steer_batch_key, self.steer_batch = None, None
@@ -154,24 +155,29 @@ class _TapWorkerMixin:
         n = batch.num_reqs
         qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il = self.steer_il
-        key = (tuple(batch.req_ids[:n]), len(self.steer_bank.stages))
-        if key != self.steer_batch_key:  # a request joined or left: look its edits up once
-            cache = self.steer_requests
-            edits, prompt_lens = [], np.empty(n, dtype=np.int64)
-            for i, rid in enumerate(key[0]):
+        self.steer_inline.release(getattr(scheduler_output, "finished_req_ids", None) or ())
+        rids = tuple(batch.req_ids[:n])
+        if self.steer_batch_key is None or rids != self.steer_batch_key[0]:  # a request joined or left: look its
+            cache = self.steer_requests                                       # edits up once
+            edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), False
+            for i, rid in enumerate(rids):
                 got = cache.get(rid)
                 if got is None:
                     state = runner.requests[rid]
                     extra = getattr(state.sampling_params, "extra_args", None) or {}
                     got = cache[rid] = (RequestEdits.from_args(extra.get("steer")), state.num_prompt_tokens)
+                    if got[0] is not None and got[0].inline and self.steer_declared is None:
+                        changed |= self.steer_inline.take(rid, got[0], runner.device)
                 edits.append(got[0])
                 prompt_lens[i] = got[1]
+            if changed:  # a request brought a vector of its own: the taps' programs take its new stage
+                self._steer_install()
             if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
                 present = set(runner.requests)
                 for rid in [r for r in cache if r not in present]:
                     del cache[rid]
-            self.steer_batch_key = key
-            self.steer_batch = BatchEdits(edits, prompt_lens, key[1], il.step.order)
+            self.steer_batch_key = (rids,)
+            self.steer_batch = BatchEdits(edits, prompt_lens, len(self.steer_bank.stages), il.step.order)
         il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
                          self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
 
@@ -180,18 +186,27 @@ class _TapWorkerMixin:
     def steer_set_stages(self, stages) -> int:
         """Install the client's stage list ([(id, location, index, StageEdit.to_dict())], ids in order) as the taps'
         programs (plain data: vLLM's RPC turns dataclasses into dicts; a StageEdit itself is taken too)."""
-        from interleaver.bank import Stage, layout
-        from interleaver.program import TapProgram
+        from interleaver.bank import InlineStages, Stage
         from interleaver.stage import StageEdit
 
         if getattr(self, "steer_declared", None) is not None:  # its graphs read these programs' tensors
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
                              f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
-        bank = self.steer_bank
-        bank.stages = [Stage(i, loc, index, (StageEdit.from_dict(e) if isinstance(e, dict) else e).to(device))
-                       for i, loc, index, e in stages]
-        il = self.steer_il
+        self.steer_bank.stages = [Stage(i, loc, index, StageEdit.from_dict(e) if isinstance(e, dict) else e)
+                                  for i, loc, index, e in stages]
+        for s in self.steer_bank.stages:
+            object.__setattr__(s, "edit", s.edit.to(device))
+        self.steer_inline = InlineStages(self.steer_bank)  # ids of requests' own vectors are the client's now
+        self.steer_requests.clear()
+        return self._steer_install()
+
+    def _steer_install(self) -> int:
+        """The bank's stages as the taps' programs."""
+        from interleaver.bank import layout
+        from interleaver.program import TapProgram
+
+        device, bank, il = self.model_runner.device, self.steer_bank, self.steer_il
         stray = {s.location for s in bank.stages} - il.taps
         if stray:
             raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
@@ -289,9 +304,10 @@ class HostWorker(_TapWorkerMixin, _NoWorker):
         """The worker's VLLMInterleaver: its programs, and `replay(location, live)` as a recorded tap runs it."""
         return self.steer_il
 
-    def fill_step(self, num_tokens: int) -> None:
-        """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs."""
-        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
+    def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> None:
+        """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
+        (`finished`: the requests vLLM reports finished since the last step)."""
+        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens, finished_req_ids=set(finished)))
 
 
 def shutdown(llm: Any) -> None:

@@ -67,10 +67,10 @@ def chat(c, prompt: str, steer=None, scale=None, **kw) -> str:
 Expected = Callable[[str, Optional[str], Optional[float]], str]
 
 
-def token_logprobs(c, prompt: str, steer=None, scale=None) -> List[float]:
+def token_logprobs(c, prompt: str, steer=None, scale=None, **kw) -> List[float]:
     """The greedy completion's log-probability of each token it chose (an engine that serves `logprobs`)."""
     out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=1,
-                               **xargs(steer, scale))
+                               **xargs(steer, scale), **kw)
     return out.choices[0].logprobs.token_logprobs
 
 
@@ -209,10 +209,78 @@ def check_concurrent(c, n: int = 32) -> None:
         prompt, steer, scale, as_chat = job
         return (chat if as_chat else complete)(c, prompt, steer, scale)
 
+    _together_as_alone(jobs, one)
+
+
+def check_concurrent_own_vectors(url: str, c, n: int = 24) -> None:
+    """`n` requests at once, each with a vector of its own (the joy vector times 0.5 .. 2, at layer 1 or 2; some
+    shared) and some with a preset too, each equal to its answer alone: a worker's vectors come and go mid-batch."""
+    from steer.serve.protocol import encode_vector
+
+    scale, v = joy_vector(url)
+    jobs = [(PROMPTS[i % len(PROMPTS)], 0.5 * (1 + i % 4), 1 + i % 2, "gloom" if i % 5 == 4 else None)
+            for i in range(n)]
+
+    def one(job):
+        prompt, k, layer, steer = job
+        more = {"steer": steer} if steer else {}
+        return complete(c, prompt, **own(encode_vector(k * v), layer, scale, **more))
+
+    _together_as_alone(jobs, one)
+
+
+def _together_as_alone(jobs, one) -> None:
+    """`one(job)` for every job at once equals `one(job)` alone (a chat request alone is a chat request: with a chat
+    template it feeds other tokens than a completion)."""
     alone = {}
-    for job in jobs:  # a chat request alone is a chat request: with a chat template it feeds other tokens
+    for job in jobs:
         if job not in alone:
             alone[job] = one(job)
-    with ThreadPoolExecutor(n) as pool:
+    with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(one, jobs))
     assert together == [alone[job] for job in jobs]
+
+
+def own(vectors, layers, strengths=None, **more) -> dict:
+    """The request arguments for vectors of its own (steer_vector, steer_layer, steer_strength; `more`: other
+    vllm_xargs, e.g. steer)."""
+    args = {"steer_vector": vectors, "steer_layer": layers, **more}
+    if strengths is not None:
+        args["steer_strength"] = strengths
+    return {"extra_body": {"vllm_xargs": args}}
+
+
+def joy_vector(url: str):
+    """The joy preset's strength and vector (its one edit: add the default direction at layer 1), read from the
+    file the presets listing names."""
+    from safetensors.numpy import load_file
+
+    joy = {p["name"]: p for p in httpx.get(f"{url}/v1/steer/presets", timeout=30).json()["data"]}["joy"]
+    (edit,) = joy["edits"]
+    assert (edit["tap"], edit["kind"], edit["tokens"]) == ("layer1", "add", "both")
+    v = edit["vector"]
+    return edit["scale"], load_file(v["path"])[v["key"]].reshape(-1)
+
+
+def check_own_vectors(url: str, c, logprobs: bool = False) -> None:
+    """A server with serve.inline_layers=[1, 2]: the joy preset's vector sent as steer_vector (at joy's layer, at
+    joy's strength and 3 x) answers as steer=joy (at steer_scale 1 and 3), alone, in a list with a vector at
+    strength 0, and in a chat; it moves some answer (with `logprobs`, compared on the tokens' log-probs too)."""
+    from steer.serve.protocol import encode_vector
+
+    scale, v = joy_vector(url)
+    moved = False
+    for p in PROMPTS:
+        for k in (1.0, 3.0):
+            want = complete(c, p, "joy", k)
+            assert complete(c, p, **own(encode_vector(v), 1, k * scale)) == want, (p, k)
+            assert complete(c, p, **own([encode_vector(v), encode_vector(-v)], [1, 2], [k * scale, 0])) == want
+            assert chat(c, p, **own(encode_vector(v), 1, k * scale)) == chat(c, p, "joy", k)
+            moved |= want != complete(c, p)
+            if logprobs:
+                mine = token_logprobs(c, p, **own(encode_vector(v), 1, k * scale))
+                assert mine == token_logprobs(c, p, "joy", k), (p, k)
+                moved |= mine != token_logprobs(c, p)
+    assert moved  # the vector steers some answer
+    # with a preset: joy, then a vector of zeros at layer 2 (an add of nothing): joy's answer
+    assert complete(c, PROMPTS[0], **own(encode_vector(v * 0), 2, 1.0, steer="joy")) == complete(c, PROMPTS[0], "joy")

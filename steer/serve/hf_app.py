@@ -28,7 +28,8 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 from steer.schema import GenConf
 from steer.serve import requests
 from steer.serve.presets import Preset, compose
-from steer.serve.protocol import RequestError, plain_chat_template
+from steer.serve.protocol import InlinePolicy, RequestError, plain_chat_template
+from steer.tap import Tap
 
 log = logging.getLogger("steer.serve")
 
@@ -147,8 +148,11 @@ def _held(text: str, stops: List[str]) -> int:
 
 class HFServer:
     def __init__(self, engine, presets: Dict[str, Preset], listing: list, model_name: str, max_steer_scale: float,
-                 chat_max_tokens: int):
+                 chat_max_tokens: int, inline_taps: Optional[Dict[int, Tap]] = None):
         self.engine, self.presets, self.listing = engine, presets, listing
+        # layer -> its residual-stream tap, where a request's steer_vector may be added (serve.inline_layers)
+        self.inline_taps = inline_taps or {}
+        self.inline = InlinePolicy(engine.spec.hidden, tuple(sorted(self.inline_taps))) if self.inline_taps else None
         self.model_name, self.max_scale, self.chat_max_tokens = model_name, max_steer_scale, chat_max_tokens
         self.worker = EngineWorker(engine)
         self.created = int(time.time())
@@ -159,7 +163,9 @@ class HFServer:
     # --- requests -> what the engine runs --------------------------------------------------------------
 
     def _plan(self, req: requests.GenRequest):
-        return compose(self.presets, req.steer.names, req.steer.scale) if req.steer else None
+        if not req.steer:
+            return None
+        return compose(self.presets, req.steer.names, req.steer.scale, req.steer.inline, self.inline_taps)
 
     def _check(self, req: requests.GenRequest, encoded: List[List[int]]) -> None:
         if req.model != self.model_name:
@@ -228,14 +234,14 @@ class HFServer:
 
     async def completions(self, body):
         """(request, each prompt's ids, plan) of a completion body; RequestError if it cannot be served."""
-        req = requests.completion(body, self.presets, self.max_scale)
+        req = requests.completion(body, self.presets, self.max_scale, self.inline)
         encoded = [self._encode(p) for p in req.prompts]
         self._check(req, encoded)
         return req, encoded, self._plan(req)
 
     async def chat(self, body):
         """(request, [the messages' ids], plan) of a chat completion body; RequestError if it cannot be served."""
-        req = requests.chat(body, self.presets, self.max_scale, self.chat_max_tokens)
+        req = requests.chat(body, self.presets, self.max_scale, self.chat_max_tokens, self.inline)
         encoded = [self.chat_ids(req.messages)]
         self._check(req, encoded)
         return req, encoded, self._plan(req)

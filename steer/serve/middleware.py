@@ -80,12 +80,12 @@ class SteerMiddleware:
 
     def _request(self, req: dict, where: str) -> bool:
         t = self.translator
-        args = parse_steer(req, t.presets, t.max_scale, where)
+        args = parse_steer(req, t.presets, t.max_scale, where, t.inline)
         xargs = req.get("vllm_xargs")
         if not isinstance(xargs, dict) or not any(k.startswith("steer") for k in xargs):
             return False
         rest = {k: v for k, v in xargs.items() if not k.startswith("steer")}
-        arg = t.steer_arg(args.names, args.scale) if args is not None else None
+        arg = t.steer_arg(args.names, args.scale, args.inline) if args is not None else None
         if arg is not None:
             rest["steer"] = arg
         if rest:

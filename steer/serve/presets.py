@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from steer import vector
-from steer.edit import Edit
+from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.model import ModelSpec
 from steer.plan import Plan, compile_entries, needs_default_vector
@@ -144,13 +144,19 @@ def scaled(e: Edit, k: float) -> Edit:
     return replace(e, scale=e.scale * k)
 
 
-def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0) -> Optional[Plan]:
+def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0, inline: Sequence = (),
+            inline_taps: Optional[Dict[int, Tap]] = None) -> Optional[Plan]:
     """The plan of presets applied in order (at each tap, the first preset's edits, then the next's), every
-    strength times `scale`, without edits that change nothing; None if none is left (an unsteered request)."""
+    strength times `scale`, then the request's own vectors (steer.serve.protocol.InlineVector, added at
+    `inline_taps[layer]` in order), without edits that change nothing; None if none is left (an unsteered
+    request)."""
     plan = Plan()
     for n in names:
         for tap, e in presets[n].items:
             plan.add(tap, scaled(e, scale))
+    for i, v in enumerate(inline):
+        vec = torch.from_numpy(v.values())[None]
+        plan.add(inline_taps[v.layer], compile_edit(EditKind.add, v.strength, vec, field=f"steer_vector[{i}]"))
     active = plan.active()
     return active if active.edits else None
 

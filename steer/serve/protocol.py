@@ -3,16 +3,25 @@ they answer with.
 
 A request steers by name: `vllm_xargs={"steer": "joy", "steer_scale": 1.5}` (the openai client's
 `extra_body={"vllm_xargs": ...}` lands at the top level of the JSON body). `steer` is one preset name or several,
-comma-separated, composed in that order; `steer_scale` (default 1) multiplies every edit's strength. Requests
-carry names and numbers only: nothing in one can name a file, a module or code. Anything else whose key starts
+comma-separated, composed in that order; `steer_scale` (default 1) multiplies every edit's strength. A request may
+also carry vectors of its own, added after its presets' edits: `steer_vector` (base64 of little-endian float32,
+hidden size values; one, or a list of at most MAX_INLINE), `steer_layer` (one layer for all, or one per vector, each
+among the server's `serve.inline_layers`) and `steer_strength` (default 1; one, or one per vector). Requests carry
+names, numbers and vectors only: nothing in one can name a file, a module or code. Anything else whose key starts
 with `steer` is refused, so a typo never silently serves an unsteered answer.
 """
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
-STEER_KEYS = ("steer", "steer_scale")
+import numpy as np
+
+STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength")
+INLINE_KEYS = STEER_KEYS[2:]
+MAX_INLINE = 64  # vectors in one request
 
 
 class RequestError(Exception):
@@ -28,19 +37,50 @@ class RequestError(Exception):
 
 
 @dataclass(frozen=True)
+class InlineVector:
+    """A request's own vector: added (times `strength`) to the residual stream after decoder layer `layer`."""
+
+    layer: int
+    strength: float
+    data: str  # base64 of little-endian float32, as the request sent it (checked: hidden size, finite)
+
+    def values(self) -> np.ndarray:
+        return decode_vector(self.data)
+
+
+@dataclass(frozen=True)
+class InlinePolicy:
+    """What a server takes in steer_vector: the model's hidden size, and the layers tapped for inline vectors."""
+
+    hidden: int
+    layers: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SteerArgs:
     names: Tuple[str, ...]  # presets, composed in this order
     scale: float = 1.0
+    inline: Tuple[InlineVector, ...] = ()  # added after the presets' edits, in this order
+
+
+def encode_vector(v) -> str:
+    """A vector as steer_vector carries it: base64 of its values as little-endian float32."""
+    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(data: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(data, validate=True), dtype="<f4").astype(np.float32)
 
 
 def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float,
-                where: str = "") -> Optional[SteerArgs]:
+def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, where: str = "",
+                inline: Optional[InlinePolicy] = None) -> Optional[SteerArgs]:
     """The steer arguments of a request body (a JSON object), or None when it asks for no steering. Raises
-    RequestError naming the field (prefixed by `where`, e.g. "requests[0].") for anything it cannot serve."""
+    RequestError naming the field (prefixed by `where`, e.g. "requests[0].") for anything it cannot serve;
+    `inline` None: this server takes no steer_vector."""
     for key in body:
         if isinstance(key, str) and key.lower().startswith("steer"):
             raise RequestError(f"{where}{key}", "steering goes in vllm_xargs (extra_body={'vllm_xargs': "
@@ -53,13 +93,14 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float,
     for key in xargs:
         if key.lower().startswith("steer") and key not in STEER_KEYS:  # "Steer_scale" too: a typo, not ignored
             raise RequestError(f"{where}vllm_xargs.{key}", f"unknown steer argument {key!r}; this server takes "
-                                                           f"{' and '.join(STEER_KEYS)}")
+                                                           f"{', '.join(STEER_KEYS)}")
+    vectors = _inline(xargs, inline, max_scale, f"{where}vllm_xargs.")
     steer = xargs.get("steer")
     if steer is None:
         if xargs.get("steer_scale") is not None:
             raise RequestError(f"{where}vllm_xargs.steer_scale", "steer_scale without steer: name the preset(s) "
                                                                  "to scale")
-        return None
+        return SteerArgs((), 1.0, vectors) if vectors else None
     param = f"{where}vllm_xargs.steer"
     if not isinstance(steer, str):
         raise RequestError(param, f"must be a string of preset names (comma-separated), got {_json_type(steer)}")
@@ -84,7 +125,76 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float,
     if abs(scale) > max_scale:
         raise RequestError(param, f"{scale:g} is beyond this server's limit of {max_scale:g} "
                                   "(serve.max_steer_scale)")
-    return SteerArgs(names, scale)
+    return SteerArgs(names, scale, vectors)
+
+
+def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: float,
+            where: str) -> Tuple[InlineVector, ...]:
+    """The request's steer_vector / steer_layer / steer_strength, checked (empty when it sends none)."""
+    data = xargs.get("steer_vector")
+    if data is None:
+        for key in ("steer_layer", "steer_strength"):
+            if xargs.get(key) is not None:
+                raise RequestError(f"{where}{key}", f"{key} without steer_vector: send the vector(s) it is for")
+        return ()
+    param = f"{where}steer_vector"
+    if policy is None or not policy.layers:
+        raise RequestError(param, "this server takes no inline vectors: start it with serve.inline_layers=[...] "
+                                  "(the layers a request's vector may be added at)")
+    if isinstance(data, str):
+        data = [data]
+    if not isinstance(data, list) or not data or not all(isinstance(d, str) for d in data):
+        raise RequestError(param, "must be a base64 string (little-endian float32) or a non-empty list of them")
+    if len(data) > MAX_INLINE:
+        raise RequestError(param, f"{len(data)} vectors in one request; at most {MAX_INLINE}")
+    for i, d in enumerate(data):
+        _check_vector(d, policy.hidden, f"{param}[{i}]" if len(data) > 1 else param)
+    layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, _is_int, "an integer")
+    for i, layer in enumerate(layers):
+        if layer not in policy.layers:
+            at = f"{where}steer_layer" + (f"[{i}]" if isinstance(xargs.get("steer_layer"), list) else "")
+            raise RequestError(at, f"layer {layer} is not tapped for inline vectors on this server; it takes "
+                                   f"{list(policy.layers)} (serve.inline_layers)")
+    strengths = _per_vector(xargs.get("steer_strength"), len(data), f"{where}steer_strength", 1.0, is_number,
+                            "a number")
+    for i, w in enumerate(strengths):
+        at = f"{where}steer_strength" + (f"[{i}]" if isinstance(xargs.get("steer_strength"), list) else "")
+        if not math.isfinite(w):
+            raise RequestError(at, f"must be finite, got {w}")
+        if abs(w) > max_scale:
+            raise RequestError(at, f"{w:g} is beyond this server's limit of {max_scale:g} (serve.max_steer_scale)")
+    return tuple(InlineVector(int(layer), float(w), d) for layer, w, d in zip(layers, strengths, data))
+
+
+def _check_vector(data: str, hidden: int, param: str) -> None:
+    try:
+        v = decode_vector(data)
+    except (binascii.Error, ValueError) as e:
+        raise RequestError(param, f"is not base64 of float32 values ({e})") from None
+    if v.shape[0] != hidden:
+        raise RequestError(param, f"holds {v.shape[0]} float32 values; this model's hidden size is {hidden}")
+    if not np.isfinite(v).all():
+        raise RequestError(param, "holds a NaN or infinite value")
+
+
+def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str) -> List[Any]:
+    """One value for every vector, or a list of one per vector."""
+    if x is None:
+        if default is None:
+            raise RequestError(param, f"is required with steer_vector: {what}, or a list of one per vector")
+        return [default] * n
+    if not isinstance(x, list):
+        x = [x] * n
+    elif len(x) != n:
+        raise RequestError(param, f"has {len(x)} values for {n} vectors")
+    for i, v in enumerate(x):
+        if not ok(v):
+            raise RequestError(param, f"must be {what} or a list of one per vector; got {_json_type(v)}")
+    return [float(v) if what == "a number" else int(v) for v in x]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _json_type(x: Any) -> str:

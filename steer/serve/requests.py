@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from steer.serve.protocol import RequestError, SteerArgs, is_number, parse_steer
+from steer.serve.protocol import InlinePolicy, RequestError, SteerArgs, is_number, parse_steer
 
 # Fields the HF engine cannot honour, with the values that mean "not asked for".
 _UNSUPPORTED = {
@@ -40,7 +40,7 @@ class GenRequest:
     steer: Optional[SteerArgs]
 
 
-def completion(body: Any, presets, max_scale: float) -> GenRequest:
+def completion(body: Any, presets, max_scale: float, inline: Optional[InlinePolicy] = None) -> GenRequest:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -57,10 +57,11 @@ def completion(body: Any, presets, max_scale: float) -> GenRequest:
                                      "lists (none empty)")
     if len(prompts) > MAX_PROMPTS:
         raise RequestError("prompt", f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}")
-    return _common(body, prompts, None, 16, presets, max_scale)
+    return _common(body, prompts, None, 16, presets, max_scale, inline=inline)
 
 
-def chat(body: Any, presets, max_scale: float, default_max_tokens: int) -> GenRequest:
+def chat(body: Any, presets, max_scale: float, default_max_tokens: int,
+         inline: Optional[InlinePolicy] = None) -> GenRequest:
     body = _object(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -76,7 +77,8 @@ def chat(body: Any, presets, max_scale: float, default_max_tokens: int) -> GenRe
     field = "max_tokens"
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         field, body = "max_completion_tokens", dict(body, max_tokens=body["max_completion_tokens"])
-    return _common(body, [""], out, default_max_tokens, presets, max_scale, max_tokens_field=field)
+    return _common(body, [""], out, default_max_tokens, presets, max_scale, max_tokens_field=field,
+                   inline=inline)
 
 
 def _content(c: Any, param: str) -> str:
@@ -94,7 +96,7 @@ def _content(c: Any, param: str) -> str:
 
 
 def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, presets, max_scale: float,
-            max_tokens_field: str = "max_tokens") -> GenRequest:
+            max_tokens_field: str = "max_tokens", inline: Optional[InlinePolicy] = None) -> GenRequest:
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError("model", "must be a string (GET /v1/models lists this server's)")
@@ -112,7 +114,7 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise RequestError("user", "must be a string")
-    steer = parse_steer(body, presets, max_scale)
+    steer = parse_steer(body, presets, max_scale, inline=inline)
     return GenRequest(model, prompts, messages, max_tokens, temperature, top_p, seed, stops, stream,
                       include_usage, steer)
 

@@ -33,8 +33,12 @@ class ServeOptions:
     preset_dir: Optional[str] = None
     # The model name clients pass (and /v1/models lists); null: model.name.
     model_name: Optional[str] = None
-    # The largest |steer_scale| a request may ask for (a huge scale only overflows the activations).
+    # The largest |steer_scale| (and |steer_strength|) a request may ask for (a huge one only overflows the
+    # activations).
     max_steer_scale: float = 100.0
+    # Decoder layers whose residual stream a request's own vector (steer_vector) may be added to. Each is a tap on
+    # every request (engine=vllm in replay mode: a break in each step's graph), so none by default.
+    inline_layers: List[int] = field(default_factory=list)
     # engine=hf: max_tokens when a chat request gives none (a completion's default is OpenAI's, 16).
     chat_max_tokens: int = 256
     log_level: str = "info"

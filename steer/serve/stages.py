@@ -12,14 +12,16 @@ The stage list travels to the worker as plain data in vLLM's additional_config (
 """
 
 import json
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from steer.kinds import EditKind
 from steer.serve.presets import Preset
+from steer.serve.protocol import InlinePolicy, InlineVector
+from steer.tap import Tap
 
 
 class StageTable:
-    def __init__(self, presets: Dict[str, Preset]):
+    def __init__(self, presets: Dict[str, Preset], inline_taps: Optional[Dict[int, Tap]] = None):
         from interleaver.bank import EditBank
         from interleaver.vllm_internals import tap_location
         from steer.engine.vllm import stage_edits
@@ -42,6 +44,11 @@ class StageTable:
                     starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
                                           for (sid, strength, tokens), e in zip(entries, edits)]
                 self.presets[name].append([loc, len(edits), starts])
+        # layer -> location where a request's own vectors go: taps of the worker, with no stage until one comes
+        self.inline = {}
+        for layer, tap in (inline_taps or {}).items():
+            self.taps.setdefault(tap.path, tap)
+            self.inline[str(layer)] = tap_location(tap.path)
 
     def stage_list(self) -> list:
         """[(id, location, index, StageEdit.to_dict())]: what VLLMEngine ships, and the worker's steer_set_stages
@@ -51,8 +58,11 @@ class StageTable:
     def tap_list(self) -> list:
         return [[t.path, t.residual] for t in self.taps.values()]
 
-    def translator(self, listing: list, max_scale: float) -> "Translator":
-        return Translator({"presets": self.presets, "listing": listing, "max_steer_scale": max_scale})
+    def translator(self, listing: list, max_scale: float, hidden: Optional[int] = None) -> "Translator":
+        """The request side's table; `hidden`, the model's hidden size, is needed where inline vectors are taken."""
+        inline = {"hidden": int(hidden), "layers": self.inline} if self.inline else None
+        return Translator({"presets": self.presets, "listing": listing, "max_steer_scale": max_scale,
+                           "inline": inline})
 
 
 class Translator:
@@ -63,6 +73,9 @@ class Translator:
         self.presets: Dict[str, list] = table["presets"]
         self.listing: list = table["listing"]
         self.max_scale = float(table["max_steer_scale"])
+        inline = table.get("inline")
+        self.inline_at: Dict[str, str] = inline["layers"] if inline else {}  # layer -> location
+        self.inline = InlinePolicy(inline["hidden"], tuple(sorted(int(k) for k in self.inline_at))) if inline else None
 
     @classmethod
     def load(cls, path: str) -> "Translator":
@@ -73,10 +86,11 @@ class Translator:
         with open(path, "w") as f:
             json.dump(self.table, f)
 
-    def entries(self, names: Sequence[str], scale: float) -> List[list]:
+    def entries(self, names: Sequence[str], scale: float, used: Optional[Dict[str, int]] = None) -> List[list]:
         """[[stage, strength, tokens], ...] for presets `names` (distinct) composed in order, strengths times
-        `scale`, leaving out what changes nothing (as Plan.active does on the HF engine)."""
-        used: Dict[str, int] = {}
+        `scale`, leaving out what changes nothing (as Plan.active does on the HF engine). `used` is filled with
+        each tap's count of edit positions taken."""
+        used = {} if used is None else used
         out = []
         for name in names:
             for loc, count, starts in self.presets[name]:
@@ -88,13 +102,21 @@ class Translator:
                         out.append([sid, w, tokens])
         return out
 
-    def steer_arg(self, names: Sequence[str], scale: float):
-        """The worker's `extra_args["steer"]` for these presets (a JSON string: vllm_xargs values are flat), or
-        None when nothing is left to edit (the request is served untouched)."""
-        entries = self.entries(names, scale)
-        if not entries:
+    def steer_arg(self, names: Sequence[str], scale: float, inline: Sequence[InlineVector] = ()):
+        """The worker's `extra_args["steer"]` for these presets and the request's own vectors, each added after the
+        edits before it at its tap (a JSON string: vllm_xargs values are flat), or None when nothing is left to
+        edit (the request is served untouched)."""
+        used: Dict[str, int] = {}
+        entries = self.entries(names, scale, used)
+        own = []
+        for v in inline:
+            loc = self.inline_at[str(v.layer)]
+            index = used[loc] = used.get(loc, 0) + 1
+            if v.strength != 0.0:
+                own.append([loc, index - 1, v.strength, "both", v.data])
+        if not entries and not own:
             return None
-        return json.dumps({"entries": entries, "prompt_len": None, "capture": [], "key": ""})
+        return json.dumps({"entries": entries, "prompt_len": None, "capture": [], "key": "", "inline": own})
 
 
 def _sums(counts: List[int]) -> set:

@@ -13,7 +13,9 @@ from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default
 from steer.model import ModelSpec, spec as model_spec
 from steer.serve import presets
-from steer.serve.schema import PresetConf, ServeConf
+from steer.schema import TapConf
+from steer.serve.schema import PresetConf, ServeConf, ServeOptions
+from steer.tap import Tap, resolve
 
 
 def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
@@ -34,7 +36,12 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
     if conf.vllm.in_graph_field() and conf.vllm.tap_graphs:
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
+    if list(s.inline_layers) and conf.vllm.in_graph_field():
+        raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
+                                                 "graphs at start, and a request's own vector is not known then; "
+                                                 "serve inline vectors in replay mode (the default)")
     spec = model_spec(conf.model, conf.cache_dir)
+    inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)
     presets.check(confs, spec)
     if presets.needs_default(confs):
@@ -44,6 +51,19 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
                                                       "direction, extracted from prompts.positive and "
                                                       "prompts.negative")
     return name, spec, confs
+
+
+def inline_taps(s: ServeOptions, spec: ModelSpec) -> Dict[int, Tap]:
+    """serve.inline_layers, checked, as layer -> the residual-stream tap after that decoder layer."""
+    out = {}
+    for i, layer in enumerate(s.inline_layers):
+        if layer in out:
+            raise ConfigError(f"serve.inline_layers[{i}]", f"layer {layer} is listed twice")
+        if not 0 <= layer < spec.layers:
+            raise ConfigError(f"serve.inline_layers[{i}]", f"layer {layer} is out of range: {spec.name} has "
+                                                           f"{spec.layers} decoder layers (0..{spec.layers - 1})")
+        out[layer] = resolve(TapConf(layer=layer), spec, f"serve.inline_layers[{i}]")
+    return out
 
 
 def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetConf], engine) -> Dict:
@@ -71,7 +91,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         engine = engines.make("hf", spec, conf.device)
         compiled = compile_presets(conf, spec, confs, engine)
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
-                          conf.serve.chat_max_tokens)
+                          conf.serve.chat_max_tokens, inline_taps(conf.serve, spec))
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
             f"http://{conf.serve.host}:{conf.serve.port}/v1")
         uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level)

@@ -65,10 +65,12 @@ def argv(conf: ServeConf, spec: ModelSpec, model_name: str) -> List[str]:
 
 
 def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], out_dir: Path, model_name: str) -> None:
-    stages = StageTable(compiled)
+    from steer.serve.start import inline_taps
+
+    stages = StageTable(compiled, inline_taps(conf.serve, spec))
     extra = engine_config(conf, stages)
     path = Path(out_dir) / "steer_presets.json"
-    stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale).dump(str(path))
+    stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden).dump(str(path))
     os.environ[TABLE_ENV] = str(path)
     from steer.engine.vllm import set_environment
 

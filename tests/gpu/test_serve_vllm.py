@@ -9,8 +9,9 @@ equal the HF engine's, tests/gpu/test_vllm_engine.py). Concurrent requests with 
 import httpx
 import pytest
 
-from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent, check_listing,
-                          check_sse_done, check_streaming, client, server, token_logprobs)
+from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent,
+                          check_concurrent_own_vectors, check_listing, check_own_vectors, check_sse_done,
+                          check_streaming, client, server, token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module", params=["replay", "in_graph", "compiled"])
 def vllm_url(request, cache_dir, tiny_spec, tmp_path_factory):
     args = ["engine=vllm", "device=cpu", "vllm.gpu_memory_utilization=0.15", "vllm.max_cudagraph_capture_size=128"]
-    args += {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(request.param, [])
+    args += {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(
+        request.param, ["serve.inline_layers=[1,2]"])  # replay mode takes requests' own vectors
     with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-{request.param}"), timeout=900) as url:
         yield url
 
@@ -73,3 +75,15 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(vllm_url, vllm_client
 
 def test_concurrent_requests_each_equal_their_answer_alone(vllm_client):
     check_concurrent(vllm_client, 32)
+
+
+def test_own_vectors(request, vllm_url, vllm_client):
+    """Replay mode: a request's own vector becomes a stage in the worker when it comes, and answers as the preset
+    with that vector (token log-probs equal too). The in-graph modes refuse it: their edits are fixed at start."""
+    if request.node.callspec.params["vllm_url"] == "replay":
+        check_own_vectors(vllm_url, vllm_client, logprobs=True)
+        check_concurrent_own_vectors(vllm_url, vllm_client)
+        return
+    r = httpx.post(f"{vllm_url}/v1/completions", timeout=60, json={
+        "model": "steer-test", "prompt": PROMPTS[0], "max_tokens": 4, "vllm_xargs": {"steer_vector": "AAAAAA=="}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.steer_vector"

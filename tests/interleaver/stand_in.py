@@ -65,8 +65,9 @@ def tap_worker(config=None, taps=(("layers.0", True),)):
     return w
 
 
-def step(runner, reqs, x):
-    """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step."""
+def step(runner, reqs, x, finished=()):
+    """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step (`finished`: the
+    requests vLLM reports finished since the last step)."""
     runner.input_batch.num_reqs = len(reqs)
     runner.input_batch.req_ids = [r[0] for r in reqs]
     counts = [r[1] for r in reqs]
@@ -76,4 +77,4 @@ def step(runner, reqs, x):
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=plen,
                                                sampling_params=SimpleNamespace(extra_args=extra))
     runner.x = x
-    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts)))
+    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts), finished_req_ids=set(finished)))

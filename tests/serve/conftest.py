@@ -9,7 +9,8 @@ from serve_common import client, server
 
 @pytest.fixture(scope="session")
 def hf_url(cache_dir, tiny_spec, tmp_path_factory):
-    with server(["engine=hf"], cache_dir, tmp_path_factory.mktemp("serve-hf")) as url:
+    # layers 1 and 2 take requests' own vectors (test_serve_inline.py); on the HF engine an unused one costs nothing
+    with server(["engine=hf", "serve.inline_layers=[1,2]"], cache_dir, tmp_path_factory.mktemp("serve-hf")) as url:
         yield url
 
 

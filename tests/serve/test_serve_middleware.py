@@ -33,20 +33,21 @@ def table(compiled):
     return StageTable(compiled)
 
 
+async def _echo(scope, receive, send):
+    """Stands in for vLLM: says what body and length it was handed."""
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    out = json.dumps({"body": body.decode(), "length": dict(scope["headers"]).get(b"content-length", b"").decode(),
+                      "path": scope["path"]}).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": out})
+
+
 @pytest.fixture(scope="module")
 def http(compiled, table):
-    async def echo(scope, receive, send):  # stands in for vLLM: says what body and length it was handed
-        body, more = b"", True
-        while more:
-            msg = await receive()
-            body, more = body + msg.get("body", b""), msg.get("more_body", False)
-        out = json.dumps({"body": body.decode(), "length": dict(scope["headers"]).get(b"content-length", b"").decode(),
-                          "path": scope["path"]}).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": out})
-
-    translator = table.translator(presets.listing(compiled), 100.0)
-    return TestClient(SteerMiddleware(echo, translator))
+    return TestClient(SteerMiddleware(_echo, table.translator(presets.listing(compiled), 100.0)))
 
 
 def _program(stages, entries):
@@ -181,3 +182,32 @@ def test_engine_config_is_plain_data(compiled, table):
                         ("--middleware", "steer.serve.middleware.SteerMiddleware"), ("--served-model-name", "tiny"),
                         ("--host", "127.0.0.1"), ("--port", "8000")):
         assert flags[flags.index(flag) + 1] == value
+
+
+def test_own_vectors_reach_the_worker_after_the_presets_edits(compiled):
+    """steer_vector at the server's inline layers: each vector rides to the worker with its tap's location and
+    the position after the request's preset edits there; strength 0 is left out; a layer not served is refused."""
+    from steer.schema import TapConf
+    from steer.serve.protocol import encode_vector
+    from steer.tap import resolve
+
+    s = spec(ModelConf(name="tiny"), "/nonexistent")
+    table = StageTable(compiled, {layer: resolve(TapConf(layer=layer), s) for layer in (1, 3)})
+    assert ["model.layers.3", True] in table.tap_list()  # a tap with no stage until a request brings a vector
+    http = TestClient(SteerMiddleware(_echo, table.translator([], 100.0, s.hidden)))
+    v, u = encode_vector(torch.arange(s.hidden) / 7.0), encode_vector(torch.ones(s.hidden))
+
+    def worker_reads(xargs):
+        seen = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "vllm_xargs": xargs}).json()
+        return RequestEdits.from_args(json.loads(seen["body"])["vllm_xargs"]["steer"])
+
+    got = worker_reads({"steer": "joy", "steer_vector": [v, u], "steer_layer": [1, 3], "steer_strength": [2.5, 0]})
+    assert [list(e) for e in got.entries] == table.translator([], 100.0, s.hidden).entries(["joy"], 1.0)
+    assert got.inline == [(tap_location("model.layers.1"), 1, 2.5, "both", v)]  # joy's add is position 0 there
+    got = worker_reads({"steer_vector": u, "steer_layer": 3})
+    assert got.entries == [] and got.inline == [(tap_location("model.layers.3"), 0, 1.0, "both", u)]
+    for xargs, param in (({"steer_vector": v, "steer_layer": 2}, "vllm_xargs.steer_layer"),
+                         ({"steer_vector": v[:-8], "steer_layer": 1}, "vllm_xargs.steer_vector"),
+                         ({"steer_vector": [v, v], "steer_layer": [1]}, "vllm_xargs.steer_layer")):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "vllm_xargs": xargs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

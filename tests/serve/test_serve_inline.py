@@ -1,0 +1,47 @@
+"""Requests' own vectors on `python -m steer.serve engine=hf` (serve.inline_layers=[1, 2], tests/serve/conftest.py):
+a vector sent as steer_vector steers exactly as the preset that adds the same vector at the same layer and strength;
+bad vectors are 400s naming the field, and the server keeps serving."""
+
+import httpx
+import numpy as np
+
+from serve_common import MODEL, PROMPTS, check_concurrent_own_vectors, check_own_vectors, complete, joy_vector
+from steer.serve.protocol import MAX_INLINE, encode_vector
+
+
+def test_an_own_vector_steers_as_the_preset_with_that_vector(hf_url, hf_client):
+    check_own_vectors(hf_url, hf_client)
+
+
+def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
+    _, v = joy_vector(hf_url)
+    ok, before = encode_vector(v), complete(hf_client, PROMPTS[0], "joy")
+    cases = [
+        ({"steer_vector": encode_vector(np.append(v, 0.0)), "steer_layer": 1}, "vllm_xargs.steer_vector"),
+        ({"steer_vector": encode_vector(np.where(np.arange(v.size) == 3, np.nan, v)), "steer_layer": 1},
+         "vllm_xargs.steer_vector"),
+        ({"steer_vector": "not base64!", "steer_layer": 1}, "vllm_xargs.steer_vector"),
+        ({"steer_vector": [ok] * (MAX_INLINE + 1), "steer_layer": 1}, "vllm_xargs.steer_vector"),
+        ({"steer_vector": [], "steer_layer": 1}, "vllm_xargs.steer_vector"),
+        ({"steer_vector": ok}, "vllm_xargs.steer_layer"),
+        ({"steer_vector": ok, "steer_layer": 3}, "vllm_xargs.steer_layer"),  # a layer of the model not served
+        ({"steer_vector": ok, "steer_layer": "1"}, "vllm_xargs.steer_layer"),
+        ({"steer_vector": [ok, ok], "steer_layer": [1, 2, 1]}, "vllm_xargs.steer_layer"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_strength": 1e9}, "vllm_xargs.steer_strength"),
+        ({"steer_vector": [ok, ok], "steer_layer": 1, "steer_strength": [1.0, "x"]}, "vllm_xargs.steer_strength"),
+        ({"steer_strength": 2.0}, "vllm_xargs.steer_strength"),
+        ({"steer_vectors": ok}, "vllm_xargs.steer_vectors"),
+    ]
+    for xargs, param in cases:
+        r = httpx.post(f"{hf_url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "vllm_xargs": xargs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+    raw = ('{"model": "%s", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer_vector": "%s", "steer_layer": 1, '
+           '"steer_strength": NaN}}' % (MODEL, ok)).encode()
+    r = httpx.post(f"{hf_url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.steer_strength", r.text
+    assert complete(hf_client, PROMPTS[0], "joy") == before
+
+
+def test_concurrent_own_vectors_each_equal_their_answer_alone(hf_url, hf_client):
+    check_concurrent_own_vectors(hf_url, hf_client, 12)
