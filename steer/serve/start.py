@@ -20,8 +20,12 @@ from steer.tap import Tap, resolve
 
 def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
     """(engine name, model spec, presets read and checked): everything checked that needs no weights."""
-    name = engines.resolve(conf.engine)
     s = conf.serve
+    if list(s.inline_layers) and conf.vllm.in_graph_field():
+        raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
+                                                 "graphs at start, and a request's own vector is not known then; "
+                                                 "serve inline vectors in replay mode (the default)")
+    name = engines.resolve(conf.engine)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
     if not s.max_steer_scale > 0:
@@ -36,10 +40,6 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
     if conf.vllm.in_graph_field() and conf.vllm.tap_graphs:
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
-    if list(s.inline_layers) and conf.vllm.in_graph_field():
-        raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
-                                                 "graphs at start, and a request's own vector is not known then; "
-                                                 "serve inline vectors in replay mode (the default)")
     spec = model_spec(conf.model, conf.cache_dir)
     inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)

@@ -125,3 +125,27 @@ def test_graph_modes_need_the_vllm_engine(mode):
     with pytest.raises(ConfigError) as e:
         prepare(conf)
     assert e.value.field == f"vllm.{mode}" and "needs engine=vllm" in str(e.value)
+
+
+@pytest.mark.parametrize("layers, mode, field, says", [
+    ([1, 9], None, "serve.inline_layers[1]", "layer 9 is out of range: tiny has 4 decoder layers (0..3)"),
+    ([2, 2], None, "serve.inline_layers[1]", "layer 2 is listed twice"),
+    ([1], "compiled_edits", "serve.inline_layers", "serve inline vectors in replay mode"),
+    ([1], "edits_in_graph", "serve.inline_layers", "a request's own vector is not known then"),
+])
+def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from helpers import CONF
+    from steer.serve import schema
+    from steer.serve.start import prepare
+
+    schema.register()
+    overrides = [f"serve.inline_layers={layers}", f"cache_dir={cache_dir}"] + (
+        [f"vllm.{mode}=true", "engine=vllm"] if mode else ["engine=hf"])
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        conf = OmegaConf.to_object(compose(config_name="serve", overrides=overrides))
+    with pytest.raises(ConfigError) as e:
+        prepare(conf)
+    assert e.value.field == field and says in str(e.value), str(e.value)
