@@ -139,6 +139,11 @@ class _TapWorkerMixin:
             return out
 
         def execute_model(*a, **k):
+            # Requests finished since the last step free their own vectors' stages (read here: a step that
+            # schedules nothing may never prepare inputs)
+            done = getattr(a[0] if a else k.get("scheduler_output"), "finished_req_ids", None)
+            if done:
+                self.steer_inline.release(done)
             try:
                 return execute(*a, **k)
             finally:
@@ -155,7 +160,6 @@ class _TapWorkerMixin:
         n = batch.num_reqs
         qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il = self.steer_il
-        self.steer_inline.release(getattr(scheduler_output, "finished_req_ids", None) or ())
         rids = tuple(batch.req_ids[:n])
         if self.steer_batch_key is None or rids != self.steer_batch_key[0]:  # a request joined or left: look its
             cache = self.steer_requests                                       # edits up once
@@ -307,7 +311,8 @@ class HostWorker(_TapWorkerMixin, _NoWorker):
     def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> None:
         """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
         (`finished`: the requests vLLM reports finished since the last step)."""
-        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens, finished_req_ids=set(finished)))
+        self.steer_inline.release(finished)
+        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
 
 
 def shutdown(llm: Any) -> None:
