@@ -33,7 +33,9 @@ class RequestError(Exception):
         self.param, self.message, self.status, self.kind, self.code = param, message, status, kind, code
 
     def body(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        # The field is in the message too: clients (the openai one among them) show the message alone
+        message = f"{self.param}: {self.message}" if self.param else self.message
+        return {"error": {"message": message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)

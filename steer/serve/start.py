@@ -79,10 +79,12 @@ def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetCon
 
 def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
     name, spec, confs = prepare(conf)
+    say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
     if conf.model.source == "tiny":
+        if not tiny.tiny_dir(conf.cache_dir, conf.model.tiny).is_dir():
+            say("steer serve: training the tiny model into the cache (once; a few minutes on a CPU)")
         tiny.ensure_tiny(conf.cache_dir, conf.model.tiny)
     model_name = conf.serve.model_name or conf.model.name
-    say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
     if name == "hf":
         import uvicorn
 
