@@ -117,56 +117,76 @@ class EditBank:
 class InlineStages:
     """Requests' own vectors as stages of `bank`: a vector gets a stage (an `add` at its location and index) when a
     request first brings it, shared by every request that brings the same one there, and its id is free for another
-    once the last such request has finished. Ids stay put while in use, so the entries of requests in flight stay
-    valid as others come and go."""
+    once the last such request has finished; when none is in use the bank drops them all. Ids stay put while in
+    use, and an inline stage's weight column is placed after every other stage's, so the entries and columns of
+    requests in flight stay valid as others come and go, and only the taps whose stages changed need new
+    programs."""
 
     def __init__(self, bank: EditBank) -> None:
         self.bank = bank
         self._ids: Dict[tuple, int] = {}  # (location, index, digest) -> stage id
-        self._key: Dict[int, tuple] = {}
+        self._key: Dict[int, tuple] = {}  # and back
         self._refs: Dict[int, int] = {}  # stage id -> requests using it
         self._free: List[int] = []
-        self._of: Dict[str, List[int]] = {}  # request id -> its stages
+        self._of: Dict[str, List[Tuple[int, float, str]]] = {}  # request id -> its entries
 
-    def take(self, rid: str, edits: RequestEdits, device) -> bool:
-        """Give the request's inline vectors stages and append their entries to `edits.entries` (once per
-        request); True if the bank changed (its programs must be rebuilt)."""
-        if not edits.inline or rid in self._of:
-            return False
-        changed, sids = False, []
+    def held(self) -> List[int]:
+        """The ids of the bank's inline stages (in use or free), in order."""
+        return sorted(self._key)
+
+    def take(self, rid: str, edits: RequestEdits, device) -> set:
+        """Give the request's inline vectors stages and append their entries to `edits.entries` (a request read
+        again gets the same ones); the locations whose stages changed (their programs must be rebuilt)."""
+        if not edits.inline:
+            return set()
+        if rid in self._of:
+            edits.entries.extend(self._of[rid])
+            edits._dense = None
+            return set()
+        changed, mine = set(), []
         for loc, index, strength, rows, data in edits.inline:
             key = (loc, int(index), hashlib.sha256(data.encode()).hexdigest())
             sid = self._ids.get(key)
             if sid is None:
-                sid, changed = self._place(key, loc, int(index), data, device), True
+                sid = self._place(key, loc, int(index), data, device, changed)
             elif self._refs.get(sid, 0) == 0:
                 self._free.remove(sid)  # freed but not yet reused: the same vector again
             self._refs[sid] = self._refs.get(sid, 0) + 1
-            sids.append(sid)
-            edits.entries.append((sid, float(strength), str(rows)))
-        self._of[rid] = sids
+            mine.append((sid, float(strength), str(rows)))
+        self._of[rid] = mine
+        edits.entries.extend(mine)
         edits._dense = None
         return changed
 
-    def release(self, rids) -> None:
-        """Requests that have finished (or were aborted): their vectors' stages are free once no request uses them."""
+    def release(self, rids) -> set:
+        """Requests that have finished (or were aborted): their vectors' stages are free once no request uses
+        them, and once none is in use the bank forgets them all. The locations whose stages changed."""
         for rid in rids:
-            for sid in self._of.pop(rid, ()):
+            for sid, _, _ in self._of.pop(rid, ()):
                 self._refs[sid] -= 1
                 if self._refs[sid] == 0:
                     self._free.append(sid)
+        if not self._key or any(self._refs.values()):
+            return set()
+        first = min(self._key)  # inline ids follow every other stage's
+        changed = {s.location for s in self.bank.stages[first:]}
+        self.bank.stages = self.bank.stages[:first]
+        self._ids, self._key, self._refs, self._free = {}, {}, {}, []
+        return changed
 
-    def _place(self, key: tuple, loc: str, index: int, data: str, device) -> int:
+    def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set) -> int:
         vec = np.frombuffer(base64.b64decode(data), dtype="<f4").astype(np.float32)
-        stage = StageEdit(Kind.add, torch.from_numpy(vec)[None].to(device))
+        edit = StageEdit(Kind.add, torch.from_numpy(vec)[None].to(device))
         stages = self.bank.stages
         sid = self._free.pop(0) if self._free else len(stages)
         if sid in self._key:
             del self._ids[self._key.pop(sid)]
         if sid == len(stages):
-            stages.append(Stage(sid, loc, index, stage))
+            stages.append(Stage(sid, loc, index, edit))
         else:
-            stages[sid] = Stage(sid, loc, index, stage)
+            changed.add(stages[sid].location)
+            stages[sid] = Stage(sid, loc, index, edit)
+        changed.add(loc)
         self._ids[key], self._key[sid] = sid, key
         return sid
 

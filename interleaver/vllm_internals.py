@@ -143,7 +143,7 @@ class _TapWorkerMixin:
             # schedules nothing may never prepare inputs)
             done = getattr(a[0] if a else k.get("scheduler_output"), "finished_req_ids", None)
             if done:
-                self.steer_inline.release(done)
+                self._steer_finished(done)
             try:
                 return execute(*a, **k)
             finally:
@@ -163,7 +163,7 @@ class _TapWorkerMixin:
         rids = tuple(batch.req_ids[:n])
         if self.steer_batch_key is None or rids != self.steer_batch_key[0]:  # a request joined or left: look its
             cache = self.steer_requests                                       # edits up once
-            edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), False
+            edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), set()
             for i, rid in enumerate(rids):
                 got = cache.get(rid)
                 if got is None:
@@ -174,8 +174,8 @@ class _TapWorkerMixin:
                         changed |= self.steer_inline.take(rid, got[0], runner.device)
                 edits.append(got[0])
                 prompt_lens[i] = got[1]
-            if changed:  # a request brought a vector of its own: the taps' programs take its new stage
-                self._steer_install()
+            if changed:  # a request brought a vector of its own: its tap's program takes the new stage
+                self._steer_install(changed)
             if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
                 present = set(runner.requests)
                 for rid in [r for r in cache if r not in present]:
@@ -184,6 +184,15 @@ class _TapWorkerMixin:
             self.steer_batch = BatchEdits(edits, prompt_lens, len(self.steer_bank.stages), il.step.order)
         il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
                          self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
+
+    def _steer_finished(self, rids) -> None:
+        """Forget finished requests (vLLM may reuse an id for a request resubmitted after an abort) and free their
+        own vectors' stages."""
+        for rid in rids:
+            self.steer_requests.pop(rid, None)
+        changed = self.steer_inline.release(rids)
+        if changed:
+            self._steer_install(changed)
 
     # collective_rpc entry points ----------------------------------------------------------------------
 
@@ -205,8 +214,9 @@ class _TapWorkerMixin:
         self.steer_requests.clear()
         return self._steer_install()
 
-    def _steer_install(self) -> int:
-        """The bank's stages as the taps' programs."""
+    def _steer_install(self, only: Optional[set] = None) -> int:
+        """The bank's stages as the taps' programs; `only`: the locations whose stages changed, where the other
+        taps' stages kept their columns (inline stages' columns follow every other stage's)."""
         from interleaver.bank import layout
         from interleaver.program import TapProgram
 
@@ -214,16 +224,23 @@ class _TapWorkerMixin:
         stray = {s.location for s in bank.stages} - il.taps
         if stray:
             raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
-        order = layout(bank.stages)
+        inline = self.steer_inline.held()
+        held = set(inline)
+        order = np.concatenate([layout([s for s in bank.stages if s.id not in held]), np.array(inline, dtype=np.int64)])
         il.step.order = order
         self.steer_batch_key = None  # column order changed: rebuild the batch's weights
         columns = {int(sid): col for col, sid in enumerate(order)}
         if il.tap_graphs is not None:  # the graphs read the old programs' tensors and the old weight buffer
             il.tap_graphs.clear()
             il.step.use_static(self.model_runner.max_num_tokens, len(bank.stages), device)
+            only = None
         # Every tap gets a program, those with no edits too: they still serve capture-only requests.
-        il.programs = {loc: TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device)
-                       for loc in il.taps}
+        old = il.programs or {}
+        il.programs = {loc: old[loc] if only is not None and loc not in only and loc in old
+                       else TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device) for loc in il.taps}
+        for loc, program in il.programs.items():
+            if loc in old and program is not old[loc]:
+                program.kept = old[loc].kept  # rows a scoring request kept, not yet taken
         return len(bank.stages)
 
     def steer_profile(self) -> dict:
@@ -311,7 +328,7 @@ class HostWorker(_TapWorkerMixin, _NoWorker):
     def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> None:
         """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
         (`finished`: the requests vLLM reports finished since the last step)."""
-        self.steer_inline.release(finished)
+        self._steer_finished(finished)
         self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
 
 

@@ -70,7 +70,7 @@ class SteerMiddleware:
                 if key == "extra_args" and parent in ("", "sampling_params") and isinstance(value, dict) and any(
                         isinstance(k, str) and k.lower().startswith("steer") for k in value):
                     raise RequestError(f"{where}extra_args", "steer edits are asked for by preset name, in "
-                                                             "vllm_xargs (steer, steer_scale)")
+                                                             "vllm_xargs (steer, steer_scale, steer_vector, ...)")
                 if isinstance(value, (dict, list)) and key != "vllm_xargs":
                     changed |= self._walk(value, f"{where}{key}.", key)
         elif isinstance(node, list):

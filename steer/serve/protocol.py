@@ -22,6 +22,7 @@ import numpy as np
 STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength")
 INLINE_KEYS = STEER_KEYS[2:]
 MAX_INLINE = 64  # vectors in one request
+MAX_PUSH = 1e4  # the largest value strength x vector may add to a residual-stream element
 
 
 class RequestError(Exception):
@@ -121,7 +122,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     param = f"{where}vllm_xargs.steer_scale"
     if not is_number(scale):
         raise RequestError(param, f"must be a number, got {_json_type(scale)}")
-    scale = float(scale)
+    scale = _float(scale)
     if not math.isfinite(scale):
         raise RequestError(param, f"must be finite, got {scale}")
     if abs(scale) > max_scale:
@@ -165,10 +166,19 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
             raise RequestError(at, f"must be finite, got {w}")
         if abs(w) > max_scale:
             raise RequestError(at, f"{w:g} is beyond this server's limit of {max_scale:g} (serve.max_steer_scale)")
+    for i, (w, d) in enumerate(zip(strengths, data)):
+        push = abs(w) * float(np.abs(decode_vector(d)).max())
+        if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
+            at = f"{where}steer_strength" + (f"[{i}]" if isinstance(xargs.get("steer_strength"), list) else "")
+            raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
+                                   f"vector's largest value); at most {MAX_PUSH:g}")
     return tuple(InlineVector(int(layer), float(w), d) for layer, w, d in zip(layers, strengths, data))
 
 
 def _check_vector(data: str, hidden: int, param: str) -> None:
+    if len(data) > 4 * (4 * hidden // 3 + 4):  # longer than hidden float32 values in base64: not decoded
+        raise RequestError(param, f"is {len(data)} characters long; {hidden} float32 values in base64 take "
+                                  f"{4 * ((4 * hidden + 2) // 3)}")
     try:
         v = decode_vector(data)
     except (binascii.Error, ValueError) as e:
@@ -185,14 +195,24 @@ def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str) -> List
         if default is None:
             raise RequestError(param, f"is required with steer_vector: {what}, or a list of one per vector")
         return [default] * n
-    if not isinstance(x, list):
+    listed = isinstance(x, list)
+    if not listed:
         x = [x] * n
     elif len(x) != n:
         raise RequestError(param, f"has {len(x)} values for {n} vectors")
     for i, v in enumerate(x):
         if not ok(v):
-            raise RequestError(param, f"must be {what} or a list of one per vector; got {_json_type(v)}")
-    return [float(v) if what == "a number" else int(v) for v in x]
+            at = f"{param}[{i}]" if listed else param
+            raise RequestError(at, f"must be {what} or a list of one per vector; got {_json_type(v)}")
+    return [_float(v) if what == "a number" else int(v) for v in x]
+
+
+def _float(x) -> float:
+    """A JSON number as a float; an integer too large for one is infinite (and refused as not finite)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def _is_int(x: Any) -> bool:

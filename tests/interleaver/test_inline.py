@@ -56,12 +56,35 @@ def test_own_vector_runs_after_the_presets_edits_at_its_tap(worker):
     torch.testing.assert_close(out[0], x[0] - (x[0] @ u) * u + 2.0 * v)
 
 
-def test_a_request_seen_again_is_not_counted_twice():
+def test_a_request_read_again_gets_its_stages_once():
     """vLLM may drop a preempted request from the worker's cache and schedule it again: its stages are taken once
-    and released once."""
+    and released once, and its edits read again carry them."""
     inline = InlineStages(EditBank())
-    edits = RequestEdits(inline=[(LOC, 0, 1.0, "both", encode_vector(torch.ones(H)))])
-    assert inline.take("a", edits, "cpu") and not inline.take("a", edits, "cpu")
-    assert inline._refs == {0: 1} and edits.entries == [(0, 1.0, "both")]
-    inline.release(["a", "a", "never-seen"])
-    assert inline._refs == {0: 0} and inline._free == [0]
+    args = RequestEdits(inline=[(LOC, 0, 1.0, "both", encode_vector(torch.ones(H)))]).to_args()
+    first, again = RequestEdits.from_args(args), RequestEdits.from_args(args)
+    assert inline.take("a", first, "cpu") == {LOC} and inline.take("a", again, "cpu") == set()
+    assert inline._refs == {0: 1} and first.entries == again.entries == [(0, 1.0, "both")]
+    assert inline.release(["a", "a", "never-seen"]) == {LOC}  # none in use: the bank forgets them
+    assert inline.bank.stages == [] and inline.held() == []
+
+
+def test_an_id_vllm_reuses_gets_the_new_requests_vector(worker):
+    """A request resubmitted under the id of one that just finished (vLLM does so after an abort) is read anew."""
+    v, w, z, x = torch.randn(H), torch.randn(H), torch.randn(H), torch.randn(2, H)
+    step(worker.model_runner, [("a", 1, 0, 1, _own(v, 1.0))], x)
+    out = step(worker.model_runner, [("a", 1, 0, 1, _own(w, 1.0)), ("b", 1, 0, 1, _own(z, 1.0))], x, finished=["a"])
+    torch.testing.assert_close(out, x + torch.stack([w, z]))
+
+
+def test_the_bank_forgets_inline_stages_when_none_is_in_use(worker):
+    """Preset stages stay; once no request uses a vector of its own, the inline stages go and the tap's program
+    has only the presets' again (its fused kernel, where it had one)."""
+    d, v, x = torch.randn(1, H), torch.randn(H), torch.randn(1, H)
+    bank = EditBank()
+    bank.register(LOC, stage_edits([compile_edit(EditKind.ablate, 1.0, d)]))
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    step(worker.model_runner, [("a", 1, 0, 1, _own(v, 1.0, index=1))], x)
+    assert len(worker.steer_il.programs[LOC].stages) == 2
+    out = step(worker.model_runner, [("b", 1, 0, 1, None)], x, finished=["a"])
+    assert [s.edit.kind.value for s in worker.steer_il.programs[LOC].stages] == ["ablate"]
+    assert len(worker.steer_bank.stages) == 1 and torch.equal(out, x)

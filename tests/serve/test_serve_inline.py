@@ -28,7 +28,10 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         ({"steer_vector": ok, "steer_layer": "1"}, "vllm_xargs.steer_layer"),
         ({"steer_vector": [ok, ok], "steer_layer": [1, 2, 1]}, "vllm_xargs.steer_layer"),
         ({"steer_vector": ok, "steer_layer": 1, "steer_strength": 1e9}, "vllm_xargs.steer_strength"),
-        ({"steer_vector": [ok, ok], "steer_layer": 1, "steer_strength": [1.0, "x"]}, "vllm_xargs.steer_strength"),
+        ({"steer_vector": [ok, ok], "steer_layer": 1, "steer_strength": [1.0, "x"]}, "vllm_xargs.steer_strength[1]"),
+        ({"steer_vector": encode_vector(v * 0 + 1e3), "steer_layer": 1, "steer_strength": 20},
+         "vllm_xargs.steer_strength"),  # adds 2e4 to each element
+        ({"steer_vector": ok * 3, "steer_layer": 1}, "vllm_xargs.steer_vector"),  # too long: never decoded
         ({"steer_strength": 2.0}, "vllm_xargs.steer_strength"),
         ({"steer_vectors": ok}, "vllm_xargs.steer_vectors"),
     ]
@@ -36,10 +39,12 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         r = httpx.post(f"{hf_url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "vllm_xargs": xargs})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
-    raw = ('{"model": "%s", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer_vector": "%s", "steer_layer": 1, '
-           '"steer_strength": NaN}}' % (MODEL, ok)).encode()
-    r = httpx.post(f"{hf_url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.steer_strength", r.text
+    for strength in ("NaN", "1" + "0" * 400):  # a JSON number no float holds
+        raw = ('{"model": "%s", "prompt": "x", "max_tokens": 4, "vllm_xargs": {"steer_vector": "%s", "steer_layer": 1, '
+               '"steer_strength": %s}}' % (MODEL, ok, strength)).encode()
+        r = httpx.post(f"{hf_url}/v1/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs.steer_strength", r.text
     assert complete(hf_client, PROMPTS[0], "joy") == before
 
 
