@@ -87,16 +87,17 @@ def _served(c, prompt, steer, scale, chat):
 def test_answers_equal_the_hf_engine(url, hf, plans):
     """Every case of serve_common.CASES, completion and chat, scored by the HF engine with the same presets along
     the server's own answer: each token's log-prob within LOGPROB_ATOL of the HF engine's, each token the HF
-    engine's greedy choice or within TIE of it (at most two such near-ties in all), the text the HF engine's
+    engine's greedy choice or within TIE of it (near-ties: at most one token in 50), the text the HF engine's
     decoding of those tokens; and each preset moves some answer. Scoring the server's path, not comparing it with
     the HF engine's own greedy text, keeps one near-tie from hiding or faking everything after it."""
     import torch
 
-    c, worst, ties, moved, unsteered = client(url), [0.0, None], [], set(), {}
+    c, worst, ties, moved, unsteered, scored = client(url), [0.0, None], [], set(), {}, 0
     for steer, scale in CASES:
         for p, chat in itertools.product(PROMPTS, (False, True)):
             case, ids, plan = (p, steer, scale, chat), hf.encode(p, "true" if chat else "false"), plans(steer, scale)
             got, served_lp, text = _served(c, p, steer, scale, chat)
+            scored += len(got)
             lp = hf.score(ids, got, plan).logprobs[len(ids) - 1:len(ids) - 1 + len(got)].double()
             mine = lp[torch.arange(len(got)), torch.tensor(got)]
             diff = (mine - torch.tensor(served_lp, dtype=torch.float64)).abs()
@@ -110,8 +111,10 @@ def test_answers_equal_the_hf_engine(url, hf, plans):
             unsteered.setdefault((p, chat), got)
             if steer in PRESETS and scale != 0.0 and got != unsteered[(p, chat)]:
                 moved.add(steer)
-    print({"largest log-prob difference": worst, "near-ties": ties})
-    assert len(ties) <= 2, ties  # a tie is rare; many would be a difference, not kernels' rounding
+    print({"largest log-prob difference": worst, "near-ties": ties, "tokens": scored})
+    # A tie is rare (steered at 12 x the direction, the text is far from the model's own and ties come more often);
+    # many would be a difference, not kernels' rounding
+    assert len(ties) <= max(2, scored // 50), ties
     assert moved == set(PRESETS), moved
 
 
