@@ -152,24 +152,21 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         raise RequestError(param, f"{len(data)} vectors in one request; at most {MAX_INLINE}")
     for i, d in enumerate(data):
         _check_vector(d, policy.hidden, f"{param}[{i}]" if len(data) > 1 else param)
-    layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, _is_int, "an integer")
+    layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, is_int, "an integer")
     for i, layer in enumerate(layers):
         if layer not in policy.layers:
-            at = f"{where}steer_layer" + (f"[{i}]" if isinstance(xargs.get("steer_layer"), list) else "")
-            raise RequestError(at, f"layer {layer} is not tapped for inline vectors on this server; it takes "
-                                   f"{list(policy.layers)} (serve.inline_layers)")
+            raise RequestError(_item(xargs, where, "steer_layer", i), f"layer {layer} is not tapped for inline "
+                               f"vectors on this server; it takes {list(policy.layers)} (serve.inline_layers)")
     strengths = _per_vector(xargs.get("steer_strength"), len(data), f"{where}steer_strength", 1.0, is_number,
                             "a number")
-    for i, w in enumerate(strengths):
-        at = f"{where}steer_strength" + (f"[{i}]" if isinstance(xargs.get("steer_strength"), list) else "")
+    for i, (w, d) in enumerate(zip(strengths, data)):
+        at = _item(xargs, where, "steer_strength", i)
         if not math.isfinite(w):
             raise RequestError(at, f"must be finite, got {w}")
         if abs(w) > max_scale:
             raise RequestError(at, f"{w:g} is beyond this server's limit of {max_scale:g} (serve.max_steer_scale)")
-    for i, (w, d) in enumerate(zip(strengths, data)):
         push = abs(w) * float(np.abs(decode_vector(d)).max())
         if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
-            at = f"{where}steer_strength" + (f"[{i}]" if isinstance(xargs.get("steer_strength"), list) else "")
             raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
                                    f"vector's largest value); at most {MAX_PUSH:g}")
     return tuple(InlineVector(int(layer), float(w), d) for layer, w, d in zip(layers, strengths, data))
@@ -215,7 +212,12 @@ def _float(x) -> float:
         return math.inf
 
 
-def _is_int(x: Any) -> bool:
+def _item(xargs: Dict[str, Any], where: str, key: str, i: int) -> str:
+    """The field of vector i's value of `key`: `key[i]` where the request sent a list."""
+    return f"{where}{key}" + (f"[{i}]" if isinstance(xargs.get(key), list) else "")
+
+
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from steer.serve.protocol import InlinePolicy, RequestError, SteerArgs, is_number, parse_steer
+from steer.serve.protocol import InlinePolicy, RequestError, SteerArgs, is_int, is_number, parse_steer
 
 # Fields the HF engine cannot honour, with the values that mean "not asked for".
 _UNSUPPORTED = {
@@ -45,11 +45,11 @@ def completion(body: Any, presets, max_scale: float, inline: Optional[InlinePoli
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
                                                      for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
@@ -107,7 +107,7 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     if top_p == 0.0:
         raise RequestError("top_p", "must be in (0, 1]")
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise RequestError("seed", f"must be an integer in [0, {MAX_SEED}]")
     stops = _stops(body.get("stop"))
     stream, include_usage = _streaming(body)
@@ -125,7 +125,7 @@ def _refuse_unsupported(body: Dict[str, Any]) -> None:
         if key in body and body[key] not in ok:
             raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and (not is_int(n) or n != 1):
         raise RequestError("n", "the hf engine serves n=1 only")
 
 
@@ -134,7 +134,7 @@ def _max_tokens(body: Dict[str, Any], default: int, field: str) -> int:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         return int(default)
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise RequestError(field, "must be an integer >= 1")
     return int(max_tokens)
 
@@ -174,10 +174,6 @@ def _object(body: Any) -> Dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(None, "the request body must be a JSON object")
     return body
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _number(body: Dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
