@@ -284,3 +284,35 @@ def check_own_vectors(url: str, c, logprobs: bool = False) -> None:
     assert moved  # the vector steers some answer
     # with a preset: joy, then a vector of zeros at layer 2 (an add of nothing): joy's answer
     assert complete(c, PROMPTS[0], **own(encode_vector(v * 0), 2, 1.0, steer="joy")) == complete(c, PROMPTS[0], "joy")
+
+
+def check_own_tokens(url: str, c, reference) -> None:
+    """steer_tokens picks the rows a request's own vector is added to: for "prompt" and "generated", the joy
+    vector at 3 x joy's strength answers as `reference(prompt, vector, layer 1, strength, tokens)`, the text an
+    engine of the test's own gives with that one edit."""
+    from steer.serve.protocol import encode_vector
+
+    scale, v = joy_vector(url)
+    for tokens in ("prompt", "generated"):
+        for p in PROMPTS:
+            got = complete(c, p, **own(encode_vector(v), 1, 3 * scale, steer_tokens=tokens))
+            assert got == reference(p, v, 1, 3 * scale, tokens), (p, tokens)
+
+
+def own_reference(engine, spec):
+    """For check_own_tokens: `engine`'s greedy text with one add at a layer's residual stream on the given rows
+    (an engine the test holds, not the server's)."""
+    import torch
+
+    from steer.edit import compile_edit
+    from steer.plan import Plan
+    from steer.schema import EditKind, GenConf, TapConf, Tokens
+    from steer.tap import resolve
+
+    def text(prompt, v, layer, strength, tokens):
+        plan = Plan()
+        plan.add(resolve(TapConf(layer=layer), spec),
+                 compile_edit(EditKind.add, strength, torch.from_numpy(v)[None], tokens=Tokens(tokens)))
+        return engine.decode(engine.generate(engine.encode(prompt), plan, GenConf(max_new_tokens=MAX_TOKENS), 0))
+
+    return text

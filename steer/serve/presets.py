@@ -19,7 +19,7 @@ from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.model import ModelSpec
 from steer.plan import Plan, compile_entries, needs_default_vector
-from steer.schema import EditConf, EditKind, TapEditConf
+from steer.schema import EditConf, EditKind, TapEditConf, Tokens
 from steer.serve.schema import PresetConf, ServeOptions
 from steer.tap import Tap
 
@@ -156,7 +156,8 @@ def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0
             plan.add(tap, scaled(e, scale))
     for i, v in enumerate(inline):
         vec = torch.from_numpy(v.values())[None]
-        plan.add(inline_taps[v.layer], compile_edit(EditKind.add, v.strength, vec, field=f"steer_vector[{i}]"))
+        plan.add(inline_taps[v.layer], compile_edit(EditKind.add, v.strength, vec, tokens=Tokens(v.tokens),
+                                                    field=f"steer_vector[{i}]"))
     active = plan.active()
     return active if active.edits else None
 

@@ -6,7 +6,8 @@ A request steers by name: `vllm_xargs={"steer": "joy", "steer_scale": 1.5}` (the
 comma-separated, composed in that order; `steer_scale` (default 1) multiplies every edit's strength. A request may
 also carry vectors of its own, added after its presets' edits: `steer_vector` (base64 of little-endian float32,
 hidden size values; one, or a list of at most MAX_INLINE), `steer_layer` (one layer for all, or one per vector, each
-among the server's `serve.inline_layers`) and `steer_strength` (default 1; one, or one per vector). Requests carry
+among the server's `serve.inline_layers`), `steer_strength` (default 1; one, or one per vector) and `steer_tokens`
+(the rows it is added to: "both", the default, "prompt" or "generated"; one, or one per vector). Requests carry
 names, numbers and vectors only: nothing in one can name a file, a module or code. Anything else whose key starts
 with `steer` is refused, so a typo never silently serves an unsteered answer.
 """
@@ -19,7 +20,8 @@ from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import numpy as np
 
-STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength")
+STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength", "steer_tokens")
+TOKENS = ("both", "prompt", "generated")  # the rows an inline vector is added to
 INLINE_KEYS = STEER_KEYS[2:]
 MAX_INLINE = 64  # vectors in one request
 MAX_PUSH = 1e4  # the largest value strength x vector may add to a residual-stream element
@@ -46,6 +48,7 @@ class InlineVector:
     layer: int
     strength: float
     data: str  # base64 of little-endian float32, as the request sent it (checked: hidden size, finite)
+    tokens: str = "both"  # rows fed a prompt token, a generated one, or both
 
     def values(self) -> np.ndarray:
         return decode_vector(self.data)
@@ -136,7 +139,7 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
     """The request's steer_vector / steer_layer / steer_strength, checked (empty when it sends none)."""
     data = xargs.get("steer_vector")
     if data is None:
-        for key in ("steer_layer", "steer_strength"):
+        for key in ("steer_layer", "steer_strength", "steer_tokens"):
             if xargs.get(key) is not None:
                 raise RequestError(f"{where}{key}", f"{key} without steer_vector: send the vector(s) it is for")
         return ()
@@ -152,13 +155,16 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         raise RequestError(param, f"{len(data)} vectors in one request; at most {MAX_INLINE}")
     for i, d in enumerate(data):
         _check_vector(d, policy.hidden, f"{param}[{i}]" if len(data) > 1 else param)
-    layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, is_int, "an integer")
+    layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, is_int, "an integer",
+                         int)
     for i, layer in enumerate(layers):
         if layer not in policy.layers:
             raise RequestError(_item(xargs, where, "steer_layer", i), f"layer {layer} is not tapped for inline "
                                f"vectors on this server; it takes {list(policy.layers)} (serve.inline_layers)")
     strengths = _per_vector(xargs.get("steer_strength"), len(data), f"{where}steer_strength", 1.0, is_number,
-                            "a number")
+                            "a number", _float)
+    tokens = _per_vector(xargs.get("steer_tokens"), len(data), f"{where}steer_tokens", "both",
+                         lambda t: t in TOKENS, f"one of {', '.join(TOKENS)}", str)
     for i, (w, d) in enumerate(zip(strengths, data)):
         at = _item(xargs, where, "steer_strength", i)
         if not math.isfinite(w):
@@ -169,7 +175,7 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
             raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
                                    f"vector's largest value); at most {MAX_PUSH:g}")
-    return tuple(InlineVector(int(layer), float(w), d) for layer, w, d in zip(layers, strengths, data))
+    return tuple(InlineVector(layer, w, d, t) for layer, w, d, t in zip(layers, strengths, data, tokens))
 
 
 def _check_vector(data: str, hidden: int, param: str) -> None:
@@ -186,8 +192,8 @@ def _check_vector(data: str, hidden: int, param: str) -> None:
         raise RequestError(param, "holds a NaN or infinite value")
 
 
-def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str) -> List[Any]:
-    """One value for every vector, or a list of one per vector."""
+def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str, cast) -> List[Any]:
+    """One value for every vector, or a list of one per vector (each `ok`, then `cast`)."""
     if x is None:
         if default is None:
             raise RequestError(param, f"is required with steer_vector: {what}, or a list of one per vector")
@@ -201,7 +207,7 @@ def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str) -> List
         if not ok(v):
             at = f"{param}[{i}]" if listed else param
             raise RequestError(at, f"must be {what} or a list of one per vector; got {_json_type(v)}")
-    return [_float(v) if what == "a number" else int(v) for v in x]
+    return [cast(v) for v in x]
 
 
 def _float(x) -> float:

@@ -113,7 +113,7 @@ class Translator:
             loc = self.inline_at[str(v.layer)]
             index = used[loc] = used.get(loc, 0) + 1
             if v.strength != 0.0:
-                own.append([loc, index - 1, v.strength, "both", v.data])
+                own.append([loc, index - 1, v.strength, v.tokens, v.data])
         if not entries and not own:
             return None
         return json.dumps({"entries": entries, "prompt_len": None, "capture": [], "key": "", "inline": own})

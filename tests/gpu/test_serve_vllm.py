@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent,
-                          check_concurrent_own_vectors, check_listing, check_own_vectors, check_sse_done,
-                          check_streaming, client, server, token_logprobs)
+                          check_concurrent_own_vectors, check_listing, check_own_tokens, check_own_vectors,
+                          check_sse_done, check_streaming, client, own_reference, server, token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -77,11 +77,12 @@ def test_concurrent_requests_each_equal_their_answer_alone(vllm_client):
     check_concurrent(vllm_client, 32)
 
 
-def test_own_vectors(request, vllm_url, vllm_client):
+def test_own_vectors(request, vllm_url, vllm_client, hf, tiny_spec):
     """Replay mode: a request's own vector becomes a stage in the worker when it comes, and answers as the preset
     with that vector (token log-probs equal too). The in-graph modes refuse it: their edits are fixed at start."""
     if request.node.callspec.params["vllm_url"] == "replay":
         check_own_vectors(vllm_url, vllm_client, logprobs=True)
+        check_own_tokens(vllm_url, vllm_client, own_reference(hf, tiny_spec))  # steer_tokens against the HF engine
         check_concurrent_own_vectors(vllm_url, vllm_client)
         return
     r = httpx.post(f"{vllm_url}/v1/completions", timeout=60, json={

@@ -5,12 +5,17 @@ bad vectors are 400s naming the field, and the server keeps serving."""
 import httpx
 import numpy as np
 
-from serve_common import MODEL, PROMPTS, check_concurrent_own_vectors, check_own_vectors, complete, joy_vector
+from serve_common import (MODEL, PROMPTS, check_concurrent_own_vectors, check_own_tokens, check_own_vectors,
+                          complete, joy_vector, own_reference)
 from steer.serve.protocol import MAX_INLINE, encode_vector
 
 
 def test_an_own_vector_steers_as_the_preset_with_that_vector(hf_url, hf_client):
     check_own_vectors(hf_url, hf_client)
+
+
+def test_steer_tokens_picks_the_rows(hf_url, hf_client, hf_engine, tiny_spec):
+    check_own_tokens(hf_url, hf_client, own_reference(hf_engine, tiny_spec))
 
 
 def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
@@ -34,6 +39,8 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         ({"steer_vector": ok * 3, "steer_layer": 1}, "vllm_xargs.steer_vector"),  # too long: never decoded
         ({"steer_strength": 2.0}, "vllm_xargs.steer_strength"),
         ({"steer_vectors": ok}, "vllm_xargs.steer_vectors"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_tokens": "all"}, "vllm_xargs.steer_tokens"),
+        ({"steer_tokens": "prompt"}, "vllm_xargs.steer_tokens"),
     ]
     for xargs, param in cases:
         r = httpx.post(f"{hf_url}/v1/completions", timeout=60,

@@ -201,9 +201,10 @@ def test_own_vectors_reach_the_worker_after_the_presets_edits(compiled):
         seen = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "vllm_xargs": xargs}).json()
         return RequestEdits.from_args(json.loads(seen["body"])["vllm_xargs"]["steer"])
 
-    got = worker_reads({"steer": "joy", "steer_vector": [v, u], "steer_layer": [1, 3], "steer_strength": [2.5, 0]})
+    got = worker_reads({"steer": "joy", "steer_vector": [v, u], "steer_layer": [1, 3], "steer_strength": [2.5, 0],
+                        "steer_tokens": ["generated", "both"]})
     assert [list(e) for e in got.entries] == table.translator([], 100.0, s.hidden).entries(["joy"], 1.0)
-    assert got.inline == [(tap_location("model.layers.1"), 1, 2.5, "both", v)]  # joy's add is position 0 there
+    assert got.inline == [(tap_location("model.layers.1"), 1, 2.5, "generated", v)]  # joy's add is position 0
     got = worker_reads({"steer_vector": u, "steer_layer": 3})
     assert got.entries == [] and got.inline == [(tap_location("model.layers.3"), 0, 1.0, "both", u)]
     for xargs, param in (({"steer_vector": v, "steer_layer": 2}, "vllm_xargs.steer_layer"),
