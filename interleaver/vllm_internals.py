@@ -161,8 +161,8 @@ class _TapWorkerMixin:
         qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il = self.steer_il
         rids = tuple(batch.req_ids[:n])
-        if self.steer_batch_key is None or rids != self.steer_batch_key[0]:  # a request joined or left: look its
-            cache = self.steer_requests                                       # edits up once
+        if rids != self.steer_batch_key:  # a request joined or left (or the stages changed): look its edits up once
+            cache = self.steer_requests
             edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), set()
             for i, rid in enumerate(rids):
                 got = cache.get(rid)
@@ -180,7 +180,7 @@ class _TapWorkerMixin:
                 present = set(runner.requests)
                 for rid in [r for r in cache if r not in present]:
                     del cache[rid]
-            self.steer_batch_key = (rids,)
+            self.steer_batch_key = rids
             self.steer_batch = BatchEdits(edits, prompt_lens, len(self.steer_bank.stages), il.step.order)
         il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
                          self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
@@ -206,10 +206,8 @@ class _TapWorkerMixin:
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
                              f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
-        self.steer_bank.stages = [Stage(i, loc, index, StageEdit.from_dict(e) if isinstance(e, dict) else e)
-                                  for i, loc, index, e in stages]
-        for s in self.steer_bank.stages:
-            object.__setattr__(s, "edit", s.edit.to(device))
+        edits = [StageEdit.from_dict(e) if isinstance(e, dict) else e for _, _, _, e in stages]
+        self.steer_bank.stages = [Stage(i, loc, index, e.to(device)) for (i, loc, index, _), e in zip(stages, edits)]
         self.steer_inline = InlineStages(self.steer_bank)  # ids of requests' own vectors are the client's now
         self.steer_requests.clear()
         return self._steer_install()

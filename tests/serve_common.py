@@ -304,15 +304,12 @@ def own_reference(engine, spec):
     (an engine the test holds, not the server's)."""
     import torch
 
+    from helpers import plan
     from steer.edit import compile_edit
-    from steer.plan import Plan
-    from steer.schema import EditKind, GenConf, TapConf, Tokens
-    from steer.tap import resolve
+    from steer.schema import EditKind, GenConf, Tokens
 
     def text(prompt, v, layer, strength, tokens):
-        plan = Plan()
-        plan.add(resolve(TapConf(layer=layer), spec),
-                 compile_edit(EditKind.add, strength, torch.from_numpy(v)[None], tokens=Tokens(tokens)))
-        return engine.decode(engine.generate(engine.encode(prompt), plan, GenConf(max_new_tokens=MAX_TOKENS), 0))
+        one = plan(spec, layer, compile_edit(EditKind.add, strength, torch.from_numpy(v)[None], tokens=Tokens(tokens)))
+        return engine.decode(engine.generate(engine.encode(prompt), one, GenConf(max_new_tokens=MAX_TOKENS), 0))
 
     return text

@@ -22,7 +22,6 @@ import numpy as np
 
 STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength", "steer_tokens")
 TOKENS = ("both", "prompt", "generated")  # the rows an inline vector is added to
-INLINE_KEYS = STEER_KEYS[2:]
 MAX_INLINE = 64  # vectors in one request
 MAX_PUSH = 1e4  # the largest value strength x vector may add to a residual-stream element
 
@@ -153,8 +152,8 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         raise RequestError(param, "must be a base64 string (little-endian float32) or a non-empty list of them")
     if len(data) > MAX_INLINE:
         raise RequestError(param, f"{len(data)} vectors in one request; at most {MAX_INLINE}")
-    for i, d in enumerate(data):
-        _check_vector(d, policy.hidden, f"{param}[{i}]" if len(data) > 1 else param)
+    values = [_check_vector(d, policy.hidden, f"{param}[{i}]" if len(data) > 1 else param)
+              for i, d in enumerate(data)]
     layers = _per_vector(xargs.get("steer_layer"), len(data), f"{where}steer_layer", None, is_int, "an integer",
                          int)
     for i, layer in enumerate(layers):
@@ -165,20 +164,21 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
                             "a number", _float)
     tokens = _per_vector(xargs.get("steer_tokens"), len(data), f"{where}steer_tokens", "both",
                          lambda t: t in TOKENS, f"one of {', '.join(TOKENS)}", str)
-    for i, (w, d) in enumerate(zip(strengths, data)):
+    for i, (w, v) in enumerate(zip(strengths, values)):
         at = _item(xargs, where, "steer_strength", i)
         if not math.isfinite(w):
             raise RequestError(at, f"must be finite, got {w}")
         if abs(w) > max_scale:
             raise RequestError(at, f"{w:g} is beyond this server's limit of {max_scale:g} (serve.max_steer_scale)")
-        push = abs(w) * float(np.abs(decode_vector(d)).max())
+        push = abs(w) * float(np.abs(v).max())
         if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
             raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
                                    f"vector's largest value); at most {MAX_PUSH:g}")
     return tuple(InlineVector(layer, w, d, t) for layer, w, d, t in zip(layers, strengths, data, tokens))
 
 
-def _check_vector(data: str, hidden: int, param: str) -> None:
+def _check_vector(data: str, hidden: int, param: str) -> np.ndarray:
+    """The vector a steer_vector string holds, or RequestError naming `param`."""
     if len(data) > 4 * (4 * hidden // 3 + 4):  # longer than hidden float32 values in base64: not decoded
         raise RequestError(param, f"is {len(data)} characters long; {hidden} float32 values in base64 take "
                                   f"{4 * ((4 * hidden + 2) // 3)}")
@@ -190,6 +190,7 @@ def _check_vector(data: str, hidden: int, param: str) -> None:
         raise RequestError(param, f"holds {v.shape[0]} float32 values; this model's hidden size is {hidden}")
     if not np.isfinite(v).all():
         raise RequestError(param, "holds a NaN or infinite value")
+    return v
 
 
 def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str, cast) -> List[Any]:

@@ -18,8 +18,9 @@ from steer.serve.schema import PresetConf, ServeConf, ServeOptions
 from steer.tap import Tap, resolve
 
 
-def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
-    """(engine name, model spec, presets read and checked): everything checked that needs no weights."""
+def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dict[int, Tap]]:
+    """(engine name, model spec, presets read and checked, serve.inline_layers' taps): everything checked that
+    needs no weights."""
     s = conf.serve
     if list(s.inline_layers) and conf.vllm.in_graph_field():
         raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
@@ -41,7 +42,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)
-    inline_taps(s, spec)
+    inline = inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)
     presets.check(confs, spec)
     if presets.needs_default(confs):
@@ -50,7 +51,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf]]:
                 raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
                                                       "direction, extracted from prompts.positive and "
                                                       "prompts.negative")
-    return name, spec, confs
+    return name, spec, confs, inline
 
 
 def inline_taps(s: ServeOptions, spec: ModelSpec) -> Dict[int, Tap]:
@@ -78,7 +79,7 @@ def compile_presets(conf: ServeConf, spec: ModelSpec, confs: Dict[str, PresetCon
 
 
 def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
-    name, spec, confs = prepare(conf)
+    name, spec, confs, inline = prepare(conf)
     say = lambda msg: console.print(msg, highlight=False)  # noqa: E731
     if conf.model.source == "tiny":
         if not tiny.tiny_dir(conf.cache_dir, conf.model.tiny).is_dir():
@@ -93,7 +94,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         engine = engines.make("hf", spec, conf.device)
         compiled = compile_presets(conf, spec, confs, engine)
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
-                          conf.serve.chat_max_tokens, inline_taps(conf.serve, spec))
+                          conf.serve.chat_max_tokens, inline)
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
             f"http://{conf.serve.host}:{conf.serve.port}/v1")
         uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level)
@@ -111,7 +112,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
 
     say(f"steer serve: {model_name} on engine=vllm, presets {escape(str(sorted(compiled)))}, "
         f"http://{conf.serve.host}:{conf.serve.port}/v1")
-    vllm_server.serve(conf, spec, compiled, out_dir, model_name)
+    vllm_server.serve(conf, spec, compiled, inline, out_dir, model_name)
 
 
 def _free_cuda() -> None:

@@ -24,6 +24,7 @@ from steer.serve.middleware import TABLE_ENV
 from steer.serve.presets import Preset
 from steer.serve.schema import ServeConf
 from steer.serve.stages import StageTable
+from steer.tap import Tap
 
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
@@ -64,10 +65,9 @@ def argv(conf: ServeConf, spec: ModelSpec, model_name: str) -> List[str]:
     return out
 
 
-def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], out_dir: Path, model_name: str) -> None:
-    from steer.serve.start import inline_taps
-
-    stages = StageTable(compiled, inline_taps(conf.serve, spec))
+def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], inline_taps: Dict[int, Tap], out_dir: Path,
+          model_name: str) -> None:
+    stages = StageTable(compiled, inline_taps)
     extra = engine_config(conf, stages)
     path = Path(out_dir) / "steer_presets.json"
     stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden).dump(str(path))

@@ -20,15 +20,11 @@ pytestmark = pytest.mark.gpu
 
 
 def _serve_conf(*overrides):
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from helpers import CONF
-    from steer.serve import schema
+    from helpers import compose_conf
 
-    schema.register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="serve", overrides=list(overrides)))
+    return OmegaConf.to_object(compose_conf("serve", overrides))
 
 
 @pytest.fixture(scope="module")

@@ -134,18 +134,10 @@ def test_graph_modes_need_the_vllm_engine(mode):
     ([1], "edits_in_graph", "serve.inline_layers", "a request's own vector is not known then"),
 ])
 def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from helpers import CONF
-    from steer.serve import schema
     from steer.serve.start import prepare
 
-    schema.register()
-    overrides = [f"serve.inline_layers={layers}", f"cache_dir={cache_dir}"] + (
-        [f"vllm.{mode}=true", "engine=vllm"] if mode else ["engine=hf"])
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        conf = OmegaConf.to_object(compose(config_name="serve", overrides=overrides))
+    conf = compose_serve(f"serve.inline_layers={layers}", f"cache_dir={cache_dir}",
+                         *([f"vllm.{mode}=true", "engine=vllm"] if mode else ["engine=hf"]))
     with pytest.raises(ConfigError) as e:
         prepare(conf)
     assert e.value.field == field and says in str(e.value), str(e.value)
