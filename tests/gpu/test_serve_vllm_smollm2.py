@@ -12,11 +12,16 @@ import itertools
 import httpx
 import pytest
 
-from gpu_common import LOGPROB_ATOL, TIE
 from serve_common import (CASES, MAX_TOKENS, MODEL, PRESETS, PROMPTS, check_bad_requests, check_concurrent,
                           check_listing, check_streaming, client, server, xargs)
 
 pytestmark = pytest.mark.gpu
+# How far the server's token log-probs may be from the HF engine's (and a served token below the HF engine's greedy
+# one). On the H200 (2026-12-02) an unsteered completion, no edit at all, was off by up to 3.8e-3: float32 in vLLM's
+# kernels against torch's, over 30 layers. Against it, on the CPU, scoring each preset's greedy answers with its
+# strength 1% off moves them by 4e-3 to 1.7e-2 and 5% off by 2e-2 to 8.6e-2, and a preset ignored by 0.47 or more:
+# 1e-2 stays above the kernels' rounding and catches any strength error past a few percent.
+ATOL = 1e-2
 
 
 def _serve_conf(*overrides):
@@ -82,32 +87,33 @@ def _served(c, prompt, steer, scale, chat):
 
 def test_answers_equal_the_hf_engine(url, hf, plans):
     """Every case of serve_common.CASES, completion and chat, scored by the HF engine with the same presets along
-    the server's own answer: each token's log-prob within LOGPROB_ATOL of the HF engine's, each token the HF
-    engine's greedy choice or within TIE of it (near-ties: at most one token in 50), the text the HF engine's
-    decoding of those tokens; and each preset moves some answer. Scoring the server's path, not comparing it with
-    the HF engine's own greedy text, keeps one near-tie from hiding or faking everything after it."""
+    the server's own answer: each token's log-prob within ATOL of the HF engine's, each token the HF engine's greedy
+    choice or within ATOL of it (near-ties: at most one token in 50), the text the HF engine's decoding of those
+    tokens; and each preset moves some answer. Scoring the server's path, not comparing it with the HF engine's own
+    greedy text, keeps one near-tie from hiding or faking everything after it. Every case is scored before any
+    assertion, so a failure reports them all."""
     import torch
 
-    c, worst, ties, moved, unsteered, scored = client(url), [0.0, None], [], set(), {}, 0
+    c, rows, ties, moved, unsteered = client(url), [], [], set(), {}
     for steer, scale in CASES:
         for p, chat in itertools.product(PROMPTS, (False, True)):
             case, ids, plan = (p, steer, scale, chat), hf.encode(p, "true" if chat else "false"), plans(steer, scale)
             got, served_lp, text = _served(c, p, steer, scale, chat)
-            scored += len(got)
             lp = hf.score(ids, got, plan).logprobs[len(ids) - 1:len(ids) - 1 + len(got)].double()
             mine = lp[torch.arange(len(got)), torch.tensor(got)]
             diff = (mine - torch.tensor(served_lp, dtype=torch.float64)).abs()
-            worst = max(worst, [float(diff.max()), case], key=lambda w: w[0])
-            assert float(diff.max()) < LOGPROB_ATOL, f"{case}: served log-probs off the HF engine's by {diff.tolist()}"
             gaps = lp.max(dim=-1).values - mine
             ties += [(case, k, float(g)) for k, g in enumerate(gaps.tolist()) if g > 0]
-            assert float(gaps.max()) < TIE, f"{case}: served {got}, short of the HF engine's greedy by {gaps.tolist()}"
             kept = got[:-1] if got and got[-1] in hf.stop_ids else got
-            assert text == hf.decode(kept), case
+            rows.append((case, len(got), float(diff.max()), float(gaps.max()), text == hf.decode(kept)))
             unsteered.setdefault((p, chat), got)
             if steer in PRESETS and scale != 0.0 and got != unsteered[(p, chat)]:
                 moved.add(steer)
-    print({"largest log-prob difference": worst, "near-ties": ties, "tokens": scored})
+    report = "\n".join(f"{case}: {n} tokens, log-prob off by {d:.2e}, short of greedy by {g:.2e}, text same {t}"
+                       for case, n, d, g, t in rows)
+    print(report)
+    scored = sum(r[1] for r in rows)
+    assert all(d < ATOL and g < ATOL and t for _, _, d, g, t in rows), report
     # A tie is rare (steered at 12 x the direction, the text is far from the model's own and ties come more often);
     # many would be a difference, not kernels' rounding
     assert len(ties) <= max(2, scored // 50), ties
