@@ -8,15 +8,19 @@ Loads (each: 256 random prompts of 256 tokens, 128 new tokens, EOS ignored, gree
   unsteered    no request names a preset
   mixed        a third unsteered, a third on preset `add8` (add at layer 8), a third on `clamp16` (clamp at layer 16)
   ablate_all   every request on preset `ablate_all` (ablate at all 32 layers)
-The stock server runs `unsteered`; each steer server (replay at the breaks, the edits captured into breakable graphs,
-or compiled into vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. The report (bench-serve.md,
-bench-serve.json) gives output throughput and TTFT p50 of each, and their ratios to the stock server's unsteered
-load measured in the same run.
+The stock servers run `unsteered`: `stock` as a user starts it (vLLM's own choice of model runner, V2 for Llama in
+0.26) and `stock_v1` on the V1 model runner that steer's worker hooks (VLLM_USE_V2_MODEL_RUNNER=0), which holds the
+runner fixed. Each steer server (replay at the breaks, the edits captured into breakable graphs, or compiled into
+vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. Every load runs --repeats times on its
+server, the loads in turn, and a row gives the median of its runs (output throughput, TTFT p50, TPOT p50) with the
+throughput's range, and ratios to each stock server's unsteered load measured in the same run (bench-serve.md,
+bench-serve.json).
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +29,7 @@ from typing import Dict, List, Optional
 import torch
 from safetensors.torch import save_file
 
+from steer.results import write_json, write_text
 from steer.serve.process import free_port, running
 
 SERVED = "llama3_8b_shape"
@@ -35,6 +40,8 @@ PRESETS = {  # name -> (kind, layers, scale, extra edit fields)
     "ablate_all": ("ablate", list(range(LAYERS)), 1.0, {}),
 }
 LOADS = {"unsteered": [None], "mixed": [None, "add8", "clamp16"], "ablate_all": ["ablate_all"]}
+BASELINES = {"stock": {}, "stock_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}  # name -> environment over the caller's
+MEDIANS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 
 
 def write_presets(work: Path, hidden: int) -> Path:
@@ -111,19 +118,60 @@ def summary(result: dict) -> dict:
     return {k: result.get(k) for k in keep}
 
 
+def row(runs: List[dict]) -> dict:
+    """One load's repeated runs: the median of each of MEDIANS, the throughput's range, failures summed, the runs."""
+    out = {k: statistics.median(r[k] for r in runs) for k in MEDIANS}
+    tput = [r["output_throughput"] for r in runs]
+    return {**out, "throughput_range": [min(tput), max(tput)], "failed": sum(r["failed"] for r in runs),
+            "runs": runs}
+
+
 def markdown(rows: Dict[str, dict], meta: dict) -> str:
-    base = rows["stock/unsteered"]
+    """The report's table: each row against each stock server's unsteered row present."""
+    bases = [b for b in BASELINES if f"{b}/unsteered" in rows]
+    head = ["server / load", "output tok/s", "range"] + [f"x {b}" for b in bases] + ["TTFT p50 ms"] + \
+        [f"x {b}" for b in bases] + ["TPOT p50 ms", "failed"]
     lines = [f"Serving benchmark, {meta['date']}, {meta['machine']}: `{meta['command']}`", "",
              f"Llama-3-8B shape (dummy weights, bf16), {meta['requests']} requests, {meta['concurrency']} in flight, "
-             f"{meta['input_len']} prompt tokens, {meta['output_len']} new tokens, greedy, EOS ignored.", "",
-             "| server / load | output tok/s | x stock | TTFT p50 ms | x stock | TPOT p50 ms | failed |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"{meta['input_len']} prompt tokens, {meta['output_len']} new tokens, greedy, EOS ignored; medians of "
+             f"{meta['repeats']} runs of each load.", "",
+             "| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['output_throughput']:,.0f} | "
-                     f"{r['output_throughput'] / base['output_throughput']:.3f} | {r['median_ttft_ms']:.1f} | "
-                     f"{r['median_ttft_ms'] / base['median_ttft_ms']:.2f} | {r['median_tpot_ms']:.2f} | "
-                     f"{r['failed']} |")
+        lo, hi = r["throughput_range"]
+        cells = [name, f"{r['output_throughput']:,.0f}", f"{lo:,.0f}-{hi:,.0f}"]
+        cells += [f"{r['output_throughput'] / rows[f'{b}/unsteered']['output_throughput']:.3f}" for b in bases]
+        cells += [f"{r['median_ttft_ms']:.1f}"]
+        cells += [f"{r['median_ttft_ms'] / rows[f'{b}/unsteered']['median_ttft_ms']:.2f}" for b in bases]
+        lines.append("| " + " | ".join(cells + [f"{r['median_tpot_ms']:.2f}", str(r["failed"])]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def servers(args) -> List[str]:
+    """The servers the run starts, checked before any starts: the stock baselines, then steer's modes."""
+    out = []
+    for flag, known in (("baselines", list(BASELINES)), ("modes", ["replay", "in_graph", "compiled"])):
+        for name in filter(None, getattr(args, flag).split(",")):
+            if name not in known:
+                raise SystemExit(f"--{flag}: unknown server {name!r}; expected some of {', '.join(known)}")
+            out.append(name)
+    return out
+
+
+def measure(name: str, model: Path, presets: Path, out: Path, args) -> Dict[str, dict]:
+    """One server's loads (a stock server's: unsteered only), each --repeats times, the loads in turn."""
+    port, stock = free_port(), name in BASELINES
+    cmd = stock_cmd(model, port, args.gpu_memory_utilization) if stock else \
+        steer_cmd(model, presets, port, args.gpu_memory_utilization, name)
+    loads = {k: v for k, v in LOADS.items() if k == "unsteered" or not stock}
+    runs: Dict[str, List[dict]] = {k: [] for k in loads}
+    with running(cmd, port, out / f"server-{name}.log", env={**os.environ, **BASELINES[name]} if stock else None) \
+            as url:
+        for rep in range(args.repeats):
+            for load_name, cycle in loads.items():
+                r = summary(load(url, model, cycle, out / f"{name}-{load_name}-{rep}.json", args))
+                runs[load_name].append(r)
+                print(f"[serve-bench] {name}/{load_name} run {rep}: {json.dumps(r)}", flush=True)
+    return {f"{name}/{k}": row(v) for k, v in runs.items()}
 
 
 def main(argv=None) -> None:
@@ -131,6 +179,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench-serve")
     p.add_argument("--modes", default="replay,compiled",
                    help="steer servers to run: replay, in_graph, compiled (comma-separated)")
+    p.add_argument("--baselines", default="stock,stock_v1", help="stock servers to run: stock, stock_v1")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each load on its server (the row: their median)")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
@@ -138,6 +188,9 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--cache-dir", default=os.environ.get("STEER_CACHE", str(Path.home() / ".cache" / "steer")))
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats: {args.repeats}; expected at least 1 run of each load")
+    names = servers(args)
     from steer.bench.schema import BenchModelConf
     from steer.bench.workload import LLAMA3_8B, model_dir
 
@@ -146,24 +199,14 @@ def main(argv=None) -> None:
     model = model_dir(BenchModelConf(source="llama3_8b_shape", dtype="bfloat16"), args.cache_dir)
     presets = write_presets(out, LLAMA3_8B["hidden_size"])
     rows: Dict[str, dict] = {}
-    servers = [("stock", stock_cmd)] + [(m, None) for m in args.modes.split(",") if m]
-    for name, make in servers:
-        port = free_port()
-        cmd = make(model, port, args.gpu_memory_utilization) if make else \
-            steer_cmd(model, presets, port, args.gpu_memory_utilization, name)
-        with running(cmd, port, out / f"server-{name}.log") as url:
-            for load_name, cycle in LOADS.items():
-                if name == "stock" and load_name != "unsteered":
-                    continue
-                r = load(url, model, cycle, out / f"{name}-{load_name}.json", args)
-                rows[f"{name}/{load_name}"] = summary(r)
-                print(f"[serve-bench] {name}/{load_name}: {json.dumps(rows[f'{name}/{load_name}'])}", flush=True)
+    for name in names:
+        rows.update(measure(name, model, presets, out, args))
     meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "command": "python -m steer.bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: getattr(args, k) for k in ("requests", "concurrency", "input_len", "output_len")}}
-    (out / "bench-serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "bench-serve.md").write_text(markdown(rows, meta))
+            **{k: getattr(args, k) for k in ("requests", "concurrency", "input_len", "output_len", "repeats")}}
+    write_json(out / "bench-serve.json", {"meta": meta, "rows": rows})
+    write_text(out / "bench-serve.md", markdown(rows, meta))
     print(markdown(rows, meta))
 
 
