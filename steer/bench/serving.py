@@ -40,7 +40,8 @@ PRESETS = {  # name -> (kind, layers, scale, extra edit fields)
     "ablate_all": ("ablate", list(range(LAYERS)), 1.0, {}),
 }
 LOADS = {"unsteered": [None], "mixed": [None, "add8", "clamp16"], "ablate_all": ["ablate_all"]}
-BASELINES = {"stock": {}, "stock_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}  # name -> environment over the caller's
+# name -> environment over the caller's (None: unset, so a variable exported in the shell cannot pick stock's runner)
+BASELINES = {"stock": {"VLLM_USE_V2_MODEL_RUNNER": None}, "stock_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 MEDIANS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 
 
@@ -153,8 +154,23 @@ def servers(args) -> List[str]:
         for name in filter(None, getattr(args, flag).split(",")):
             if name not in known:
                 raise SystemExit(f"--{flag}: unknown server {name!r}; expected some of {', '.join(known)}")
+            if name in out:
+                raise SystemExit(f"--{flag}: {name!r} named twice; each server runs once")
             out.append(name)
+    if not out:
+        raise SystemExit("--baselines and --modes: both empty; name at least one server")
     return out
+
+
+def environment(name: str) -> Dict[str, str]:
+    """A stock server's environment: the caller's, with BASELINES' settings for `name`."""
+    env = dict(os.environ)
+    for k, v in BASELINES[name].items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
 
 
 def measure(name: str, model: Path, presets: Path, out: Path, args) -> Dict[str, dict]:
@@ -164,7 +180,7 @@ def measure(name: str, model: Path, presets: Path, out: Path, args) -> Dict[str,
         steer_cmd(model, presets, port, args.gpu_memory_utilization, name)
     loads = {k: v for k, v in LOADS.items() if k == "unsteered" or not stock}
     runs: Dict[str, List[dict]] = {k: [] for k in loads}
-    with running(cmd, port, out / f"server-{name}.log", env={**os.environ, **BASELINES[name]} if stock else None) \
+    with running(cmd, port, out / f"server-{name}.log", env=environment(name) if stock else None) \
             as url:
         for rep in range(args.repeats):
             for load_name, cycle in loads.items():

@@ -30,10 +30,15 @@ def _args(**kw):
         "input_len": 4, "output_len": 4, "gpu_memory_utilization": 0.5, **kw})
 
 
-@pytest.mark.parametrize("flag,value", [("baselines", "stock,vanilla"), ("modes", "replay,eager")])
-def test_an_unknown_server_is_refused_naming_the_flag(flag, value):
-    with pytest.raises(SystemExit, match=f"--{flag}: unknown server '{value.split(',')[1]}'"):
-        serving.servers(_args(**{flag: value}))
+@pytest.mark.parametrize("over,match", [
+    ({"baselines": "stock,vanilla"}, "--baselines: unknown server 'vanilla'"),
+    ({"modes": "replay,eager"}, "--modes: unknown server 'eager'"),
+    ({"modes": "replay,compiled,replay"}, "--modes: 'replay' named twice"),
+    ({"baselines": "", "modes": ""}, "both empty"),
+])
+def test_bad_servers_are_refused_naming_the_flag(over, match):
+    with pytest.raises(SystemExit, match=match):
+        serving.servers(_args(**over))
 
 
 def test_repeats_below_one_are_refused(tmp_path, capsys):
@@ -58,8 +63,10 @@ def fake_servers(monkeypatch):
         name, load_name, rep = out.stem.rsplit("-", 2)
         calls["loads"].append((name, load_name, int(rep), cycle))
         base = tput[name] - (50 if load_name == "ablate_all" else 0)
-        return {"completed": args.requests, "failed": 0, "output_throughput": base + 10 * int(rep) ** 2,
-                "median_ttft_ms": 100.0 + int(rep), "median_tpot_ms": 5.0, "duration": 1.0}
+        rep = int(rep)
+        return {"completed": args.requests, "failed": int(name == "replay" and rep == 1),
+                "output_throughput": base + 10 * rep ** 2, "median_ttft_ms": 100.0 + rep ** 3,
+                "median_tpot_ms": 5.0 + rep ** 2 / 4, "duration": 1.0}
 
     monkeypatch.setattr(serving, "running", running)
     monkeypatch.setattr(serving, "load", load)
@@ -67,7 +74,7 @@ def fake_servers(monkeypatch):
 
 
 def test_each_server_runs_its_loads_in_turn_repeats_times(tmp_path, fake_servers, monkeypatch):
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # exported in the shell: stock must still get vLLM's choice
     rows = {}
     for name in serving.servers(_args(repeats=3)):
         rows.update(serving.measure(name, tmp_path / "model", tmp_path / "presets", tmp_path, _args(repeats=3)))
@@ -84,7 +91,10 @@ def test_each_server_runs_its_loads_in_turn_repeats_times(tmp_path, fake_servers
         [None, "add8", "clamp16"]
     r = rows["replay/ablate_all"]
     assert r["output_throughput"] == statistics.median([850.0, 860.0, 890.0])
-    assert r["throughput_range"] == [850.0, 890.0] and len(r["runs"]) == 3 and r["median_ttft_ms"] == 101.0
+    assert r["throughput_range"] == [850.0, 890.0] and len(r["runs"]) == 3
+    # TTFT 100, 101, 108 and TPOT 5, 5.25, 6 over the repeats: medians, not means; one failed run in replay's three
+    assert r["median_ttft_ms"] == 101.0 and r["median_tpot_ms"] == 5.25 and r["failed"] == 1
+    assert rows["compiled/ablate_all"]["failed"] == 0
 
 
 def test_main_writes_the_table_against_both_stock_servers(tmp_path, fake_servers, monkeypatch):
@@ -99,6 +109,7 @@ def test_main_writes_the_table_against_both_stock_servers(tmp_path, fake_servers
     assert "| server / load | output tok/s | range | x stock | x stock_v1 | TTFT p50 ms | x stock | x stock_v1 |" in table
     # compiled/mixed: 950 tok/s against stock's 1000 and stock_v1's 800
     assert "| compiled/mixed | 950 | 950-950 | 0.950 | 1.188 | 100.0 | 1.00 | 1.00 | 5.00 | 0 |" in table
+    assert all(line.count("|") == table.splitlines()[4].count("|") for line in table.splitlines()[4:] if line)
 
 
 def test_the_table_leaves_out_a_baseline_not_run():
