@@ -108,6 +108,13 @@ class TapProgram:
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 
 
+    def table(self) -> kernels.Fused:
+        """The direction table the fused kernel runs, built here where the kernel does not (off a GPU); for a
+        program whose groups are all of one index, as the kernel's are."""
+        if len({g.index for g in self.groups}) != 1:
+            raise ValueError(f"{self.location}: a direction table needs groups of one index")
+        return self._fused if self._fused is not None else _fused(self.groups)
+
     @property
     def fused(self) -> bool:
         """Whether the program runs as the fused kernel (a CUDA device with Triton, groups of one index, and a

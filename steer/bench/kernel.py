@@ -13,6 +13,13 @@ one CUDA graph, as a decode step replays it:
 
 Each figure is microseconds a tap, the graph replayed `replays` times and timed with CUDA events; the eager
 column is the same calls launched one by one (launch-bound). The ratio to the floor is what to read.
+
+A second table measures a candidate for an edit that costs no launch of its own: vLLM's Llama-family layers hand
+(hidden, residual) to the next layer's residual add and RMSNorm, which vLLM's compile pipeline generates with
+torch.compile. Against that step alone (`norm`, compiled), it times the fused kernel followed by it
+(`fused+norm`, what an engine with compiled edits runs today) and the edit's arithmetic written as torch ops
+(kernels.folded) compiled together with it into one function (`folded`), and gives each one's microseconds over
+`norm`.
 """
 
 import argparse
@@ -87,12 +94,55 @@ def measure(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: 
     return out
 
 
+def next_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> tuple:
+    """The next layer's input step: the residual add and RMSNorm as vLLM's RMSNorm.forward_native computes them
+    (float32 inside), returning the normed input and the new residual."""
+    x = hidden.float() + residual.float()
+    new_residual = x.to(hidden.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.to(hidden.dtype) * weight, new_residual
+
+
+def fold_forms(program: TapProgram, weights: torch.Tensor, h, r, norm_weight, compile_fn=torch.compile) -> Dict:
+    """form -> a call of it on (h, r), for the second table: `norm` alone, the fused kernel (or torch form, off a
+    GPU) then `norm`, and the edit folded into `norm` as one compiled function."""
+    from interleaver import kernels
+
+    table = program.table()
+    norm = compile_fn(next_norm)
+    fold = compile_fn(lambda h, r, w, nw: next_norm(kernels.folded(table, h, r, w), r, nw))
+
+    def edit_then_norm():
+        program.in_graph((h, r), weights)
+        return norm(h, r, norm_weight)
+
+    return {"norm": lambda: norm(h, r, norm_weight), "fused+norm": edit_then_norm,
+            "folded": lambda: fold(h, r, weights, norm_weight)}
+
+
+def measure_fold(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: int = 32,
+                 replays: int = 50) -> List[Dict]:
+    """Microseconds a tap of each of fold_forms, in a graph and eagerly, and over `norm` alone in a graph."""
+    program, weights = _program(scen_name, rows, hidden, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, r = (torch.randn(rows, hidden, generator=g, device="cuda").to(dtype) * 0.01 for _ in range(2))
+    nw = torch.ones(hidden, device="cuda", dtype=dtype)
+    out = [{"rows": rows, "scenario": scen_name, "form": name, "graph_us": _time(fn, taps, replays, graph=True),
+            "eager_us": _time(fn, taps, replays, graph=False)}
+           for name, fn in fold_forms(program, weights, h, r, nw).items()]
+    for o in out:
+        o["over_norm_us"] = o["graph_us"] - out[0]["graph_us"]
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     p.add_argument("--hidden", type=int, default=4096)  # Llama-3-8B's
     p.add_argument("--scenarios", nargs="+", default=["ablate_all", "add", "k64"])
     p.add_argument("--taps", type=int, default=32)
+    p.add_argument("--fold", action=argparse.BooleanOptionalAction, default=True,
+                   help="the second table: the edit folded into the next layer's add and RMSNorm (torch.compile)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("steer.bench.kernel times GPU kernels: it needs CUDA")
@@ -103,6 +153,14 @@ def main(argv=None) -> None:
             for o in measure(rows, a.hidden, s, taps=a.taps):
                 print(f"{rows:>5} {s:>10} {o['form']:>6} {o['graph_us']:>13.2f} {o['eager_us']:>13.2f} "
                       f"{o['vs_floor']:>8.2f}")
+    if a.fold:
+        print(f"\n{'rows':>5} {'scenario':>10} {'form':>10} {'graph us/tap':>13} {'eager us/tap':>13} "
+              f"{'us over norm':>13}")
+        for rows in a.rows:
+            for s in a.scenarios:
+                for o in measure_fold(rows, a.hidden, s, taps=a.taps):
+                    print(f"{rows:>5} {s:>10} {o['form']:>10} {o['graph_us']:>13.2f} {o['eager_us']:>13.2f} "
+                          f"{o['over_norm_us']:>13.2f}")
 
 
 if __name__ == "__main__":
