@@ -147,6 +147,16 @@ def markdown(rows: Dict[str, dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def require_gpu() -> None:
+    """Stop with a clear message, before any server starts, where the benchmark cannot run."""
+    if not torch.cuda.is_available():
+        raise SystemExit("steer.bench.serving drives vLLM servers on a GPU: it needs CUDA")
+    try:
+        import vllm.benchmarks.serve  # noqa: F401  (the load generator, vLLM's own)
+    except ImportError as e:
+        raise SystemExit(f"steer.bench.serving needs vLLM (pip install -e '.[vllm]'): {e}")
+
+
 def servers(args) -> List[str]:
     """The servers the run starts, checked before any starts: the stock baselines, then steer's modes."""
     out = []
@@ -207,6 +217,7 @@ def main(argv=None) -> None:
     if args.repeats < 1:
         p.error(f"--repeats: {args.repeats}; expected at least 1 run of each load")
     names = servers(args)
+    require_gpu()
     from steer.bench.schema import BenchModelConf
     from steer.bench.workload import LLAMA3_8B, model_dir
 

@@ -101,6 +101,7 @@ def test_main_writes_the_table_against_both_stock_servers(tmp_path, fake_servers
     from steer.bench import workload
 
     monkeypatch.setattr(workload, "model_dir", lambda m, cache: tmp_path / "model")
+    monkeypatch.setattr(serving, "require_gpu", lambda: None)
     serving.main(["--out", str(tmp_path / "out"), "--repeats", "1"])
     got = json.loads((tmp_path / "out" / "bench-serve.json").read_text())
     assert got["meta"]["repeats"] == 1 and set(got["rows"]) == {
@@ -121,3 +122,10 @@ def test_the_table_leaves_out_a_baseline_not_run():
             "output_len": 1, "repeats": 1}
     table = serving.markdown(rows, meta)
     assert "stock_v1" not in table and "| replay/mixed | 9 | 9-9 | 0.900 | 3.0 | 1.50 | 1.00 | 1 |" in table
+
+
+def test_without_cuda_it_stops_before_any_server(tmp_path, monkeypatch, fake_servers):
+    monkeypatch.setattr(serving.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        serving.main(["--out", str(tmp_path)])
+    assert fake_servers["started"] == []
