@@ -1,6 +1,5 @@
 """`python -m steer`: the Hydra entry point. Config groups live in the checkout's conf/."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from steer import schema
-from steer.errors import ConfigError, config_error_line
+from steer.errors import ConfigError, run_app
 
 schema.register()
 
@@ -43,21 +42,8 @@ def app(cfg: DictConfig):
 
 
 def main() -> None:
-    """Run the app; a config Hydra or OmegaConf rejects is one line naming the file or key, exit 2."""
-    full = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    # Hydra prints its own errors (a traceback for a YAML error) and exits 1: let them reach us instead.
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        app()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as e:
-        line = config_error_line(e)
-        if line is None or full:
-            raise
-        print(f"error {line}", file=sys.stderr)
-        sys.exit(2)
+    """Run the app (steer.errors.run_app: a config error is one line, exit 2)."""
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -38,3 +38,24 @@ def config_error_line(e: BaseException) -> "str | None":
         if text and not any(text in p for p in parts):
             parts.append(text)
     return ": ".join(parts)
+
+
+def run_app(app) -> None:
+    """Run a Hydra entry point; a config Hydra or OmegaConf rejects is one line naming the file or key, exit 2."""
+    import os
+    import sys
+
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Hydra prints its own errors (a traceback for a YAML error) and exits 1: let them reach us instead.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:
+        line = config_error_line(e)
+        if line is None or full:
+            raise
+        print(f"error {line}", file=sys.stderr)
+        sys.exit(2)

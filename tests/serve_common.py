@@ -161,6 +161,8 @@ def bad_requests() -> list:
         ((raw % "1e999").encode(), "vllm_xargs.steer_scale", True),
         ((raw % "-Infinity").encode(), "vllm_xargs.steer_scale", True),
         ({**ok, "vllm_xargs": {"steer_scale": 2.0}}, "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer": "joy", "steer_scale": None}}, "vllm_xargs.steer_scale", True),
+        ({**ok, "vllm_xargs": {"steer_scale": None}}, "vllm_xargs.steer_scale", True),
         ({**ok, "vllm_xargs": {"steer": "joy", "steer_layer": 2}}, "vllm_xargs.steer_layer", True),
         ({**ok, "vllm_xargs": {"steer_vector": "AAAA"}}, "vllm_xargs.steer_vector", True),
         ({**ok, "vllm_xargs": {"steer": "joy", "Steer_scale": 2}}, "vllm_xargs.Steer_scale", True),
@@ -168,6 +170,9 @@ def bad_requests() -> list:
         ({**ok, "steer": "joy"}, "steer", True),
         (b'{"model": "steer-test", "prompt": ', None, True),
         (b'["steer-test"]', None, True),
+        # nested past what json.loads can read, and past what the servers read further
+        (raw.replace("%s", "[" * 100000 + "]" * 100000).encode(), None, True),
+        (raw.replace("%s", "[" * 150 + "]" * 150).encode(), None, True),
         ({**ok, "max_tokens": "ten"}, "max_tokens", False),
         ({**ok, "temperature": -1}, "temperature", False),
         ({**ok, "prompt": 7}, "prompt", False),

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.errors import ConfigError
+from steer.errors import ConfigError, run_app
 from steer.serve import schema
 
 schema.register()
@@ -29,4 +29,4 @@ def app(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":  # vLLM's spawned workers re-import this module: nothing may start at import
-    app()
+    run_app(app)

@@ -17,6 +17,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bind_error(host: str, port: int) -> Optional[str]:
+    """Why a server could not listen on host:port now (None: it could), tried as uvicorn binds (SO_REUSEADDR), so
+    a port in use is found before a model loads rather than after."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        return f"cannot resolve {host!r}: {e}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
 @contextmanager
 def running(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env: Optional[Dict[str, str]] = None,
             cwd: Optional[Path] = None) -> Iterator[str]:

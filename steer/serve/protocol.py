@@ -102,7 +102,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     vectors = _inline(xargs, inline, max_scale, f"{where}vllm_xargs.")
     steer = xargs.get("steer")
     if steer is None:
-        if xargs.get("steer_scale") is not None:
+        if "steer_scale" in xargs:
             raise RequestError(f"{where}vllm_xargs.steer_scale", "steer_scale without steer: name the preset(s) "
                                                                  "to scale")
         return SteerArgs((), 1.0, vectors) if vectors else None
@@ -119,8 +119,6 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     if len(set(names)) != len(names):
         raise RequestError(param, f"{steer!r} names a preset twice; use steer_scale to strengthen one")
     scale = xargs.get("steer_scale", 1.0)
-    if scale is None:
-        scale = 1.0
     param = f"{where}vllm_xargs.steer_scale"
     if not is_number(scale):
         raise RequestError(param, f"must be a number, got {_json_type(scale)}")
@@ -222,6 +220,20 @@ def _float(x) -> float:
 def _item(xargs: Dict[str, Any], where: str, key: str, i: int) -> str:
     """The field of vector i's value of `key`: `key[i]` where the request sent a list."""
     return f"{where}{key}" + (f"[{i}]" if isinstance(xargs.get(key), list) else "")
+
+
+MAX_DEPTH = 100  # an OpenAI request nests a few levels (a tool's JSON schema, a dozen or so)
+
+
+def check_depth(data: Any) -> None:
+    """RequestError where the parsed body nests deeper than MAX_DEPTH (what reads it next recurses)."""
+    level, depth = [data], 0
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise RequestError(None, f"the request body nests deeper than {MAX_DEPTH} levels")
+        level = [v for node in level if isinstance(node, (dict, list))
+                 for v in (node.values() if isinstance(node, dict) else node)]
 
 
 def is_int(x: Any) -> bool:

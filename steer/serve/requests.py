@@ -43,11 +43,11 @@ class GenRequest:
 def completion(body: Any, presets, max_scale: float, inline: Optional[InlinePolicy] = None) -> GenRequest:
     body = _object(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt:
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
         prompts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
                                                      for p in prompt):
@@ -105,7 +105,7 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
-        raise RequestError("top_p", "must be in (0, 1]")
+        raise RequestError("top_p", "must be a number in (0, 1]")
     seed = body.get("seed")
     if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
         raise RequestError("seed", f"must be an integer in [0, {MAX_SEED}]")

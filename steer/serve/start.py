@@ -12,7 +12,7 @@ from steer import tiny
 from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default
 from steer.model import ModelSpec, spec as model_spec
-from steer.serve import presets
+from steer.serve import presets, process
 from steer.schema import TapConf
 from steer.serve.schema import PresetConf, ServeConf, ServeOptions
 from steer.tap import Tap, resolve
@@ -29,6 +29,10 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     name = engines.resolve(conf.engine)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
+    why = process.bind_error(s.host, s.port)
+    if why is not None:
+        raise ConfigError("serve.host" if why.startswith("cannot resolve") else "serve.port",
+                          f"{why}; is another server there? Pick a free port with serve.port=N")
     if not s.max_steer_scale > 0:
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     if s.chat_max_tokens < 1:

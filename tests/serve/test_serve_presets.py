@@ -104,6 +104,14 @@ def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
     assert "Loading weights" not in res.stderr + res.stdout  # no engine was started
 
 
+def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path, cache_dir):
+    res = subprocess.run([sys.executable, "-m", "steer.serve", "serve.port=abc", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, env=cli_env(cache_dir), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].startswith("error ") and "serve.port=abc" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_compose_is_the_cli_edit_list(tiny_spec):
     v = torch.randn(1, 256)
     compiled = presets.compile_all(presets.read(ServeOptions()), tiny_spec, lambda tap: v, "/nonexistent")
@@ -141,3 +149,23 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     with pytest.raises(ConfigError) as e:
         prepare(conf)
     assert e.value.field == field and says in str(e.value), str(e.value)
+
+
+def test_a_port_in_use_stops_the_start_before_any_model_loads():
+    import socket
+
+    from steer.serve.schema import ServeConf
+    from steer.serve.start import prepare
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        conf = ServeConf(engine="hf")
+        conf.serve.port = busy.getsockname()[1]
+        with pytest.raises(ConfigError) as e:
+            prepare(conf)
+    assert e.value.field == "serve.port" and f"cannot listen on 127.0.0.1:{conf.serve.port}" in str(e.value)
+    conf.serve.host = "no-such-host.invalid"
+    with pytest.raises(ConfigError) as e:
+        prepare(conf)
+    assert e.value.field == "serve.host" and "cannot resolve 'no-such-host.invalid'" in str(e.value)
