@@ -29,10 +29,6 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     name = engines.resolve(conf.engine)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
-    why = process.bind_error(s.host, s.port)
-    if why is not None:
-        raise ConfigError("serve.host" if why.startswith("cannot resolve") else "serve.port",
-                          f"{why}; is another server there? Pick a free port with serve.port=N")
     if not s.max_steer_scale > 0:
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     if s.chat_max_tokens < 1:
@@ -55,6 +51,10 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
                 raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
                                                       "direction, extracted from prompts.positive and "
                                                       "prompts.negative")
+    why = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
+    if why is not None:
+        raise ConfigError("serve.host" if why.startswith("cannot resolve") else "serve.port",
+                          f"{why}; is another server there? Pick a free port with serve.port=N")
     return name, spec, confs, inline
 
 

@@ -151,17 +151,15 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     assert e.value.field == field and says in str(e.value), str(e.value)
 
 
-def test_a_port_in_use_stops_the_start_before_any_model_loads():
+def test_a_port_in_use_stops_the_start_before_any_model_loads(cache_dir):
     import socket
 
-    from steer.serve.schema import ServeConf
     from steer.serve.start import prepare
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        conf = ServeConf(engine="hf")
-        conf.serve.port = busy.getsockname()[1]
+        conf = compose_serve("engine=hf", f"cache_dir={cache_dir}", f"serve.port={busy.getsockname()[1]}")
         with pytest.raises(ConfigError) as e:
             prepare(conf)
     assert e.value.field == "serve.port" and f"cannot listen on 127.0.0.1:{conf.serve.port}" in str(e.value)
