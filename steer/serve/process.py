@@ -1,6 +1,7 @@
 """A server in a subprocess of its own, for the tests and the serving benchmark: started on a free localhost port,
 waited for until /health answers, ended with everything it started (vLLM's engine core included)."""
 
+import errno
 import os
 import signal
 import socket
@@ -8,7 +9,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 
 def free_port() -> int:
@@ -17,20 +18,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bind_error(host: str, port: int) -> Optional[str]:
-    """Why a server could not listen on host:port now (None: it could), tried as uvicorn binds (SO_REUSEADDR), so
-    a port in use is found before a model loads rather than after."""
+def bind_error(host: str, port: int) -> Optional[Tuple[str, str]]:
+    """(field, why) where a server could not listen on host:port now, None where it could: tried as uvicorn binds
+    (SO_REUSEADDR; "" is every IPv4 interface; any of the host's addresses will do), so a port in use is found
+    before a model loads rather than after."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        addrs = [(socket.AF_INET, ("", port))] if host == "" else \
+            [(i[0], i[4]) for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     except OSError as e:
-        return f"cannot resolve {host!r}: {e}"
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return "serve.host", f"cannot resolve {host!r}: {e}"
+    err: OSError = OSError(f"no address for {host!r}")
+    for family, addr in addrs:
         try:
-            s.bind((host, port))
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(addr)
+            return None
         except OSError as e:
-            return f"cannot listen on {host}:{port}: {e.strerror or e}"
-    return None
+            err = e
+    if err.errno == errno.EADDRINUSE:
+        return "serve.port", (f"cannot listen on {host}:{port}: {err.strerror}; is another server there? Pick a free "
+                              "port with serve.port=N")
+    return "serve.host", f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
 @contextmanager

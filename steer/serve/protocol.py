@@ -232,8 +232,8 @@ def check_depth(data: Any) -> None:
         depth += 1
         if depth > MAX_DEPTH:
             raise RequestError(None, f"the request body nests deeper than {MAX_DEPTH} levels")
-        level = [v for node in level if isinstance(node, (dict, list))
-                 for v in (node.values() if isinstance(node, dict) else node)]
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(v, (dict, list))]
 
 
 def is_int(x: Any) -> bool:

@@ -51,10 +51,9 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
                 raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
                                                       "direction, extracted from prompts.positive and "
                                                       "prompts.negative")
-    why = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
-    if why is not None:
-        raise ConfigError("serve.host" if why.startswith("cannot resolve") else "serve.port",
-                          f"{why}; is another server there? Pick a free port with serve.port=N")
+    refused = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
+    if refused is not None:
+        raise ConfigError(*refused)
     return name, spec, confs, inline
 
 

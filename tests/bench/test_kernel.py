@@ -63,12 +63,31 @@ def test_the_folded_form_is_the_kernels_arithmetic():
                           slope=torch.tensor([0.0, 0.0, 1.0]), offset=torch.tensor([0.0, 0.0, 0.0]),
                           lo=torch.tensor([0.0, 0.0, -0.5]), hi=torch.tensor([0.0, 0.0, 0.5]))
     h, r, w = torch.randn(4, hidden, generator=g), torch.randn(4, hidden, generator=g), torch.rand(4, 3, generator=g)
+    w[1, 0] = 0  # this row scales by nothing
+    w[3] = 0  # and this one asks for nothing
     got = kernels.folded(table, h, r, w)
+    assert torch.equal(got[3], h[3])
     for i in range(4):
         x = h[i] + r[i]
         p = x @ basis[2]
         delta = w[i, 2] * basis[0] + w[i, 0] * (x - basis[1]) + (p.clamp(-0.5, 0.5) - p) * w[i, 1] * basis[2]
         torch.testing.assert_close(got[i], h[i] + delta, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scen", ["ablate_all", "k8"])
+def test_the_folded_form_equals_the_triton_kernel_on_a_gpu(scen):
+    program, weights = kernel._program(scen, 64, 4096, "cuda")
+    assert program.fused
+    weights[5] = 0
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h, r = (torch.randn(64, 4096, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    by_kernel = h.clone()
+    program.in_graph((by_kernel, r), weights)
+    got = kernels.folded(program.table(), h, r, weights)
+    assert torch.equal(got[5], h[5]) and torch.equal(by_kernel[5], h[5])
+    torch.testing.assert_close(got.float(), by_kernel.float(), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.gpu

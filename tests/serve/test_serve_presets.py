@@ -163,7 +163,12 @@ def test_a_port_in_use_stops_the_start_before_any_model_loads(cache_dir):
         with pytest.raises(ConfigError) as e:
             prepare(conf)
     assert e.value.field == "serve.port" and f"cannot listen on 127.0.0.1:{conf.serve.port}" in str(e.value)
-    conf.serve.host = "no-such-host.invalid"
-    with pytest.raises(ConfigError) as e:
-        prepare(conf)
-    assert e.value.field == "serve.host" and "cannot resolve 'no-such-host.invalid'" in str(e.value)
+    assert "Pick a free port" in str(e.value)
+    for host, says in (("no-such-host.invalid", "cannot resolve 'no-such-host.invalid'"),
+                       ("192.0.2.1", "cannot listen on 192.0.2.1")):  # TEST-NET-1: no interface of this machine
+        conf.serve.host = host
+        with pytest.raises(ConfigError) as e:
+            prepare(conf)
+        assert e.value.field == "serve.host" and says in str(e.value) and "free port" not in str(e.value)
+    conf.serve.host = ""  # every interface, as uvicorn and vLLM read it
+    assert prepare(conf)[0] == "hf"
