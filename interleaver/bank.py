@@ -23,6 +23,17 @@ from interleaver.stage import Kind, Rows, StageEdit
 _ROWS = {Rows.both.value: 0, Rows.prompt.value: 1, Rows.generated.value: 2}
 
 
+def encode_vector(v) -> str:
+    """A request's own vector as it travels (steer_vector, RequestEdits.inline): base64 of its values as
+    little-endian float32."""
+    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+
+
+def decode_vector(data: str) -> np.ndarray:
+    """encode_vector's values back, as float32 (binascii.Error where `data` is not base64)."""
+    return np.frombuffer(base64.b64decode(data, validate=True), dtype="<f4").astype(np.float32)
+
+
 @dataclass(frozen=True)
 class Stage:
     id: int
@@ -175,7 +186,7 @@ class InlineStages:
         return changed
 
     def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set) -> int:
-        vec = np.frombuffer(base64.b64decode(data), dtype="<f4").astype(np.float32)
+        vec = decode_vector(data)
         edit = StageEdit(Kind.add, torch.from_numpy(vec)[None].to(device))
         stages = self.bank.stages
         sid = self._free.pop(0) if self._free else len(stages)

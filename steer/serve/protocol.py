@@ -12,13 +12,15 @@ names, numbers and vectors only: nothing in one can name a file, a module or cod
 with `steer` is refused, so a typo never silently serves an unsteered answer.
 """
 
-import base64
 import binascii
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import numpy as np
+
+# steer_vector's format is the worker's (RequestEdits.inline): one codec for both ends
+from interleaver.bank import decode_vector, encode_vector  # noqa: F401  (encode_vector: for clients)
 
 STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength", "steer_tokens")
 TOKENS = ("both", "prompt", "generated")  # the rows an inline vector is added to
@@ -66,15 +68,6 @@ class SteerArgs:
     names: Tuple[str, ...]  # presets, composed in this order
     scale: float = 1.0
     inline: Tuple[InlineVector, ...] = ()  # added after the presets' edits, in this order
-
-
-def encode_vector(v) -> str:
-    """A vector as steer_vector carries it: base64 of its values as little-endian float32."""
-    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
-
-
-def decode_vector(data: str) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(data, validate=True), dtype="<f4").astype(np.float32)
 
 
 def is_number(x: Any) -> bool:
