@@ -116,9 +116,11 @@ class TextStream:
         return self._emit(safe[: len(safe) - _held(safe, self.stops)])
 
     def text(self) -> str:
+        """The final text: up to the first stop string, without a last character whose bytes were not all
+        generated (vLLM's detokenizer leaves it out too, so both servers answer alike)."""
         text = self.decode(self.ids)
         cut = _first_stop(text, self.stops)
-        return text if cut is None else text[:cut]
+        return text.rstrip("\ufffd") if cut is None else text[:cut]
 
     def finish(self) -> str:
         return self._emit(self.text())

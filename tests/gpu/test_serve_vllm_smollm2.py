@@ -108,7 +108,10 @@ def test_answers_equal_the_hf_engine(url, hf, plans):
             gaps = lp.max(dim=-1).values - mine
             ties += [(case, k, float(g)) for k, g in enumerate(gaps.tolist()) if g > 0]
             kept = got[:-1] if got and got[-1] in hf.stop_ids else got
-            rows.append((case, len(got), float(diff.max()), float(gaps.max()), text == hf.decode(kept)))
+            # vLLM leaves out a last character whose bytes were cut short by max_tokens (seen on H200: joy x3 in
+            # chat gives 8 tokens of emoji bytes, '🌇🌈' served, '🌇🌈\ufffd' decoded by the tokenizer)
+            shown = hf.decode(kept).rstrip("\ufffd")
+            rows.append((case, len(got), float(diff.max()), float(gaps.max()), text == shown))
             unsteered.setdefault((p, chat), got)
             if steer in PRESETS and scale != 0.0 and got != unsteered[(p, chat)]:
                 moved.add(steer)
