@@ -78,7 +78,8 @@ def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str)
            f"model.name={SERVED}", "model.dtype=bfloat16", "vllm.load_format=dummy", "vllm.max_num_seqs=256",
            f"vllm.gpu_memory_utilization={gpu_util}", f"serve.preset_dir={presets}", f"serve.port={port}",
            "serve.log_level=warning", f"hydra.run.dir={presets.parent / ('serve-' + mode)}"]
-    return out + {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(mode, [])
+    return out + {"replay": ["vllm.compiled_edits=false"], "in_graph": ["vllm.edits_in_graph=true"],
+                  "compiled": ["vllm.compiled_edits=true"]}[mode]
 
 
 def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args) -> dict:

@@ -45,6 +45,14 @@ class ServeOptions:
 
 
 @dataclass
+class ServeVllmConf(VllmConf):
+    # null: the server picks. engine=vllm compiles the presets' edits into vLLM's own torch.compile'd graphs, the
+    # fastest mode (README, "Serving benchmark"), unless vllm.edits_in_graph, vllm.tap_graphs or
+    # serve.inline_layers ask for another (requests' own vectors need replay mode); engine=hf has no graphs.
+    compiled_edits: Optional[bool] = None
+
+
+@dataclass
 class ServeConf:
     engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
     model: ModelConf = MISSING
@@ -53,7 +61,7 @@ class ServeConf:
     # How those default directions are made (extract.* as in `python -m steer`, with prompts.chat).
     extract: ExtractConf = field(default_factory=ExtractConf)
     device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
-    vllm: VllmConf = field(default_factory=VllmConf)
+    vllm: ServeVllmConf = field(default_factory=ServeVllmConf)
     serve: ServeOptions = field(default_factory=ServeOptions)
     cache_dir: str = MISSING
 

@@ -25,8 +25,10 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if list(s.inline_layers) and conf.vllm.in_graph_field():
         raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
                                                  "graphs at start, and a request's own vector is not known then; "
-                                                 "serve inline vectors in replay mode (the default)")
+                                                 "serve inline vectors in replay mode (leave vllm.compiled_edits "
+                                                 "unset or false)")
     name = engines.resolve(conf.engine)
+    pick_mode(conf, name)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
     if not s.max_steer_scale > 0:
@@ -55,6 +57,21 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if refused is not None:
         raise ConfigError(*refused)
     return name, spec, confs, inline
+
+
+def pick_mode(conf: ServeConf, name: str) -> None:
+    """Set vllm.compiled_edits where it is null: true on engine=vllm unless another mode or requests' own vectors
+    are asked for (the fastest mode: README, "Serving benchmark"), else false."""
+    v = conf.vllm
+    if v.compiled_edits is None:
+        v.compiled_edits = name == "vllm" and not (v.edits_in_graph or v.tap_graphs or list(conf.serve.inline_layers))
+
+
+def mode_name(conf: ServeConf) -> str:
+    """How the vLLM server runs the presets' edits, in the words of the README."""
+    v = conf.vllm
+    return ("compiled edits" if v.compiled_edits else "edits in the graph" if v.edits_in_graph
+            else "tap graphs" if v.tap_graphs else "replay")
 
 
 def inline_taps(s: ServeOptions, spec: ModelSpec) -> Dict[int, Tap]:
@@ -113,7 +130,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         _free_cuda()
     from steer.serve import vllm_server
 
-    say(f"steer serve: {model_name} on engine=vllm, presets {escape(str(sorted(compiled)))}, "
+    say(f"steer serve: {model_name} on engine=vllm ({mode_name(conf)}), presets {escape(str(sorted(compiled)))}, "
         f"http://{conf.serve.host}:{conf.serve.port}/v1")
     vllm_server.serve(conf, spec, compiled, inline, out_dir, model_name)
 

@@ -83,6 +83,7 @@ def test_each_server_runs_its_loads_in_turn_repeats_times(tmp_path, fake_servers
     assert started["stock_v1"][1]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in started["stock"][1]  # vLLM's own choice of runner
     assert "vllm.compiled_edits=true" in started["compiled"][0] and started["replay"][1] is None
+    assert "vllm.compiled_edits=false" in started["replay"][0]  # the server's own pick would be compiled
     # stock servers run the unsteered load only; steer's run every load; loads in turn within each repeat
     assert [(n, ld, r) for n, ld, r, _ in fake_servers["loads"] if n == "stock"] == [("stock", "unsteered", r)
                                                                                    for r in range(3)]

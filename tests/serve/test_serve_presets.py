@@ -135,6 +135,24 @@ def test_graph_modes_need_the_vllm_engine(mode):
     assert e.value.field == f"vllm.{mode}" and "needs engine=vllm" in str(e.value)
 
 
+@pytest.mark.parametrize("engine, overrides, compiled", [
+    ("vllm", [], True),  # the fastest mode when nothing else is asked for
+    ("vllm", ["serve.inline_layers=[1]"], False),  # requests' own vectors: replay
+    ("vllm", ["vllm.edits_in_graph=true"], False),
+    ("vllm", ["vllm.tap_graphs=true"], False),
+    ("vllm", ["vllm.compiled_edits=false"], False),
+    ("hf", [], False),
+])
+def test_the_server_picks_compiled_edits_unless_asked_otherwise(engine, overrides, compiled, cache_dir):
+    from steer.serve.start import mode_name, pick_mode
+
+    conf = compose_serve(f"cache_dir={cache_dir}", f"engine={engine}", *overrides)
+    assert conf.vllm.compiled_edits is None or overrides
+    pick_mode(conf, engine)
+    assert conf.vllm.compiled_edits is compiled
+    assert (mode_name(conf) == "compiled edits") is compiled
+
+
 @pytest.mark.parametrize("layers, mode, field, says", [
     ([1, 9], None, "serve.inline_layers[1]", "layer 9 is out of range: tiny has 4 decoder layers (0..3)"),
     ([2, 2], None, "serve.inline_layers[1]", "layer 2 is listed twice"),
