@@ -25,8 +25,8 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if list(s.inline_layers) and conf.vllm.in_graph_field():
         raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
                                                  "graphs at start, and a request's own vector is not known then; "
-                                                 "serve inline vectors in replay mode (leave vllm.compiled_edits "
-                                                 "unset or false)")
+                                                 "serve inline vectors in replay mode (vllm.edits_in_graph false, "
+                                                 "vllm.compiled_edits unset or false)")
     name = engines.resolve(conf.engine)
     pick_mode(conf, name)
     if not 0 < s.port < 65536:

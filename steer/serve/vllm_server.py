@@ -3,7 +3,8 @@ runs it with one API server process), in this process, with steer's tap worker a
 
 The one module of steer.serve that imports vLLM (its entrypoints; the worker's internals stay in
 interleaver/vllm_internals.py). The engine is started as steer.engine.vllm.VLLMEngine starts one (breakable CUDA
-graphs, the tap worker, prefix caching off, the V1 runner), and every preset's edits go to the workers as plain data
+graphs, or vLLM's own compiled graphs with compiled edits, the server's default; the tap worker, prefix caching off,
+the V1 runner), and every preset's edits go to the workers as plain data
 inside additional_config, before vLLM records its graphs: the stage list under STAGES_KEY (replay at the taps'
 breaks) or IN_GRAPH_KEY (`vllm.edits_in_graph=true`: captured into the graphs; with `vllm.compiled_edits=true`
 also COMPILED_KEY, and vLLM's own torch.compile and CUDA graphs instead of breakable ones). No RPC carries code or

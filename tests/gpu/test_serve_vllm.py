@@ -1,6 +1,7 @@
 """`python -m steer.serve engine=vllm`: vLLM's own OpenAI server with the tap worker and the presets registered at
-start, driven by the openai client through the same checks as the HF server (tests/serve/), in replay mode and with
-the edits captured into the graphs (vllm.edits_in_graph).
+start, driven by the openai client through the same checks as the HF server (tests/serve/), in replay mode, with
+the edits captured into the graphs (vllm.edits_in_graph), and compiled into vLLM's own graphs (vllm.compiled_edits,
+what the server picks when no mode is set: the `compiled` case sets none).
 
 Tolerance: greedy text identical to the HF engine's on the same GPU (the tiny model in float32: vLLM's greedy tokens
 equal the HF engine's, tests/gpu/test_vllm_engine.py). Concurrent requests with mixed presets share vLLM's batches.
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module", params=["replay", "in_graph", "compiled"])
 def vllm_url(request, cache_dir, tiny_spec, tmp_path_factory):
     args = ["engine=vllm", "device=cpu", "vllm.gpu_memory_utilization=0.15", "vllm.max_cudagraph_capture_size=128"]
-    args += {"in_graph": ["vllm.edits_in_graph=true"], "compiled": ["vllm.compiled_edits=true"]}.get(
-        request.param, ["serve.inline_layers=[1,2]"])  # replay mode takes requests' own vectors
+    # compiled: the server's own pick (steer.serve.start.pick_mode); replay mode takes requests' own vectors
+    args += {"in_graph": ["vllm.edits_in_graph=true"], "compiled": []}.get(request.param, ["serve.inline_layers=[1,2]"])
     with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-{request.param}"), timeout=900) as url:
         yield url
 

@@ -147,10 +147,25 @@ def test_the_server_picks_compiled_edits_unless_asked_otherwise(engine, override
     from steer.serve.start import mode_name, pick_mode
 
     conf = compose_serve(f"cache_dir={cache_dir}", f"engine={engine}", *overrides)
-    assert conf.vllm.compiled_edits is None or overrides
+    assert conf.vllm.compiled_edits is (False if "vllm.compiled_edits=false" in overrides else None)
     pick_mode(conf, engine)
     assert conf.vllm.compiled_edits is compiled
     assert (mode_name(conf) == "compiled edits") is compiled
+
+
+@pytest.mark.parametrize("engine, compiled", [("vllm", True), ("hf", False)])
+def test_the_start_leaves_the_mode_picked(engine, compiled, cache_dir, monkeypatch):
+    import socket
+
+    from steer import engine as engines
+    from steer.serve.start import prepare
+
+    monkeypatch.setattr(engines, "resolve", lambda name: engine)  # vLLM need not be installed to check the pick
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conf = compose_serve(f"cache_dir={cache_dir}", f"serve.port={port}")
+    assert prepare(conf)[0] == engine and conf.vllm.compiled_edits is compiled
 
 
 @pytest.mark.parametrize("layers, mode, field, says", [
