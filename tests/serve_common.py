@@ -170,6 +170,8 @@ def bad_requests() -> list:
         ({**ok, "steer": "joy"}, "steer", True),
         (b'{"model": "steer-test", "prompt": ', None, True),
         (b'["steer-test"]', None, True),
+        (b'5', None, True),  # JSON, but no object
+        (b'null', None, True),
         # nested past what json.loads can read, and past what the servers read further
         (raw.replace("%s", "[" * 100000 + "]" * 100000).encode(), None, True),
         (raw.replace("%s", "[" * 150 + "]" * 150).encode(), None, True),

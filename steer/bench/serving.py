@@ -43,6 +43,9 @@ LOADS = {"unsteered": [None], "mixed": [None, "add8", "clamp16"], "ablate_all": 
 # name -> environment over the caller's (None: unset, so a variable exported in the shell cannot pick stock's runner)
 BASELINES = {"stock": {"VLLM_USE_V2_MODEL_RUNNER": None}, "stock_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 MEDIANS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+# steer's servers: mode -> its overrides (each explicit: with none the server picks compiled edits)
+MODES = {"replay": ["vllm.compiled_edits=false"], "in_graph": ["vllm.edits_in_graph=true"],
+         "compiled": ["vllm.compiled_edits=true"]}
 
 
 def write_presets(work: Path, hidden: int) -> Path:
@@ -78,8 +81,7 @@ def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str)
            f"model.name={SERVED}", "model.dtype=bfloat16", "vllm.load_format=dummy", "vllm.max_num_seqs=256",
            f"vllm.gpu_memory_utilization={gpu_util}", f"serve.preset_dir={presets}", f"serve.port={port}",
            "serve.log_level=warning", f"hydra.run.dir={presets.parent / ('serve-' + mode)}"]
-    return out + {"replay": ["vllm.compiled_edits=false"], "in_graph": ["vllm.edits_in_graph=true"],
-                  "compiled": ["vllm.compiled_edits=true"]}[mode]
+    return out + MODES[mode]
 
 
 def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args) -> dict:
@@ -161,7 +163,7 @@ def require_gpu() -> None:
 def servers(args) -> List[str]:
     """The servers the run starts, checked before any starts: the stock baselines, then steer's modes."""
     out = []
-    for flag, known in (("baselines", list(BASELINES)), ("modes", ["replay", "in_graph", "compiled"])):
+    for flag, known in (("baselines", list(BASELINES)), ("modes", list(MODES))):
         for name in filter(None, getattr(args, flag).split(",")):
             if name not in known:
                 raise SystemExit(f"--{flag}: unknown server {name!r}; expected some of {', '.join(known)}")

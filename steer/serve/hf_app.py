@@ -28,7 +28,7 @@ from typing import AsyncIterator, Dict, List, Optional, Tuple
 from steer.schema import GenConf
 from steer.serve import requests
 from steer.serve.presets import Preset, compose
-from steer.serve.protocol import InlinePolicy, RequestError, check_depth, plain_chat_template
+from steer.serve.protocol import InlinePolicy, RequestError, plain_chat_template, read_body
 from steer.tap import Tap
 
 log = logging.getLogger("steer.serve")
@@ -336,13 +336,9 @@ async def _choices(server: HFServer, req, encoded, plan, chat: bool) -> Tuple[Li
 async def _parse(request):
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        return read_body(raw)
     except ValueError as e:
         raise RequestError(None, f"the request body is not valid JSON: {e}") from e
-    except RecursionError as e:
-        raise RequestError(None, "the request body is nested too deeply to read") from e
-    check_depth(body)
-    return body
 
 
 def _internal(e: Exception):

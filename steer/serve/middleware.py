@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any, Optional
 
-from steer.serve.protocol import RequestError, check_depth, parse_steer
+from steer.serve.protocol import RequestError, parse_steer, read_body
 from steer.serve.stages import Translator
 
 TABLE_ENV = "STEER_SERVE_TABLE"  # path of the Translator's JSON, for a middleware vLLM builds by its import path
@@ -49,16 +49,13 @@ class SteerMiddleware:
     def rewrite(self, path: str, body: bytes) -> Optional[bytes]:
         """The body to hand vLLM (None: unchanged), or RequestError for a request to refuse."""
         try:
-            data = json.loads(body) if body else None
+            data = read_body(body) if body else None
         except ValueError as e:  # also a body that is not UTF-8
             if path.rstrip("/") in OPENAI_PATHS:
                 raise RequestError(None, f"the request body is not valid JSON: {e}") from e
             return None  # vLLM answers it
-        except RecursionError as e:
-            raise RequestError(None, "the request body is nested too deeply to read") from e
         if path.rstrip("/") in OPENAI_PATHS and not isinstance(data, dict):
             raise RequestError(None, "the request body must be a JSON object")
-        check_depth(data)
         changed = self._walk(data, "")
         return json.dumps(data).encode() if changed else None
 

@@ -13,6 +13,7 @@ with `steer` is refused, so a typo never silently serves an unsteered answer.
 """
 
 import binascii
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Optional, Tuple
@@ -218,9 +219,20 @@ def _item(xargs: Dict[str, Any], where: str, key: str, i: int) -> str:
 MAX_DEPTH = 100  # an OpenAI request nests a few levels (a tool's JSON schema, a dozen or so)
 
 
+def read_body(raw: bytes) -> Any:
+    """A request body parsed as JSON: ValueError where it is not JSON (each server answers that its own way),
+    RequestError where it nests deeper than json.loads or MAX_DEPTH allows."""
+    try:
+        data = json.loads(raw)
+    except RecursionError as e:
+        raise RequestError(None, "the request body is nested too deeply to read") from e
+    check_depth(data)
+    return data
+
+
 def check_depth(data: Any) -> None:
     """RequestError where the parsed body nests deeper than MAX_DEPTH (what reads it next recurses)."""
-    level, depth = [data], 0
+    level, depth = [data] if isinstance(data, (dict, list)) else [], 0
     while level:
         depth += 1
         if depth > MAX_DEPTH:

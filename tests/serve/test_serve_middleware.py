@@ -152,6 +152,13 @@ def test_no_way_around_the_names(http):
     assert r.status_code == 200
 
 
+def test_bodies_of_other_routes_pass_through(http):
+    """vLLM's own routes (an admin POST with no body, a bare JSON value) reach vLLM as they came."""
+    for raw in (b"", b"5", b"null", b'"text"', b"[1, [2]]"):
+        r = http.post("/reset_prefix_cache", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["body"].encode() == raw, (raw, r.text)
+
+
 def test_presets_listing(http, compiled):
     r = http.get("/v1/steer/presets")
     assert r.status_code == 200 and [p["name"] for p in r.json()["data"]] == list(compiled)
