@@ -173,7 +173,14 @@ class VLLMEngine(Engine):
     def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:
         """One vLLM SamplingParams per plan (None: unsteered), its edits riding in extra_args; `kw` are
         SamplingParams fields shared by all."""
-        edits = [self._edits(plan) if plan else None for plan in plans]
+        # Requests that share a plan object share its entries: registering a plan hashes each edit's vectors (about
+        # 18 us a tap on a CPU), and done per request that was 38 ms of host work before a 64-request batch that
+        # ablates at 32 layers could start, 155 ms before 256 (docs/perf-log.md, 2026-12-02)
+        shared = {}
+        for plan in plans:
+            if plan and id(plan) not in shared:
+                shared[id(plan)] = self._edits(plan)
+        edits = [shared[id(plan)] if plan else None for plan in plans]
         self._push()
         seeds = seeds if seeds is not None else [None] * len(plans)
         return [self._params(e, seed=seed, **kw) for e, seed in zip(edits, seeds)]

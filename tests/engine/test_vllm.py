@@ -22,3 +22,42 @@ def test_flat_logprobs_become_dense_rows():
 def test_rank_zeros_captures_stand_for_all():
     ranks = [{"model.layers.1.output": {"k": [[[float(r), 2.0]]]}} for r in range(3)]
     assert rank_zero(ranks) == ranks[0] and rank_zero(ranks[::-1]) == ranks[2] and rank_zero([]) == {}
+
+
+def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
+    """sampling_params registers a plan once however many requests carry it (registering hashes every edit's
+    vectors: per request it was the bench's host cost before each batch), and every request gets the entries it
+    would get alone."""
+    import sys
+
+    from interleaver.bank import EditBank
+    from steer.bench import workload
+    from steer.engine.vllm import VLLMEngine
+    from steer.plan import Plan
+    from steer.tap import Tap
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    ablate, add = (workload.scenario(name, 16, 4, 1, 0).edits[0] for name in ("ablate_all", "add"))
+    taps = [Tap(f"layer{i}", f"model.layers.{i}", True) for i in range(4)]
+    every, one, again = Plan(), Plan(), Plan()
+    for t in taps:
+        every.add(t, ablate)
+    one.add(taps[2], add)
+    again.add(taps[2], add)
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.bank, engine.taps, engine.in_graph, engine._pushed = EditBank(), {t.path: t for t in taps}, False, 0
+    engine.stop_ids, pushed = {0}, []
+    engine.llm = SimpleNamespace(collective_rpc=lambda name, args: pushed.append(args[0]))
+    registered = []
+    monkeypatch.setattr(engine, "_edits", lambda plan, f=engine._edits: registered.append(plan) or f(plan))
+
+    plans = [every, None, one, every, again, every]
+    params = engine.sampling_params(plans, max_tokens=4)
+
+    assert [id(p) for p in registered] == [id(every), id(one), id(again)]
+    alone = VLLMEngine.__new__(VLLMEngine)
+    alone.bank, alone.taps = engine.bank, engine.taps
+    for plan, p in zip(plans, params):
+        assert p["extra_args"] == (None if plan is None else {"steer": alone._edits(plan).to_args()})
+    assert len(params[0]["extra_args"]["steer"]["entries"]) == 4 and params[2]["extra_args"] == params[4]["extra_args"]
+    assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
