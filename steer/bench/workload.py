@@ -65,6 +65,7 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
                                              f"length ({need}); requests would be preempted mid-pass")
     _check_lanes(cfg)
+    _check_traces(cfg)
     for i, size in enumerate(cfg.capture_sizes or []):
         if size < 1:
             raise ConfigError(f"capture_sizes[{i}]", f"a step size must be >= 1, got {size}")
@@ -106,8 +107,21 @@ def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) 
 
 
 def traced(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
-    """The trace pattern that names this cell, or None."""
-    return _matching(cfg.trace, model_name, config, scenario, batch)
+    """The trace pattern that names this cell, or None. An unsteered configuration's one cell stands for every
+    scenario, so a pattern that names it at any of the run's scenarios (`llama3_8b/b/ablate_all/64x128`, the
+    baseline beside f's ablate_all) names that cell."""
+    names = [scenario, *cfg.scenarios] if scenario == "unsteered" else [scenario]
+    return next(filter(None, (_matching(cfg.trace, model_name, config, s, batch) for s in names)), None)
+
+
+def _check_traces(cfg: BenchConf) -> None:
+    cells = [f"{m}/{c}/{s}/{r}x{t}" for m in cfg.run for c in cfg.configs for s in [*cfg.scenarios, "unsteered"]
+             for r, t in cfg.batches]
+    for i, pattern in enumerate(cfg.trace):
+        if not any(fnmatch.fnmatchcase(cell, pattern) for cell in cells):
+            raise ConfigError(f"trace[{i}]", f"{pattern!r} names no cell of this run: a cell is "
+                                             f"model/config/scenario/RxT of run, configs, scenarios and batches, "
+                                             f"e.g. {cells[0]!r}" if cells else "this run has no cells")
 
 
 def _matching(patterns: List[str], model_name: str, config: str, scenario: str, batch) -> Optional[str]:

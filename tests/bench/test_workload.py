@@ -53,7 +53,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ("trace_timeout_s=0", "trace_timeout_s"), ("epsilon=0", "epsilon"),
                                             ("epsilon=1e-13", "epsilon"), ("scenarios=[add,k8@ep]", "scenarios[1]"),
                                             ("targets=[{scenario:add,at_least:1,between:mean}]",
-                                             "targets[0].between")])
+                                             "targets[0].between"),
+                                            ("trace=[llama3_8b/b/*/64x128,llama3_8b/f/ablate/*]", "trace[1]")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
@@ -71,6 +72,19 @@ def test_skip_patterns_match_cells():
     assert workload.skipped(cfg, "llama3_8b", "e", "add", (64, 128)) == "llama3_8b/e/*"
     assert workload.skipped(cfg, "tiny", "d", "k64", (256, 256)) == "*/d/k64/256x256"
     assert workload.skipped(cfg, "tiny", "d", "k64", (64, 128)) is None
+
+
+def test_a_trace_pattern_naming_a_scenario_names_the_unsteered_baseline_too():
+    # H200, 2026-12-02: `llama3_8b/[bcfh]/ablate_all/64x128` traced c, f and h but not b, whose one cell is named
+    # `unsteered`, so f's trace had no baseline beside it
+    cfg = bench_conf('trace=["llama3_8b/[bf]/ablate_all/64x128"]')
+    workload.check(cfg)
+    assert workload.traced(cfg, "llama3_8b", "b", "unsteered", (64, 128)) == "llama3_8b/[bf]/ablate_all/64x128"
+    assert workload.traced(cfg, "llama3_8b", "f", "ablate_all", (64, 128))
+    assert not workload.traced(cfg, "llama3_8b", "f", "add", (64, 128))
+    assert not workload.traced(cfg, "llama3_8b", "b", "unsteered", (256, 256))
+    assert not workload.traced(cfg, "llama3_8b", "a", "unsteered", (64, 128))
+    assert workload.traced(bench_conf("trace=[*/a/unsteered/*]"), "tiny", "a", "unsteered", (64, 128))
 
 
 def test_scenarios_give_every_request_its_edit():
