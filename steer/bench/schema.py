@@ -91,7 +91,8 @@ class BenchConf:
     skip: List[str] = field(default_factory=list)
     # Cells (the same patterns) that, after their timed passes, run one more pass of trace_tokens new tokens under
     # vLLM's torch profiler; its table of kernels by device time lands in the run dir as trace-<cell>.txt (the
-    # configurations that run vLLM directly: a, b, c, f, g)
+    # configurations that run vLLM directly: a, b, c, f, g, h, i). An unsteered configuration's one cell is named
+    # `unsteered`, and a pattern naming it at any scenario of the run names it too (b/ablate_all: f's baseline).
     trace: List[str] = field(default_factory=list)
     trace_tokens: int = 16
     trace_timeout_s: float = 300.0  # a trace not back by then is given up (the cell's figure stands)
