@@ -115,17 +115,23 @@ def traced(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -
 
 
 def _check_traces(cfg: BenchConf) -> None:
-    cells = [f"{m}/{c}/{s}/{r}x{t}" for m in cfg.run for c in cfg.configs for s in [*cfg.scenarios, "unsteered"]
-             for r, t in cfg.batches]
+    """Every trace pattern names some cell of the run (a typo would trace nothing, and say nothing)."""
+    cells = [_cell(m, c, s, b) for m in cfg.run for c in cfg.configs for s in [*cfg.scenarios, "unsteered"]
+             for b in cfg.batches]
     for i, pattern in enumerate(cfg.trace):
         if not any(fnmatch.fnmatchcase(cell, pattern) for cell in cells):
-            raise ConfigError(f"trace[{i}]", f"{pattern!r} names no cell of this run: a cell is "
-                                             f"model/config/scenario/RxT of run, configs, scenarios and batches, "
-                                             f"e.g. {cells[0]!r}" if cells else "this run has no cells")
+            example = f", e.g. {cells[0]!r}" if cells else ""
+            raise ConfigError(f"trace[{i}]", f"{pattern!r} names no cell of this run: a cell is model/config/scenario/"
+                                             f"RxT of run, configs, scenarios and batches{example}")
+
+
+def _cell(model_name: str, config: str, scenario: str, batch) -> str:
+    """A cell's name, as skip and trace patterns match it."""
+    return f"{model_name}/{config}/{scenario}/{batch[0]}x{batch[1]}"
 
 
 def _matching(patterns: List[str], model_name: str, config: str, scenario: str, batch) -> Optional[str]:
-    cell = f"{model_name}/{config}/{scenario}/{batch[0]}x{batch[1]}"
+    cell = _cell(model_name, config, scenario, batch)
     return next((p for p in patterns if fnmatch.fnmatchcase(cell, p)), None)
 
 
