@@ -50,21 +50,24 @@ def _kernel():
         delta = tl.zeros([BLOCK], dtype=tl.float32)
         on_x = tl.sum(delta, axis=0)  # 0: the scale weights' sum, their delta's term in x
         for j in range(n_dirs):
+            # A direction's scalars are loaded before its weight is known and its weight's two loads issued
+            # together with them: a tap at a decode step is a few microseconds of dependent loads, not of arithmetic.
+            kind = tl.load(kind_ptr + j)
+            slope, offset = tl.load(slope_ptr + j), tl.load(offset_ptr + j)
+            lo, hi = tl.load(lo_ptr + j), tl.load(hi_ptr + j)
             w = tl.load(w_ptr + row * stride_w + tl.load(col_ptr + j))
             # A row asks for few of the table's directions (one of k distinct edits; an in-graph engine's table
-            # holds every edit it declared): the others cost it one scalar load, not a row of the basis and a
+            # holds every edit it declared): the others cost it a few scalar loads, not a row of the basis and a
             # reduction. Their delta would be exactly 0 (or NaN, where a direction is not finite).
             if w != 0.0:
                 b = tl.load(basis_ptr + j * hidden_size + offs, mask=mask, other=0.0)
-                kind = tl.load(kind_ptr + j)
                 coef = w
                 if kind == 1:
                     on_x += w
                     coef = -w
                 elif kind == 2:
                     p = tl.sum(x * b, axis=0)
-                    t = tl.minimum(tl.maximum(tl.load(offset_ptr + j) + tl.load(slope_ptr + j) * p,
-                                              tl.load(lo_ptr + j)), tl.load(hi_ptr + j))
+                    t = tl.minimum(tl.maximum(offset + slope * p, lo), hi)
                     coef = (t - p) * w
                 delta += coef * b
         delta += on_x * x

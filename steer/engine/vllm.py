@@ -11,6 +11,7 @@ Only public vLLM API is used here; the internals live in interleaver/vllm_intern
 
 import gc
 import os
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -91,6 +92,7 @@ class VLLMEngine(Engine):
             **({"profiler_config": profiler_config(profile_dir)} if profile_dir else {}),
         )
         self._keys = 0
+        self._params_clock = [0.0, 0]  # host seconds and calls building SamplingParams (host_profile's "params")
 
     def _additional_config(self, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan]) -> dict:
         """What the tap worker reads when it loads the model: the taps, and the declared edits of an in-graph
@@ -143,8 +145,15 @@ class VLLMEngine(Engine):
 
     def host_profile(self) -> dict:
         """The taps' host seconds and calls per section since the last call, and how many tap program calls took
-        the fused kernel and the torch form (STEER_PROFILE=1 in the engine's environment; else {}): rank 0's."""
-        return self.llm.collective_rpc("steer_profile")[0]
+        the fused kernel and the torch form (STEER_PROFILE=1 in the engine's environment; else {}): rank 0's;
+        beside them, where any call built requests' SamplingParams, "params": this process's time doing so (plan
+        registration included), which a batch waits for before vLLM sees it."""
+        out = self.llm.collective_rpc("steer_profile")[0]
+        seconds, calls = self._params_clock
+        if calls:
+            out["params"] = {"seconds": seconds, "calls": calls}
+        self._params_clock = [0.0, 0]
+        return out
 
     def _edits(self, plan: Optional[Plan], **kw) -> RequestEdits:
         entries = []
@@ -175,20 +184,29 @@ class VLLMEngine(Engine):
         SamplingParams fields shared by all."""
         # Requests that share a plan object share its entries: registering a plan hashes each edit's vectors (about
         # 18 us a tap on a CPU), and done per request that was 38 ms of host work before a 64-request batch that
-        # ablates at 32 layers could start, 155 ms before 256 (docs/perf-log.md, 2026-12-02)
+        # ablates at 32 layers could start, 155 ms before 256 (docs/perf-log.md, 2026-12-02). They share its
+        # extra_args string too, which vLLM's per-request deep copy copies for free (RequestEdits.to_args).
+        t0 = time.perf_counter()
         shared = {}
         for plan in plans:
             if plan and id(plan) not in shared:
-                shared[id(plan)] = self._edits(plan)
-        edits = [shared[id(plan)] if plan else None for plan in plans]
+                shared[id(plan)] = self._wire(self._edits(plan))
         self._push()
         seeds = seeds if seeds is not None else [None] * len(plans)
-        return [self._params(e, seed=seed, **kw) for e, seed in zip(edits, seeds)]
+        out = [self._params(shared[id(plan)] if plan else None, seed=seed, **kw) for plan, seed in zip(plans, seeds)]
+        self._params_clock[0] += time.perf_counter() - t0
+        self._params_clock[1] += 1
+        return out
 
-    def _params(self, edits: Optional[RequestEdits], **kw):
+    @staticmethod
+    def _wire(edits: RequestEdits) -> Optional[str]:
+        """The worker's extra_args["steer"] for `edits`, None where they ask for nothing."""
+        return edits.to_args() if edits.entries or edits.capture else None
+
+    def _params(self, steer: Optional[str], **kw):
         from vllm import SamplingParams
 
-        extra = {"steer": edits.to_args()} if edits is not None and (edits.entries or edits.capture) else None
+        extra = {"steer": steer} if steer is not None else None
         if not kw.get("ignore_eos"):  # stop where the HF engine stops (the bench asks for fixed lengths instead)
             kw.setdefault("stop_token_ids", sorted(self.stop_ids))
         return SamplingParams(extra_args=extra, **kw)
@@ -237,7 +255,7 @@ class VLLMEngine(Engine):
             self._push()
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.
-            params.append(self._params(edits, max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
+            params.append(self._params(self._wire(edits), max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
                                        flat_logprobs=True, detokenize=False))
         outs = self._generate([list(p) + list(c) for p, c, _, _ in jobs], params)
         kept = {loc: {k: [torch.tensor(b) for b in blocks] for k, blocks in by_key.items()}

@@ -116,7 +116,9 @@ class Translator:
                 own.append([loc, index - 1, v.strength, v.tokens, v.data])
         if not entries and not own:
             return None
-        return json.dumps({"entries": entries, "prompt_len": None, "capture": [], "key": "", "inline": own})
+        from interleaver.bank import RequestEdits
+
+        return RequestEdits([tuple(e) for e in entries], inline=[tuple(v) for v in own]).to_args()
 
 
 def _sums(counts: List[int]) -> set:

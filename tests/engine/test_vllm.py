@@ -1,5 +1,6 @@
 """The vLLM engine's host-side helpers, on CPU (the engine itself runs in tests/gpu)."""
 
+import json
 from types import SimpleNamespace
 
 import torch
@@ -46,7 +47,7 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     again.add(taps[2], add)
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.bank, engine.taps, engine.in_graph, engine._pushed = EditBank(), {t.path: t for t in taps}, False, 0
-    engine.stop_ids, pushed = {0}, []
+    engine.stop_ids, engine._params_clock, pushed = {0}, [0.0, 0], []
     engine.llm = SimpleNamespace(collective_rpc=lambda name, args: pushed.append(args[0]))
     registered = []
     monkeypatch.setattr(engine, "_edits", lambda plan, f=engine._edits: registered.append(plan) or f(plan))
@@ -59,5 +60,9 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     alone.bank, alone.taps = engine.bank, engine.taps
     for plan, p in zip(plans, params):
         assert p["extra_args"] == (None if plan is None else {"steer": alone._edits(plan).to_args()})
-    assert len(params[0]["extra_args"]["steer"]["entries"]) == 4 and params[2]["extra_args"] == params[4]["extra_args"]
+    assert len(json.loads(params[0]["extra_args"]["steer"])["entries"]) == 4
+    assert params[2]["extra_args"] == params[4]["extra_args"]
+    # one string per plan, not one per request: vLLM deep-copies each request's params, and a string copies free
+    assert params[0]["extra_args"]["steer"] is params[3]["extra_args"]["steer"] is params[5]["extra_args"]["steer"]
+    assert engine._params_clock[1] == 1 and engine._params_clock[0] > 0
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
