@@ -9,13 +9,15 @@ import io
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from steer import results
+from steer.bench import cpu
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
-           "passes", "best_tok_s", "best_vs_b", "vs_eps", "best_vs_eps", "sm_mhz", "power_w", "status", "detail"]
+           "passes", "best_tok_s", "best_vs_b", "vs_eps", "best_vs_eps", "sm_mhz", "power_w", "cpu_busy", "cpu_steal",
+           "status", "detail"]
 
 
 def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
@@ -46,6 +48,7 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
             "spread": r.get("spread"), "passes": len(r.get("walls_s") or ()) or None, "best_tok_s": best,
             "best_vs_b": _ratio(best, _best(b)), "vs_eps": _ratio(t, _tok(faint)),
             "best_vs_eps": _ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
+            "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
             "status": r["status"], "detail": r.get("detail", "")}
 
 
@@ -70,9 +73,11 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
     return out
 
 
-def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
-    """bench.md: how it was measured, a table per model and batch, the targets, and the cells without a figure."""
-    lines = _preamble(cfg, machine, when, command) + _tables(rows, cfg)
+def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str,
+             records: Sequence[Dict] = ()) -> str:
+    """bench.md: how it was measured, a table per model and batch, how pass times followed the host (from the
+    cells' `records`), the targets, and the cells without a figure."""
+    lines = _preamble(cfg, machine, when, command) + _tables(rows, cfg) + _host_lines(records, cfg)
     if goals:
         lines += _targets_table(goals)
     lines += _missing(rows)
@@ -112,7 +117,11 @@ def _tables(rows: List[Dict], cfg: BenchConf) -> List[str]:
             lines += [f"**{model}**, {req} requests x {tok} new tokens", ""] + _speed_table(mine, cfg)
             lines += _split_table(mine, cfg)
             if clocked:
-                lines += _gpu_table(mine, cfg)
+                lines += _readings_table(mine, cfg, "SM clock (MHz) and power (W)", "MHz / W", "sm_mhz", "power_w",
+                                         ",.0f")
+            if any(r["cpu_busy"] is not None for r in mine.values()):
+                lines += _readings_table(mine, cfg, "The host's busy CPUs and the percent of its CPU time stolen",
+                                         "CPUs / % stolen", "cpu_busy", "cpu_steal", ".1f")
     if not clocked:
         lines += ["SM clock and power: not read (no NVML in the engine processes; the bench log says why).", ""]
     return lines
@@ -168,18 +177,37 @@ def _baseline(config: str, configs) -> Optional[str]:
     return "b" if "b" in configs else None
 
 
-def _gpu_table(mine: Dict, cfg: BenchConf) -> List[str]:
-    """A row per scenario: each configuration's SM clock and power, the medians of its passes' means."""
-    head = ["MHz / W"] + list(cfg.configs)
-    lines = ["SM clock (MHz) and power (W) through the timed passes:", "", "| " + " | ".join(head) + " |",
+def _readings_table(mine: Dict, cfg: BenchConf, title: str, label: str, first: str, second: str,
+                    form: str) -> List[str]:
+    """A row per scenario: each configuration's two readings through its passes (the medians of the passes')."""
+    head = [label] + list(cfg.configs)
+    lines = [f"{title} through the timed passes:", "", "| " + " | ".join(head) + " |",
              "|" + "---|" + "---:|" * (len(head) - 1)]
     for scen in cfg.scenarios:
         vals = [scen]
         for c in cfg.configs:
             r = mine[scen, c]
-            vals.append("-" if r["sm_mhz"] is None else f"{r['sm_mhz']:,.0f} / {r['power_w']:,.0f}")
+            vals.append("-" if r[first] is None else f"{r[first]:{form}} / {r[second]:{form}}")
         lines.append("| " + " | ".join(vals) + " |")
     return lines + [""]
+
+
+def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
+    """Per model, how its pass times followed the host's CPUs (cpu.follows): a host-bound model's slow passes
+    are the host's, and this says whether other work on the machine or the hypervisor took it."""
+    lines = []
+    for model in cfg.run:
+        mine = [r for r in records if r.get("model") == model and r.get("status") == "ok"]
+        found = {key: cpu.follows(mine, key) for key in ("cpu_busy", "cpu_steal")}
+        if any(found.values()):
+            said = [f"{what} r = {f[0]:+.2f} ({f[1]} passes)" for what, f in
+                    (("busy CPUs", found["cpu_busy"]), ("steal", found["cpu_steal"])) if f]
+            lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
+                         + "; ".join(said))
+    if not lines:
+        return []
+    return ["How pass times followed the host (correlation over every timed pass; each reading less its cell's "
+            "mean):", ""] + lines + [""]
 
 
 def _targets_table(goals: List[Dict]) -> List[str]:
@@ -306,7 +334,7 @@ def publish(out_dir: Path, records: List[Dict], cfg: BenchConf, machine: Dict, w
     """Write the whole report of these records, and run.json, which lets `rewrite` redo it; returns bench.md."""
     rows = cells(records, cfg)
     goals = targets(rows, cfg)
-    md = markdown(rows, goals, cfg, machine, when, command)
+    md = markdown(rows, goals, cfg, machine, when, command, records)
     write(out_dir, rows, goals, md, cfg)
     results.write_text(out_dir / "run.json", json.dumps({"machine": machine, "when": when, "command": command}))
     return md

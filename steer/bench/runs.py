@@ -8,7 +8,7 @@ is output tokens per second of one `generate` over the whole batch (the median o
 least `min_timed_s` seconds of them, none begun after `max_timed_s`, after a warm-up pass of the same batch and
 edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model
 samples ids its small tokenizer does not have), so every configuration does the same work. Through each timed pass
-the GPU's SM clock and power are sampled (steer/bench/nvml.py). How each configuration's engine starts and runs a
+the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read (steer/bench/cpu.py). How each configuration's engine starts and runs a
 pass is steer/bench/engines.py's.
 """
 
@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from steer.bench import engines, nvml, waves, workload
+from steer.bench import cpu, engines, nvml, waves, workload
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
@@ -93,7 +93,8 @@ class _Timing:
     cell: Dict
     inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
     walls: List[float] = field(default_factory=list)
-    gpu: List[Dict[str, float]] = field(default_factory=list)  # per timed pass: its mean SM clock and power
+    # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal (absent: not read)
+    readings: List[Dict[str, float]] = field(default_factory=list)
     host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
     record: Optional[Dict] = None
 
@@ -168,12 +169,12 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
         if profile:
             profile()  # what ran before this pass is not the cell's
         _sync()
-        with nvml.Sampler(read) if read else nullcontext() as gpu:
+        with nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host:
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)
             _sync()
             t.walls.append(time.perf_counter() - t0)
-        t.gpu.append(gpu.summary() if gpu else {})
+        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary()})
         if profile:
             for k, v in profile().items():
                 acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
@@ -190,18 +191,20 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
 
 
 def _finish(group: Group, t: _Timing, profiled: bool) -> None:
-    """A cell's record from its timed passes: the median pass, their spread, and the GPU's clock and power (the
-    medians of the passes' means; absent where they were not read)."""
+    """A cell's record from its timed passes: the median pass, their spread, the GPU's clock and power and the
+    host's busy CPUs and steal (the medians of the passes' readings, and each pass's; absent where not read)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     walls = t.walls
     wall = statistics.median(walls)
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
-    for key in ("sm_mhz", "power_w"):
-        per_pass = [g[key] for g in t.gpu if key in g]
+    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal"):
+        per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             t.record[key], t.record[f"{key}_passes"] = statistics.median(per_pass), per_pass
     gpu = f", {t.record['sm_mhz']:,.0f} MHz, {t.record['power_w']:,.0f} W" if "sm_mhz" in t.record else ""
+    if "cpu_busy" in t.record:
+        gpu += f", {t.record['cpu_busy']:.1f} CPUs busy, {t.record['cpu_steal']:.1f}% stolen"
     print(f"[bench] {group.model} {group.config} {t.cell['scenario']} {n}x{tokens}: "
           f"{n * tokens / wall:,.0f} tok/s (spread {t.record['spread']:.1%}{gpu})", flush=True)
     if profiled:
