@@ -2,8 +2,9 @@
 
 A step of a small model is mostly Python on the host (SmolLM2's GPU idles 61-65% of a decode step on the H200),
 and its timed passes spread by 30-80% whatever steers them, every configuration alike (2026-12-02): the slow
-passes are the host's. What the CPUs did through each pass says whose: cores kept busy by other work on the
-machine (idle engines, a neighbour), or time the hypervisor took from this machine's virtual CPUs (steal). The
+passes are the host's. What the CPUs did through each pass says whose: cores kept busy (the timed engine's own
+processes among them, so a cell's mean is taken out before comparing), or time the hypervisor took from this
+machine's virtual CPUs (steal). The
 counters are the kernel's cumulative jiffies for all CPUs, read at the start and end of a pass; where there is no
 /proc/stat (not Linux) a window reads nothing and the cells go without.
 """
@@ -71,22 +72,31 @@ class Window:
         return between(self._start, self._end)
 
 
-def follows(records: Sequence[Dict], key: str) -> Optional[Tuple[float, int]]:
+def follows(records: Sequence[Dict], key: str) -> Optional[Tuple[float, int, int]]:
     """How a model's pass times follow a host reading: the correlation, over every timed pass of `records` that
-    has the reading, between the pass's time over its cell's median and the reading over its cell's mean (so
-    that neither a cell's speed nor its own load counts), and how many passes; None where fewer than 3 passes or
-    either side never varies."""
-    xs, ys = [], []
+    has the reading, between the pass's time over its cell's median and the reading, each less its cell's mean
+    (so that neither a cell's speed nor its own load counts); how many passes, and how many cells. None where
+    fewer than 3 passes or either side never varies within a cell."""
+    xs, ys, cells = [], [], 0
     for r in records:
         walls, values = r.get("walls_s") or [], r.get(f"{key}_passes") or []
         if len(values) != len(walls) or len(walls) < 2:
             continue
-        mid, mean = median(walls), fmean(values)
-        xs += [v - mean for v in values]
-        ys += [w / mid for w in walls]
-    if len(xs) < 3:
+        cells += 1
+        times = [w / median(walls) for w in walls]
+        xs += _centred(values)
+        ys += _centred(times)
+    if len(xs) < 3 or not any(xs) or not any(ys):
         return None
     try:
-        return correlation(xs, ys), len(xs)
-    except StatisticsError:  # one side constant
+        return correlation(xs, ys), len(xs), cells
+    except StatisticsError:
         return None
+
+
+def _centred(values: List[float]) -> List[float]:
+    """`values` less their mean; exactly 0 where they never vary (a mean can round off a constant)."""
+    if max(values) == min(values):
+        return [0.0] * len(values)
+    mean = fmean(values)
+    return [v - mean for v in values]

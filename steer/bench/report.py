@@ -200,7 +200,7 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
         mine = [r for r in records if r.get("model") == model and r.get("status") == "ok"]
         found = {key: cpu.follows(mine, key) for key in ("cpu_busy", "cpu_steal")}
         if any(found.values()):
-            said = [f"{what} r = {f[0]:+.2f} ({f[1]} passes)" for what, f in
+            said = [f"{what} r = {f[0]:+.2f} ({f[1]} passes of {f[2]} cells)" for what, f in
                     (("busy CPUs", found["cpu_busy"]), ("steal", found["cpu_steal"])) if f]
             lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
                          + "; ".join(said))

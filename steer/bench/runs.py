@@ -8,8 +8,8 @@ is output tokens per second of one `generate` over the whole batch (the median o
 least `min_timed_s` seconds of them, none begun after `max_timed_s`, after a warm-up pass of the same batch and
 edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model
 samples ids its small tokenizer does not have), so every configuration does the same work. Through each timed pass
-the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read (steer/bench/cpu.py). How each configuration's engine starts and runs a
-pass is steer/bench/engines.py's.
+the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read (steer/bench/cpu.py). How
+each configuration's engine starts and runs a pass is steer/bench/engines.py's.
 """
 
 import faulthandler
@@ -162,7 +162,7 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
     """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
     `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
-    profile = getattr(runner, "profile", None)  # the taps' host time, under STEER_PROFILE=1
+    profile = getattr(runner, "profile", None)  # host time: the taps' (STEER_PROFILE=1), steer's params
     try:
         if not t.walls:  # its first pass comes after a warm-up (a failed warm-up finishes the cell as an error)
             runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits

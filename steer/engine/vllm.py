@@ -146,8 +146,8 @@ class VLLMEngine(Engine):
     def host_profile(self) -> dict:
         """The taps' host seconds and calls per section since the last call, and how many tap program calls took
         the fused kernel and the torch form (STEER_PROFILE=1 in the engine's environment; else {}): rank 0's;
-        beside them, where any call built requests' SamplingParams, "params": this process's time doing so (plan
-        registration included), which a batch waits for before vLLM sees it."""
+        beside them, where `sampling_params` ran (with or without STEER_PROFILE), "params": this process's time in it
+        (plan registration included), which a batch waits for before vLLM sees it."""
         out = self.llm.collective_rpc("steer_profile")[0]
         seconds, calls = self._params_clock
         if calls:
@@ -255,8 +255,8 @@ class VLLMEngine(Engine):
             self._push()
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.
-            params.append(self._params(self._wire(edits), max_tokens=1, temperature=0.0, prompt_logprobs=-1, logprobs=-1,
-                                       flat_logprobs=True, detokenize=False))
+            params.append(self._params(self._wire(edits), max_tokens=1, temperature=0.0, prompt_logprobs=-1,
+                                       logprobs=-1, flat_logprobs=True, detokenize=False))
         outs = self._generate([list(p) + list(c) for p, c, _, _ in jobs], params)
         kept = {loc: {k: [torch.tensor(b) for b in blocks] for k, blocks in by_key.items()}
                 for loc, by_key in rank_zero(self.llm.collective_rpc("steer_take_kept")).items()}

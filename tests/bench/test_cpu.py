@@ -50,11 +50,13 @@ def _rec(walls, busy, **kw):
 def test_pass_times_follow_a_reading_within_each_cell():
     # Two cells of different speed and load; within each the slow passes are the busy ones
     slow = [_rec([1.0, 2.0, 1.5], [1.0, 3.0, 2.0]), _rec([10.0, 20.0, 15.0], [5.0, 7.0, 6.0])]
-    r, n = cpu.follows(slow, "cpu_busy")
-    assert r == pytest.approx(1.0) and n == 6
+    r, passes, cells = cpu.follows(slow, "cpu_busy")
+    assert r == pytest.approx(1.0) and (passes, cells) == (6, 2)
     against = [_rec([1.0, 2.0, 1.5], [3.0, 1.0, 2.0])]
     assert cpu.follows(against, "cpu_busy")[0] == pytest.approx(-1.0)
     assert cpu.follows([_rec([1.0, 2.0, 1.5], [2.0, 2.0, 2.0])], "cpu_busy") is None  # the reading never varies
+    # ... nor here, though the cells differ and a mean of 0.1s rounds off 0.1
+    assert cpu.follows([_rec([1.0, 2.0, 1.5], [0.1] * 3), _rec([1.0, 1.4, 1.2], [0.2] * 3)], "cpu_busy") is None
     assert cpu.follows([_rec([1.0, 2.0], [1.0])], "cpu_busy") is None  # a pass without its reading
     assert cpu.follows([_rec([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])], "cpu_steal") is None
 
@@ -82,6 +84,6 @@ def test_the_report_puts_the_host_beside_the_cells_and_says_how_passes_followed_
     md = report.markdown(report.cells(recs, cfg), [], cfg, {}, "now", "cmd", recs)
     assert "| CPUs / % stolen | b | c |" in md and "| add | 2.0 / 0.5 | 3.0 / 0.5 |" in md
     assert "- tiny: each pass's time over its cell's median, against the host through it: busy CPUs r = +1.00 " \
-           "(6 passes)" in md
+           "(6 passes of 2 cells)" in md
     assert "steal r =" not in md  # steal never varied
     assert "CPUs / % stolen" not in report.markdown(report.cells([], cfg), [], cfg, {}, "now", "cmd")
