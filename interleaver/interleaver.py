@@ -37,7 +37,7 @@ class VLLMInterleaver(Interleaver):
         self.taps = frozenset(taps)
         self.programs: Dict[str, TapProgram] = {}
         self.step = StepRows()
-        self.clock = None  # a vllm_internals._Clock when profiling
+        self.clock = None  # a vllm_internals.Clock when profiling
         # Edits captured into the graphs (no eager break at the taps): programs read `step.static`.
         self.in_graph = False
         # A tap_graphs.TapGraphs: at a break, a tap's program is replayed as a graph of its own where it can be.

@@ -128,7 +128,7 @@ class _TapWorkerMixin:
         """Fill the step's rows once the runner has prepared its inputs, and clear them after it has run."""
         runner = self.model_runner
         prepare, execute = runner._prepare_inputs, runner.execute_model
-        clock = self.steer_clock = _Clock() if os.environ.get("STEER_PROFILE") == "1" else None
+        clock = self.steer_clock = Clock() if os.environ.get("STEER_PROFILE") == "1" else None
 
         def prepare_inputs(scheduler_output, *a, **k):
             out = prepare(scheduler_output, *a, **k)
@@ -267,8 +267,9 @@ class _TapWorkerMixin:
         return out
 
 
-class _Clock:
-    """Host time per section and call counts, for profiling the taps' own overhead."""
+class Clock:
+    """Host time per section and call counts, for profiling the taps' own overhead (and the engine's host work
+    around them)."""
 
     def __init__(self) -> None:
         self.seconds: dict = {}

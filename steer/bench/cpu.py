@@ -4,9 +4,8 @@ A step of a small model is mostly Python on the host (SmolLM2's GPU idles 61-65%
 and its timed passes spread by 30-80% whatever steers them, every configuration alike (2026-12-02): the slow
 passes are the host's. What the CPUs did through each pass says whose: cores kept busy (the timed engine's own
 processes among them, so a cell's mean is taken out before comparing), or time the hypervisor took from this
-machine's virtual CPUs (steal). The
-counters are the kernel's cumulative jiffies for all CPUs, read at the start and end of a pass; where there is no
-/proc/stat (not Linux) a window reads nothing and the cells go without.
+machine's virtual CPUs (steal). The counters are the kernel's cumulative jiffies for all CPUs, read at the start
+and end of a pass; where there is no /proc/stat (not Linux) a window reads nothing and the cells go without.
 """
 
 from pathlib import Path

@@ -18,7 +18,7 @@ import torch
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
-from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY,
+from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, Clock,
                                         shutdown, tap_location, worker_cls)
 from steer.edit import Edit
 from steer.engine import stop_ids
@@ -92,7 +92,7 @@ class VLLMEngine(Engine):
             **({"profiler_config": profiler_config(profile_dir)} if profile_dir else {}),
         )
         self._keys = 0
-        self._params_clock = [0.0, 0]  # host seconds and calls building SamplingParams (host_profile's "params")
+        self._clock = Clock()  # host time building SamplingParams (host_profile's "params")
 
     def _additional_config(self, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan]) -> dict:
         """What the tap worker reads when it loads the model: the taps, and the declared edits of an in-graph
@@ -148,12 +148,7 @@ class VLLMEngine(Engine):
         the fused kernel and the torch form (STEER_PROFILE=1 in the engine's environment; else {}): rank 0's;
         beside them, where `sampling_params` ran (with or without STEER_PROFILE), "params": this process's time in it
         (plan registration included), which a batch waits for before vLLM sees it."""
-        out = self.llm.collective_rpc("steer_profile")[0]
-        seconds, calls = self._params_clock
-        if calls:
-            out["params"] = {"seconds": seconds, "calls": calls}
-        self._params_clock = [0.0, 0]
-        return out
+        return {**self.llm.collective_rpc("steer_profile")[0], **self._clock.take()}
 
     def _edits(self, plan: Optional[Plan], **kw) -> RequestEdits:
         entries = []
@@ -194,8 +189,7 @@ class VLLMEngine(Engine):
         self._push()
         seeds = seeds if seeds is not None else [None] * len(plans)
         out = [self._params(shared[id(plan)] if plan else None, seed=seed, **kw) for plan, seed in zip(plans, seeds)]
-        self._params_clock[0] += time.perf_counter() - t0
-        self._params_clock[1] += 1
+        self._clock.add("params", time.perf_counter() - t0)
         return out
 
     @staticmethod

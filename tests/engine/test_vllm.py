@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
+from interleaver.vllm_internals import Clock
 from steer.engine.vllm import _dense, rank_zero
 
 
@@ -47,7 +48,7 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     again.add(taps[2], add)
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.bank, engine.taps, engine.in_graph, engine._pushed = EditBank(), {t.path: t for t in taps}, False, 0
-    engine.stop_ids, engine._params_clock, pushed = {0}, [0.0, 0], []
+    engine.stop_ids, engine._clock, pushed = {0}, Clock(), []
     engine.llm = SimpleNamespace(collective_rpc=lambda name, args: pushed.append(args[0]))
     registered = []
     monkeypatch.setattr(engine, "_edits", lambda plan, f=engine._edits: registered.append(plan) or f(plan))
@@ -64,5 +65,5 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     assert params[2]["extra_args"] == params[4]["extra_args"]
     # one string per plan, not one per request: vLLM deep-copies each request's params, and a string copies free
     assert params[0]["extra_args"]["steer"] is params[3]["extra_args"]["steer"] is params[5]["extra_args"]["steer"]
-    assert engine._params_clock[1] == 1 and engine._params_clock[0] > 0
+    assert engine._clock.calls == {"params": 1} and engine._clock.seconds["params"] > 0
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
