@@ -128,7 +128,7 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
             return  # the scheduler is gone
         for t in cells:
             if t.record is None:
-                _pass(cfg, group, runner, t, read)
+                _pass(cfg, group, runner, t, read, m.min_timed_s)
                 if t.record is not None:  # after every cell: a process killed later keeps what it finished
                     machine = machine or engines.machine()
                     _write(out, [t.record for t in cells if t.record is not None], machine)
@@ -158,9 +158,10 @@ def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
         t.record["trace"] = name
 
 
-def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
+def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed_s: Optional[float] = None) -> None:
     """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
-    `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader)."""
+    `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader); `min_timed_s` (None: the
+    run's) is the model's own."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # host time: the taps' (STEER_PROFILE=1), steer's params
     try:
@@ -186,7 +187,7 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None) -> None:
         traceback.print_exc()
         t.record = {**t.cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]}
         return
-    if not _more(t.walls, cfg):
+    if not _more(t.walls, cfg, min_timed_s):
         _finish(group, t, profile is not None)
 
 
@@ -242,16 +243,17 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
     return workload.prompts(n, cfg.prompt_len, cfg.seed), scen
 
 
-def _more(walls: List[float], cfg: BenchConf) -> bool:
-    """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` timed in all
-    (up to `max_repeats` passes); never once `max_timed_s` are timed, always when none is."""
+def _more(walls: List[float], cfg: BenchConf, min_timed_s: Optional[float] = None) -> bool:
+    """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` (None: the
+    run's) timed in all (up to `max_repeats` passes); never once `max_timed_s` are timed, always when none is."""
     if not walls:
         return True
     if sum(walls) >= cfg.max_timed_s:
         return False
     if len(walls) < cfg.repeats:
         return True
-    return len(walls) < cfg.max_repeats and sum(walls) < cfg.min_timed_s
+    least = cfg.min_timed_s if min_timed_s is None else min_timed_s
+    return len(walls) < cfg.max_repeats and sum(walls) < least
 
 
 def _sync() -> None:

@@ -40,6 +40,9 @@ class BenchModelConf:
     # Engines of this model started at once (each then waits, holding its GPU memory, to be timed alone): as many
     # as fit in GPU and host memory side by side.
     engines_at_once: int = 1
+    # The run's min_timed_s for this model's cells (null: the run's): a host-bound model's passes spread so
+    # widely that its fastest pass needs many more passes to show up
+    min_timed_s: Optional[float] = None
     tiny: TinyConf = field(default_factory=TinyConf)
     gguf: GgufConf = field(default_factory=GgufConf)
 

@@ -104,6 +104,13 @@ def test_report_says_which_lanes_ran_side_by_side():
     assert "side by side" not in report.markdown(report.cells([], one), [], one, {}, "now", "cmd")
 
 
+def test_report_names_a_model_s_own_time_floor():
+    cfg = bench_conf("run=[tiny,smollm2]", "min_timed_s=4", "models.smollm2.min_timed_s=10")
+    assert "at least 4 s of them (smollm2 10 s)," in report.markdown(report.cells([], cfg), [], cfg, {}, "now", "c")
+    plain = bench_conf("run=[tiny]", "min_timed_s=4")  # a model out of the run is not named
+    assert "at least 4 s of them, at most" in report.markdown(report.cells([], plain), [], plain, {}, "now", "c")
+
+
 def test_machinery_and_data_are_reported_apart():
     cfg = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[b,c,f]", "scenarios=[add,add@eps,k1]")
     n = 64 * 128

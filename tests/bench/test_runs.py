@@ -177,6 +177,17 @@ def test_more_passes_until_repeats_and_seconds(walls, more):
     assert runs._more(walls, cfg) is more
 
 
+def test_a_model_may_time_its_cells_longer_than_the_run(stand_in, tmp_path, bench_model, monkeypatch):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0.25", "models.tiny.min_timed_s=0.75")
+    clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
+    monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock) * 0.125)
+    group = one_tap(cfg)
+    group.cells = [c for c in group.cells if c["scenario"] == "add"]
+    [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
+    assert rec["walls_s"] == [0.125] * 6  # the model's 0.75 s, not the run's 0.25 (2 passes)
+    assert runs._more([0.125] * 2, cfg) is False and runs._more([0.125] * 2, cfg, 0.75) is True
+
+
 def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, bench_model):
     import threading
     from multiprocessing import Pipe
