@@ -37,11 +37,15 @@ class VLLMInterleaver(Interleaver):
         self.taps = frozenset(taps)
         self.programs: Dict[str, TapProgram] = {}
         self.step = StepRows()
-        self.clock = None  # a vllm_internals.Clock when profiling
+        self.clock = None  # an interleaver.clock.Clock when profiling
         # Edits captured into the graphs (no eager break at the taps): programs read `step.static`.
         self.in_graph = False
         # A tap_graphs.TapGraphs: at a break, a tap's program is replayed as a graph of its own where it can be.
         self.tap_graphs = None
+        # In-graph taps whose edits ride the next layer's residual add and RMSNorm: location -> that norm's name
+        # (vllm_internals.fold_norms). While a graph is captured, such a tap leaves its edit pending for the norm.
+        self.folds: Dict[str, str] = {}
+        self._pending: Dict[str, tuple] = {}  # norm name -> (program, the tap's value)
 
     def instrument(self, envoy: Any) -> None:
         """Route the module through this interleaver and, for taps on an operation inside its forward
@@ -103,12 +107,40 @@ class VLLMInterleaver(Interleaver):
         if program is None:
             return
         if capturing:
+            if location in self.folds and program.fused and program.residual:
+                self._pending[self.folds[location]] = (program, value)
+                return
             program.in_graph(value, self.step.static)
             return
         n = self.rows()
         if n is None:
             return
         program.in_graph(_trim(value, n), self.step.static)
+
+    def fold_into_norm(self, norm: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> bool:
+        """The residual add and RMSNorm named `norm`, run with the pending edits of the tap before it, in one
+        launch and in place (`x` becomes the normed sum, `residual` the sum): True when done so. False when the
+        norm is to run as it is: no edit pending, or one applied on its own first because the norm was not handed
+        the tap's own tensors or the fused kernel does not apply."""
+        pending = self._pending.pop(norm, None)
+        if pending is None:
+            return False
+        if vllm_internals.recording() is None:  # the tap was captured: its edit must be, in the same graph
+            raise RuntimeError(f"{norm}: a tap's edit was left for this norm while a graph was captured, but the "
+                               "norm runs outside the capture; start the engine with vllm.fold_norm=false")
+        program, value = pending
+        if value[0] is x and value[1] is residual and program.in_graph_norm(value, self.step.static, weight, eps):
+            return True
+        program.in_graph(value, self.step.static)
+        return False
+
+    def flush_folds(self) -> None:
+        """Run, each on its own, the edits still pending for a norm that did not run (a forward that ended first,
+        as a pipeline stage's does before the final norm)."""
+        pending, self._pending = self._pending, {}
+        for program, value in pending.values():
+            program.in_graph(value, self.step.static)
 
     def _timed_replay(self, location: str, live: Any) -> None:
         if self.clock is None:

@@ -26,54 +26,25 @@ from interleaver import triton_internals
 ADD, SCALE, PROJECT = 0, 1, 2
 
 
-@lru_cache(maxsize=1)
 def _kernel():
+    """The Triton kernel `tap_edit` (None without Triton)."""
+    built = _kernels()
+    return None if built is None else built[0]
+
+
+def _norm_kernel():
+    """The Triton kernel `tap_edit_norm` (None without Triton)."""
+    built = _kernels()
+    return None if built is None else built[1]
+
+
+@lru_cache(maxsize=1)
+def _kernels():
     try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+        from interleaver import tap_kernels
+    except ImportError:  # no Triton
         return None
-
-    # Strides and sizes vary with the step's rows only through the grid; not specialising on them keeps one
-    # compiled kernel per (dtype, residual, block), compiled on the first eager call, never inside a capture.
-    @triton.jit(do_not_specialize=["n_dirs", "stride_h", "stride_r", "stride_w"])
-    def tap_edit(h_ptr, r_ptr, w_ptr, basis_ptr, col_ptr, kind_ptr, slope_ptr, offset_ptr, lo_ptr, hi_ptr,
-                 n_dirs, hidden_size: tl.constexpr, stride_h, stride_r, stride_w,
-                 HAS_R: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < hidden_size
-        h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0)
-        x = h.to(tl.float32)
-        if HAS_R:
-            x = x + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        delta = tl.zeros([BLOCK], dtype=tl.float32)
-        on_x = tl.sum(delta, axis=0)  # 0: the scale weights' sum, their delta's term in x
-        for j in range(n_dirs):
-            # A direction's scalars are loaded before its weight is known and its weight's two loads issued
-            # together with them: a tap at a decode step is a few microseconds of dependent loads, not of arithmetic.
-            kind = tl.load(kind_ptr + j)
-            slope, offset = tl.load(slope_ptr + j), tl.load(offset_ptr + j)
-            lo, hi = tl.load(lo_ptr + j), tl.load(hi_ptr + j)
-            w = tl.load(w_ptr + row * stride_w + tl.load(col_ptr + j))
-            # A row asks for few of the table's directions (one of k distinct edits; an in-graph engine's table
-            # holds every edit it declared): the others cost it a few scalar loads, not a row of the basis and a
-            # reduction. Their delta would be exactly 0 (or NaN, where a direction is not finite).
-            if w != 0.0:
-                b = tl.load(basis_ptr + j * hidden_size + offs, mask=mask, other=0.0)
-                coef = w
-                if kind == 1:
-                    on_x += w
-                    coef = -w
-                elif kind == 2:
-                    p = tl.sum(x * b, axis=0)
-                    t = tl.minimum(tl.maximum(offset + slope * p, lo), hi)
-                    coef = (t - p) * w
-                delta += coef * b
-        delta += on_x * x
-        tl.store(h_ptr + row * stride_h + offs, (h.to(tl.float32) + delta).to(h.dtype), mask=mask)
-
-    return tap_edit
+    return tap_kernels.tap_edit, tap_kernels.tap_edit_norm
 
 
 class Fused:
@@ -140,6 +111,31 @@ class Fused:
         else:
             triton_internals.launch(compiled, (hidden.shape[0], 1, 1), self._args(hidden, residual, weights))
         return True
+
+    def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float) -> bool:
+        """Edit `hidden`'s rows as a call does, then add `residual` and RMS-normalise the sum, all in one launch
+        and in place: `residual` becomes the edited stream, `hidden` its norm times `norm_weight` (what vLLM's
+        fused add + RMSNorm leaves). False (nothing done) where the kernel does not apply. Through Triton's JIT:
+        an in-graph engine launches it only while its graphs are captured."""
+        if residual is None or not _fits(hidden, residual, weights, self.basis) or _norm_kernel() is None:
+            return False
+        if norm_weight.shape != (hidden.shape[1],) or norm_weight.device != hidden.device or norm_weight.stride(0) != 1:
+            return False
+        _norm_kernel()[(hidden.shape[0],)](
+            hidden, residual, weights, self.basis, self.col, self.kind, self.slope, self.offset, self.lo, self.hi,
+            norm_weight, float(eps), self.col.shape[0], hidden.shape[1], hidden.stride(0), residual.stride(0),
+            weights.stride(0), BLOCK=self._block, num_warps=self._warps)
+        return True
+
+    def warm_norm(self) -> None:
+        """Compile `edit_norm`'s kernel for every activation dtype, outside any capture (a capture may not
+        compile)."""
+        hidden, device = self.basis.shape[1], self.basis.device
+        weights = torch.zeros(1, int(self.col.max()) + 1, device=device)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            h, r = (torch.zeros(1, hidden, device=device, dtype=dtype) for _ in range(2))
+            self.edit_norm(h, r, weights, torch.ones(hidden, device=device, dtype=dtype), 1e-6)
 
     def _args(self, hidden, residual, weights) -> tuple:
         """The kernel's arguments in its signature's order, constexprs included (what a direct launch takes)."""

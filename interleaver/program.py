@@ -143,6 +143,23 @@ class TapProgram:
             if fused is not None:
                 fused.direct = direct
 
+    def in_graph_norm(self, live: Any, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> bool:
+        """`in_graph`, then the next layer's residual add and RMSNorm, as one launch (kernels.Fused.edit_norm):
+        `live`'s hidden becomes the normed sum and its residual the sum. False, nothing done, where that kernel
+        does not run (no residual, no fused kernel, or nothing to edit: the caller's norm runs as it would)."""
+        if not self.groups or self._fused is None or not self.residual:
+            return False
+        hidden, residual = _split(live, self.residual)
+        if not self._fused.edit_norm(hidden, residual, weights, norm_weight, eps):
+            return False
+        self.ran["fused"] += 1
+        return True
+
+    def warm_norm(self) -> None:
+        """Compile `in_graph_norm`'s kernel now, outside any capture (where the program runs fused)."""
+        if self._fused is not None and self.residual:
+            self._fused.warm_norm()
+
     def in_graph(self, live: Any, weights: torch.Tensor) -> None:
         """Edit every row of `live` in place with the weights' first rows, running every group whatever the
         step: no host decision, so a CUDA graph can capture it. Rows whose weights are 0 (padding, unsteered

@@ -8,11 +8,12 @@ lazily: the module imports without it.
 
 import os
 import time
-from types import SimpleNamespace
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
+
+from interleaver.clock import Clock
 
 # Tests replace this with a fake recording class exposing `current()`, `_capturing` and `add_eager(fn)`.
 _recording_class: Any = None
@@ -68,6 +69,9 @@ STAGES_KEY = "steer_stages"
 # additional_config key of an in-graph engine under vLLM's own torch.compile and CUDA graphs (no breakable graphs):
 # its taps call interleaver/compiled.py's op. The value versions the op: it is part of vLLM's compile cache key.
 COMPILED_KEY = "steer_compiled"
+# additional_config key of an in-graph engine on breakable graphs: true to run each residual tap's edits inside the
+# next layer's residual add and RMSNorm (one launch for both) where that norm is vLLM's RMSNorm (fold_norms)
+FOLD_KEY = "steer_fold_norm"
 COMPILED_VERSION = 1
 
 
@@ -122,6 +126,12 @@ class _TapWorkerMixin:
             self.steer_il.in_graph = True
             self.steer_declared = len(declared)
             self.steer_il.step.use_static(runner.max_num_tokens, len(declared), runner.device)
+        if extra.get(FOLD_KEY):
+            if declared is None or compiled:
+                raise ValueError(f"{FOLD_KEY}: only an in-graph engine on breakable graphs folds its edits")
+            self.steer_il.folds = fold_norms(self.steer_il, modules, taps)
+            for location in self.steer_il.folds:
+                self.steer_il.programs[location].warm_norm()
         self._steer_wrap_runner()
 
     def _steer_wrap_runner(self) -> None:
@@ -267,29 +277,16 @@ class _TapWorkerMixin:
         return out
 
 
-class Clock:
-    """Host time per section and call counts, for profiling the taps' own overhead (and the engine's host work
-    around them)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict = {}
-        self.calls: dict = {}
-
-    def add(self, section: str, dt: float) -> None:
-        self.seconds[section] = self.seconds.get(section, 0.0) + dt
-        self.calls[section] = self.calls.get(section, 0) + 1
-
-    def take(self) -> dict:
-        out = {k: {"seconds": v, "calls": self.calls[k]} for k, v in self.seconds.items()}
-        self.seconds, self.calls = {}, {}
-        return out
-
-
 def eager_breaks(worker) -> dict:
     """For `collective_rpc` on any vLLM worker: graphs captured and eager breaks recorded in them."""
     entries = getattr(worker.model_runner.model, "entries", {})
     caps = [e.capture for e in entries.values() if e.capture is not None]
     return {"graphs": len(caps), "eager_breaks": sum(c.num_eager_breaks for c in caps)}
+
+
+def folds(worker) -> dict:
+    """For `collective_rpc` on a tap worker: tap location -> the norm its edits are folded into (vllm.fold_norm)."""
+    return dict(worker.steer_il.folds)
 
 
 def graphs_captured(worker) -> int:
@@ -299,38 +296,6 @@ def graphs_captured(worker) -> int:
     return int(compilation_counter.num_cudagraph_captured)
 
 
-class _NoWorker:
-    def load_model(self) -> None:
-        pass
-
-
-class HostWorker(_TapWorkerMixin, _NoWorker):
-    """The tap worker without vLLM, on a stand-in runner: the host work a replayed step does, run alone (the row
-    mapping and the tap programs; steer.bench.host times it). The runner offers what the worker reads of vLLM's
-    GPUModelRunner: `device`, `max_num_tokens`, `requests` (id -> `num_prompt_tokens`, `sampling_params.extra_args`),
-    `get_model()`, `query_start_loc.np`, `input_batch` (`num_reqs`, `req_ids`, `num_computed_tokens_cpu`),
-    `_prepare_inputs` and `execute_model`."""
-
-    def __init__(self, runner: Any, taps: Iterable[Tuple[str, bool]], config: Optional[dict] = None) -> None:
-        """Load the worker on `runner` as vLLM loads it: `taps` ((module path, residual?)) installed, and `config`
-        (more of vLLM's additional_config) read."""
-        self.vllm_config = SimpleNamespace(additional_config={TAPS_KEY: [[p, bool(r)] for p, r in taps],
-                                                              **(config or {})})
-        self.model_runner = runner
-        self.load_model()
-
-    @property
-    def interleaver(self):
-        """The worker's VLLMInterleaver: its programs, and `replay(location, live)` as a recorded tap runs it."""
-        return self.steer_il
-
-    def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> None:
-        """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
-        (`finished`: the requests vLLM reports finished since the last step)."""
-        self._steer_finished(finished)
-        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
-
-
 def shutdown(llm: Any) -> None:
     """Stop a vllm.LLM's engine core now: its process (or, in process, its executor) and the workers that hold the
     weights, the KV cache and the graphs. vLLM 0.26's LLM has no shutdown of its own; this is the engine core
@@ -338,6 +303,46 @@ def shutdown(llm: Any) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
+
+
+def fold_norms(il, modules: Dict[str, Any], taps) -> Dict[str, str]:
+    """Route each residual tap on a decoder layer (`<stack>.<i>`) to the norm that reads its value next, the
+    `input_layernorm` of layer i + 1 (after the last layer, the stack owner's `norm`), where that norm is vLLM's
+    plain RMSNorm with a weight: its forward then runs the tap's pending edit and itself as one kernel
+    (VLLMInterleaver.fold_into_norm). Other taps keep their own launch. Returns tap location -> norm name."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    folds, owners = {}, set()
+    for path, residual in taps:
+        stack, _, index = path.rpartition(".")
+        if not residual or not index.isdigit():
+            continue
+        after = f"{stack}.{int(index) + 1}"
+        owner = stack.rpartition(".")[0]
+        if getattr(modules.get(owner), "aux_hidden_state_layers", ()):  # EAGLE-3 reads the stream between layers
+            continue
+        name = f"{after}.input_layernorm" if after in modules else (f"{owner}.norm" if owner else "norm")
+        norm = modules.get(name)
+        if (type(norm) is not RMSNorm or not norm.has_weight or norm.variance_size_override is not None
+                or name in folds.values()):
+            continue
+        folds[tap_location(path)] = name
+        owners.add(owner)
+        _fold_into(norm, il, name)
+    for owner in owners:  # a forward that ends before a norm (a pipeline stage) still runs the edits left for it
+        modules[owner].register_forward_hook(lambda module, args, output: il.flush_folds())
+    return folds
+
+
+def _fold_into(norm: Any, il, name: str) -> None:
+    forward = norm.forward
+
+    def folded(x, residual=None):
+        if residual is not None and il.fold_into_norm(name, x, residual, norm.weight, norm.variance_epsilon):
+            return x, residual
+        return forward(x, residual)
+
+    norm.forward = folded
 
 
 def _compiled_hook(il, location: str, residual: bool):

@@ -153,11 +153,22 @@ class VllmConf:
     # Replay each tap's compiled edits at its break as a small CUDA graph of its own (one launch instead of
     # Python and a kernel per op); a step that keeps a tap's value or serves a trace there runs them eagerly.
     tap_graphs: bool = False
+    # With edits_in_graph (breakable graphs): each residual tap's edits run inside the next layer's residual add and
+    # RMSNorm, one kernel for both, where that norm is vLLM's RMSNorm (Llama-family layers); other taps as before.
+    # Off by default until the H200 has measured it against f (python -m steer.bench configs=[b,f,j]).
+    fold_norm: bool = False
 
     def in_graph_field(self) -> Optional[str]:
         """The field that puts the edits into the graphs (`edits_in_graph`, or `compiled_edits`, which implies
         it), for checks to name; None when the edits run at the breaks."""
         return "edits_in_graph" if self.edits_in_graph else "compiled_edits" if self.compiled_edits else None
+
+    def fold_error(self) -> Optional[str]:
+        """Why `fold_norm` cannot apply with these settings, for checks to say (None: it can, or it is off)."""
+        if self.fold_norm and (not self.edits_in_graph or self.compiled_edits):
+            return ("folds edits captured into breakable graphs into the next layer's RMSNorm: it needs "
+                    "vllm.edits_in_graph=true and vllm.compiled_edits=false")
+        return None
 
 
 @dataclass

@@ -18,7 +18,7 @@ from steer.bench import workload
 from steer.bench.schema import BenchConf, BenchModelConf
 
 # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
-TRACEABLE = ("a", "b", "c", "f", "g", "h", "i")
+TRACEABLE = ("a", "b", "c", "f", "g", "h", "i", "j")
 
 
 def traceable(run, profiled, trace_dir: Optional[str]):
@@ -67,7 +67,7 @@ def llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Option
 
 
 def vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False,
-              compiled: bool = False):
+              compiled: bool = False, fold: bool = False):
     """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
     from steer.schema import VllmConf
 
@@ -78,7 +78,7 @@ def vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = F
                     max_model_len=cfg.max_model_len, max_num_seqs=biggest, load_format=m.load_format,
                     max_cudagraph_capture_size=max(sizes), cudagraph_capture_sizes=sizes,
                     tensor_parallel_size=cfg.tensor_parallel_size, edits_in_graph=in_graph, tap_graphs=tap_graphs,
-                    compiled_edits=compiled)
+                    compiled_edits=compiled, fold_norm=fold)
 
 
 def _token_prompts(prompts):
@@ -108,7 +108,8 @@ def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
     return traceable(run, llm, group.trace_dir)
 
 
-def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False, compiled: bool = False):
+def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False, compiled: bool = False,
+           fold: bool = False):
     from steer.engine.vllm import VLLMEngine
     from steer.plan import Plan
     from steer.tap import Tap
@@ -128,7 +129,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
             plans[key] = (edit, p)
         return plans[key][1]
 
-    engine = VLLMEngine(spec, vllm_conf(cfg, m, where, in_graph, tap_graphs, compiled), taps,
+    engine = VLLMEngine(spec, vllm_conf(cfg, m, where, in_graph, tap_graphs, compiled, fold), taps,
                         declared(cfg, spec, group, plan) if in_graph or compiled else (), profile_dir=group.trace_dir)
 
     def run(prompts, scen, tokens):
@@ -181,4 +182,5 @@ RUNNERS = {
     "f": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True),
     "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
     "h": lambda cfg, m, w, group: _steer(cfg, m, w, group, compiled=True),
+    "j": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True, fold=True),
 }

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import HostWorker, tap_location
+from interleaver.host_worker import HostWorker
+from interleaver.vllm_internals import tap_location
 from steer.bench.workload import scenario
 from steer.engine.vllm import stage_edit
 

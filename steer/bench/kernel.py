@@ -18,8 +18,9 @@ A second table measures a candidate for an edit that costs no launch of its own:
 (hidden, residual) to the next layer's residual add and RMSNorm, which vLLM's compile pipeline generates with
 torch.compile. Against that step alone (`norm`, compiled), it times the fused kernel followed by it
 (`fused+norm`, what an engine with compiled edits runs today) and the edit's arithmetic written as torch ops
-(kernels.folded) compiled together with it into one function (`folded`), and gives each one's microseconds over
-`norm`.
+(kernels.folded) compiled together with it into one function (`folded`), and the Triton kernel that does the
+edit, the add and the norm in one pass (`edit_norm`, what `vllm.fold_norm` runs), and gives each one's microseconds
+over `norm`.
 """
 
 import argparse
@@ -105,7 +106,8 @@ def next_norm(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 def fold_forms(program: TapProgram, weights: torch.Tensor, h, r, norm_weight, compile_fn=torch.compile) -> Dict:
     """form -> a call of it on (h, r), for the second table: `norm` alone, the fused kernel (or torch form, off a
-    GPU) then `norm`, and the edit folded into `norm` as one compiled function."""
+    GPU) then `norm`, the edit folded into `norm` as one compiled function, and (where the program runs fused)
+    the one kernel of edit, add and norm."""
     from interleaver import kernels
 
     table = program.table()
@@ -116,8 +118,13 @@ def fold_forms(program: TapProgram, weights: torch.Tensor, h, r, norm_weight, co
         program.in_graph((h, r), weights)
         return norm(h, r, norm_weight)
 
-    return {"norm": lambda: norm(h, r, norm_weight), "fused+norm": edit_then_norm,
-            "folded": lambda: fold(h, r, weights, norm_weight)}
+    def edit_norm():  # vllm.fold_norm's one launch, in place: h the normed sum, r the sum
+        if not program.in_graph_norm((h, r), weights, norm_weight, 1e-5):
+            raise RuntimeError("the fused edit + add + RMSNorm kernel did not run")
+
+    forms = {"norm": lambda: norm(h, r, norm_weight), "fused+norm": edit_then_norm,
+             "folded": lambda: fold(h, r, weights, norm_weight)}
+    return {**forms, "edit_norm": edit_norm} if program.fused else forms
 
 
 def measure_fold(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: int = 32,

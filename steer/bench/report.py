@@ -141,6 +141,7 @@ def _speed_table(mine: Dict, cfg: BenchConf) -> List[str]:
     steered = [c for c in configs if c not in UNSTEERED]
     ratios = [(c, base) for c in steered for base in ("a", "b") if base in configs]
     ratios += [("h", "i")] if "h" in configs and "i" in configs else []
+    ratios += [("j", "f")] if "j" in configs and "f" in configs else []  # the fold alone
     c_over_d = "c" in configs and "d" in configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs] + [f"{c}/{base}" for c, base in ratios]
     if c_over_d:

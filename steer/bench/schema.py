@@ -18,6 +18,7 @@ CONFIGS = {
     "g": "steer, each tap's edits a CUDA graph of their own at the break (vllm.tap_graphs)",
     "h": "steer, edits compiled into vLLM's own torch.compile'd graphs (vllm.compiled_edits; a's pipeline)",
     "i": "vLLM default (torch.compile + CUDA graphs) on the V1 model runner steer's worker hooks, unsteered",
+    "j": "steer, f with each tap's edits run inside the next layer's residual add and RMSNorm (vllm.fold_norm)",
 }
 # The unsteered configurations: they run one unsteered batch that stands for every scenario. a is what a user runs
 # without steer (vLLM 0.26 serves Llama-family models with its V2 model runner); b is c's and f's baseline (breakable

@@ -18,8 +18,9 @@ import torch
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
-from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY, Clock,
-                                        shutdown, tap_location, worker_cls)
+from interleaver.clock import Clock
+from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY,
+                                        TAPS_KEY, shutdown, tap_location, worker_cls)
 from steer.edit import Edit
 from steer.engine import stop_ids
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores
@@ -111,6 +112,10 @@ class VLLMEngine(Engine):
             extra[IN_GRAPH_KEY] = self._stage_list()
         if conf.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
+        if conf.fold_norm:
+            if conf.fold_error():
+                raise ValueError(f"vllm.fold_norm: {conf.fold_error()}")
+            extra[FOLD_KEY] = True
         return extra
 
     @property

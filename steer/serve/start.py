@@ -27,6 +27,8 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
                                                  "graphs at start, and a request's own vector is not known then; "
                                                  "serve inline vectors in replay mode (vllm.edits_in_graph false, "
                                                  "vllm.compiled_edits unset or false)")
+    if conf.vllm.fold_error():
+        raise ConfigError("vllm.fold_norm", conf.vllm.fold_error())
     name = engines.resolve(conf.engine)
     pick_mode(conf, name)
     if not 0 < s.port < 65536:

@@ -30,8 +30,8 @@ from steer.tap import Tap
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
     """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
-    from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, STAGES_KEY, TAP_GRAPHS_KEY,
-                                            TAPS_KEY)
+    from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, STAGES_KEY,
+                                            TAP_GRAPHS_KEY, TAPS_KEY)
 
     extra = {TAPS_KEY: table.tap_list()}
     if conf.vllm.in_graph_field():
@@ -40,6 +40,8 @@ def engine_config(conf: ServeConf, table: StageTable) -> dict:
         extra[IN_GRAPH_KEY] = table.stage_list()
         if conf.vllm.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
+        if conf.vllm.fold_norm and not conf.vllm.fold_error():
+            extra[FOLD_KEY] = True
     else:
         extra[STAGES_KEY] = table.stage_list()
         if conf.vllm.tap_graphs:

@@ -133,6 +133,16 @@ def test_machinery_and_data_are_reported_apart():
     assert "Machinery" not in report.markdown(report.cells(recs, plain), [], plain, {}, "now", "cmd")
 
 
+def test_the_fold_is_measured_against_the_edits_it_folds():
+    cfg = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[b,f,j]", "scenarios=[add]")
+    n = 64 * 128
+    walls = {("b", "unsteered"): [1.0], ("f", "add"): [1.1], ("j", "add"): [1.0]}
+    recs = [{"model": "llama3_8b", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(w), "wall_s": median(w), "walls_s": w} for (c, s), w in walls.items()]
+    md = report.markdown(report.cells(recs, cfg), [], cfg, {}, "now", "cmd")
+    assert "| f/b | j/b | j/f |" in md and "| 0.91 | 1.00 | 1.10 |" in md
+
+
 def test_compiled_edits_are_measured_against_their_own_pipeline():
     # h (compiled edits) keeps a's compile and graphs on steer's V1 runner: its machinery is over i, not b or a
     cfg = bench_conf("run=[llama3_8b]", "batches=[[64,128]]", "configs=[a,b,h,i]", "scenarios=[add,add@eps]")

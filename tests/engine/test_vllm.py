@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from interleaver.vllm_internals import Clock
+from interleaver.clock import Clock
 from steer.engine.vllm import _dense, rank_zero
 
 

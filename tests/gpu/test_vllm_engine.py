@@ -10,7 +10,7 @@ import torch
 
 from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
 from helpers import plan
-from interleaver.vllm_internals import eager_breaks, graphs_captured
+from interleaver.vllm_internals import eager_breaks, folds, graphs_captured
 from steer.edit import compile_edit
 from steer.schema import EditKind, TapConf
 from steer.tap import resolve
@@ -131,6 +131,28 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     with pytest.raises(ValueError, match="was not declared"):
         in_graph.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
     assert in_graph.generate(*jobs[0][:2], GEN, 0) == graph.generate(*jobs[0][:2], GEN, 0)  # still serves
+
+
+def test_edits_folded_into_the_next_norm_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
+    """vllm.fold_norm: each tap's edits run inside the next layer's residual add and RMSNorm (one kernel, captured)
+    and give the replay engine's tokens and log-probs for the mixed batch and a prompt longer than any graph (an
+    eager step, unfolded)."""
+    _, plans, jobs = mixed_batch(tiny_spec, direction, hf)
+    folded = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
+                         edits_in_graph=True, fold_norm=True)
+    try:
+        got = folded.llm.collective_rpc(folds)[0]
+        assert sorted(got) == sorted(f"model.{t.path}.output" for t in taps)  # Llama layers: every tap folds
+        assert all(n.endswith("input_layernorm") or n.endswith(".norm") for n in got.values())
+        assert folded.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+        long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+        assert folded.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+        for p in (plans[0], None):
+            lp_graph = graph.score(jobs[0][0], [], p).logprobs
+            torch.testing.assert_close(folded.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1],
+                                       atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        folded.close()
 
 
 def test_compiled_edits_equal_replay_mode(graph, tiny_spec, taps, direction, hf):

@@ -251,3 +251,30 @@ def test_the_direct_launch_equals_the_jit_launch_on_the_gpu(dtype, hidden):
         by_jit(b, r, w)
         assert torch.equal(a, b) and not torch.equal(a, before) and torch.equal(a[7], before[7])
         assert len(launches) == jit_launches  # warmed terms launch directly; a misaligned view once through the JIT
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [16, 4096])
+def test_the_edit_norm_kernel_equals_the_edit_then_the_add_and_norm(dtype, hidden):
+    assert kernels.available("cuda")
+    table = _table(hidden, "cuda")
+    table.warm()
+    table.warm_norm()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.rand(64, 2, generator=g, device="cuda")
+    w[7] = 0  # a row that asks for nothing
+    h, r = (torch.randn(64, hidden, generator=g, device="cuda").to(dtype) for _ in range(2))
+    nw = torch.randn(hidden, generator=g, device="cuda").to(dtype)
+    edited = h.clone()
+    assert table(edited, r, w)  # the edit on its own, then the add and the norm in torch
+    summed = (edited.float() + r.float()).to(dtype)
+    z = summed.float()
+    normed = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype)
+    out, res = h.clone(), r.clone()
+    assert table.edit_norm(out, res, w, nw, 1e-5)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(res.float(), summed.float(), **tol)
+    torch.testing.assert_close(out.float(), normed.float(), **tol)
+    assert torch.equal(res[7], (h[7].float() + r[7].float()).to(dtype))  # the plain add, bit for bit
+    assert not table.edit_norm(h.clone(), None, w, nw, 1e-5)  # no residual: nothing to fold into

@@ -57,6 +57,13 @@ def test_tap_naming_no_module_fails_at_load():
         tap_worker(taps=[("layers.7", True)])
 
 
+def test_folding_into_norms_is_refused_without_edits_in_the_graph():
+    from interleaver.vllm_internals import FOLD_KEY
+
+    with pytest.raises(ValueError, match=f"{FOLD_KEY}: only an in-graph engine"):
+        tap_worker({FOLD_KEY: True})
+
+
 def test_two_ranks_given_the_same_stages_and_step_edit_alike():
     """Tensor parallelism, simulated: each rank's worker gets the same stage list (collective_rpc) and the same
     scheduled batch, holds the whole residual stream, and so must make the same edit and keep the same rows."""

@@ -135,6 +135,19 @@ def test_graph_modes_need_the_vllm_engine(mode):
     assert e.value.field == f"vllm.{mode}" and "needs engine=vllm" in str(e.value)
 
 
+@pytest.mark.parametrize("others", [{}, {"edits_in_graph": True, "compiled_edits": True}])
+def test_folding_into_the_norm_needs_edits_in_breakable_graphs(others):
+    from steer.serve.schema import ServeConf
+    from steer.serve.start import prepare
+
+    conf = ServeConf(engine="vllm")
+    for name, value in {"fold_norm": True, **others}.items():
+        setattr(conf.vllm, name, value)
+    with pytest.raises(ConfigError) as e:
+        prepare(conf)
+    assert e.value.field == "vllm.fold_norm" and "vllm.edits_in_graph=true" in str(e.value)
+
+
 @pytest.mark.parametrize("engine, overrides, compiled", [
     ("vllm", [], True),  # the fastest mode when nothing else is asked for
     ("vllm", ["serve.inline_layers=[1]"], False),  # requests' own vectors: replay
