@@ -10,6 +10,7 @@ breaking it, and serves no traces at its taps.
 """
 
 import time
+import warnings
 from typing import Any, Dict, Iterable, Optional
 
 import torch
@@ -107,7 +108,8 @@ class VLLMInterleaver(Interleaver):
         if program is None:
             return
         if capturing:
-            if location in self.folds and program.fused and program.residual:
+            if (location in self.folds and program.fused and program.residual and type(value) is tuple
+                    and len(value) == 2 and all(type(t) is torch.Tensor for t in value)):
                 self._pending[self.folds[location]] = (program, value)
                 return
             program.in_graph(value, self.step.static)
@@ -117,23 +119,26 @@ class VLLMInterleaver(Interleaver):
             return
         program.in_graph(_trim(value, n), self.step.static)
 
-    def fold_into_norm(self, norm: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def fold_into_norm(self, norm: str, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                        eps: float) -> bool:
-        """The residual add and RMSNorm named `norm`, run with the pending edits of the tap before it, in one
-        launch and in place (`x` becomes the normed sum, `residual` the sum): True when done so. False when the
-        norm is to run as it is: no edit pending, or one applied on its own first because the norm was not handed
-        the tap's own tensors or the fused kernel does not apply."""
+        """The residual add and RMSNorm named `norm`, run with the pending edit of the tap before it, in one launch
+        and in place (`x` becomes the normed sum, `residual` the sum): True when done so; False when nothing is
+        pending for it (the norm runs as it is). A pending edit the norm cannot take (not handed the tap's own two
+        tensors, or outside the capture) is an error: by then the stream may have been read without it."""
         pending = self._pending.pop(norm, None)
         if pending is None:
             return False
-        if vllm_internals.recording() is None:  # the tap was captured: its edit must be, in the same graph
-            raise RuntimeError(f"{norm}: a tap's edit was left for this norm while a graph was captured, but the "
-                               "norm runs outside the capture; start the engine with vllm.fold_norm=false")
         program, value = pending
-        if value[0] is x and value[1] is residual and program.in_graph_norm(value, self.step.static, weight, eps):
-            return True
-        program.in_graph(value, self.step.static)
-        return False
+        if vllm_internals.recording() is None or value[0] is not x or value[1] is not residual:
+            self._pending.clear()
+            raise RuntimeError(f"{norm}: the tap before it left its edit for this norm (vllm.fold_norm), but the "
+                               "norm was not handed that tap's (hidden, residual) inside the same graph capture: "
+                               "this model's layers do not feed the stream to the next norm as Llama's do; start "
+                               "the engine with vllm.fold_norm=false")
+        if not program.in_graph_norm(value, self.step.static, weight, eps):
+            program.in_graph(value, self.step.static)  # the fused kernel does not apply: the edit, then the norm
+            return False
+        return True
 
     def flush_folds(self) -> None:
         """Run, each on its own, the edits still pending for a norm that did not run (a forward that ended first,
@@ -141,6 +146,18 @@ class VLLMInterleaver(Interleaver):
         pending, self._pending = self._pending, {}
         for program, value in pending.values():
             program.in_graph(value, self.step.static)
+
+    def warm_folds(self) -> None:
+        """Compile the folded kernel of every folded tap now, outside any capture; a tap whose kernel does not
+        build keeps its own launch (and says so)."""
+        for location in list(self.folds):
+            try:
+                self.programs[location].warm_norm()
+            except Exception as e:
+                warnings.warn(f"{location}: the folded edit + add + RMSNorm kernel did not build "
+                              f"({type(e).__name__}: {e}); this tap launches its own kernel", RuntimeWarning,
+                              stacklevel=2)
+                del self.folds[location]
 
     def _timed_replay(self, location: str, live: Any) -> None:
         if self.clock is None:

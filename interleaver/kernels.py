@@ -120,7 +120,8 @@ class Fused:
         an in-graph engine launches it only while its graphs are captured."""
         if residual is None or not _fits(hidden, residual, weights, self.basis) or _norm_kernel() is None:
             return False
-        if norm_weight.shape != (hidden.shape[1],) or norm_weight.device != hidden.device or norm_weight.stride(0) != 1:
+        if (norm_weight.shape != (hidden.shape[1],) or norm_weight.device != hidden.device
+                or norm_weight.stride(0) != 1 or norm_weight.dtype != hidden.dtype):
             return False
         _norm_kernel()[(hidden.shape[0],)](
             hidden, residual, weights, self.basis, self.col, self.kind, self.slope, self.offset, self.lo, self.hi,

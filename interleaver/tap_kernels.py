@@ -78,4 +78,5 @@ def tap_edit_norm(h_ptr, r_ptr, w_ptr, basis_ptr, col_ptr, kind_ptr, slope_ptr, 
     z = summed.to(tl.float32)
     scale = tl.rsqrt(tl.sum(z * z, axis=0) / hidden_size + eps)
     weight = tl.load(norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + row * stride_h + offs, (z * scale * weight).to(h.dtype), mask=mask)
+    # Rounded, then weighted and rounded again: vLLM's CUDA fused add + RMSNorm does it so
+    tl.store(h_ptr + row * stride_h + offs, ((z * scale).to(h.dtype).to(tl.float32) * weight).to(h.dtype), mask=mask)

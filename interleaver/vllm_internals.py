@@ -130,8 +130,7 @@ class _TapWorkerMixin:
             if declared is None or compiled:
                 raise ValueError(f"{FOLD_KEY}: only an in-graph engine on breakable graphs folds its edits")
             self.steer_il.folds = fold_norms(self.steer_il, modules, taps)
-            for location in self.steer_il.folds:
-                self.steer_il.programs[location].warm_norm()
+            self.steer_il.warm_folds()
         self._steer_wrap_runner()
 
     def _steer_wrap_runner(self) -> None:
@@ -308,18 +307,23 @@ def shutdown(llm: Any) -> None:
 def fold_norms(il, modules: Dict[str, Any], taps) -> Dict[str, str]:
     """Route each residual tap on a decoder layer (`<stack>.<i>`) to the norm that reads its value next, the
     `input_layernorm` of layer i + 1 (after the last layer, the stack owner's `norm`), where that norm is vLLM's
-    plain RMSNorm with a weight: its forward then runs the tap's pending edit and itself as one kernel
-    (VLLMInterleaver.fold_into_norm). Other taps keep their own launch. Returns tap location -> norm name."""
+    plain RMSNorm with a weight of the activations' dtype: its forward then runs the tap's pending edit and itself
+    as one kernel (VLLMInterleaver.fold_into_norm). Other taps keep their own launch; none folds where vLLM's
+    batch-invariant norm is on or the model reads the stream between layers (EAGLE-3). Returns tap location ->
+    norm name."""
+    from vllm import envs
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     folds, owners = {}, set()
+    if getattr(envs, "VLLM_BATCH_INVARIANT", False):
+        return folds
     for path, residual in taps:
         stack, _, index = path.rpartition(".")
         if not residual or not index.isdigit():
             continue
         after = f"{stack}.{int(index) + 1}"
         owner = stack.rpartition(".")[0]
-        if getattr(modules.get(owner), "aux_hidden_state_layers", ()):  # EAGLE-3 reads the stream between layers
+        if getattr(modules.get(owner), "aux_hidden_state_layers", ()):
             continue
         name = f"{after}.input_layernorm" if after in modules else (f"{owner}.norm" if owner else "norm")
         norm = modules.get(name)
@@ -329,8 +333,8 @@ def fold_norms(il, modules: Dict[str, Any], taps) -> Dict[str, str]:
         folds[tap_location(path)] = name
         owners.add(owner)
         _fold_into(norm, il, name)
-    for owner in owners:  # a forward that ends before a norm (a pipeline stage) still runs the edits left for it
-        modules[owner].register_forward_hook(lambda module, args, output: il.flush_folds())
+    for owner in owners:
+        _flush_after(modules[owner], il)
     return folds
 
 
@@ -338,11 +342,25 @@ def _fold_into(norm: Any, il, name: str) -> None:
     forward = norm.forward
 
     def folded(x, residual=None):
-        if residual is not None and il.fold_into_norm(name, x, residual, norm.weight, norm.variance_epsilon):
+        if il.fold_into_norm(name, x, residual, norm.weight, norm.variance_epsilon):
             return x, residual
         return forward(x, residual)
 
     norm.forward = folded
+
+
+def _flush_after(owner: Any, il) -> None:
+    """End the owner's forward by running the edits no norm took (a pipeline stage returns the stream unnormed).
+    On the instance's forward, not a hook: vLLM's compile decorator calls `forward` without nn.Module's hooks."""
+    forward = owner.forward
+
+    def flushed(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            il.flush_folds()
+
+    owner.forward = flushed
 
 
 def _compiled_hook(il, location: str, residual: bool):

@@ -270,7 +270,7 @@ def test_the_edit_norm_kernel_equals_the_edit_then_the_add_and_norm(dtype, hidde
     assert table(edited, r, w)  # the edit on its own, then the add and the norm in torch
     summed = (edited.float() + r.float()).to(dtype)
     z = summed.float()
-    normed = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()).to(dtype)
+    normed = ((z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * nw.float()).to(dtype)
     out, res = h.clone(), r.clone()
     assert table.edit_norm(out, res, w, nw, 1e-5)
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
@@ -278,3 +278,4 @@ def test_the_edit_norm_kernel_equals_the_edit_then_the_add_and_norm(dtype, hidde
     torch.testing.assert_close(out.float(), normed.float(), **tol)
     assert torch.equal(res[7], (h[7].float() + r[7].float()).to(dtype))  # the plain add, bit for bit
     assert not table.edit_norm(h.clone(), None, w, nw, 1e-5)  # no residual: nothing to fold into
+    assert not table.edit_norm(h.clone(), r.clone(), w, nw.double(), 1e-5)  # a weight of another dtype
