@@ -74,8 +74,10 @@ def _check_engine(cfg: SteerConf, engine: str) -> None:
         if torch.cuda.device_count() < tp:
             raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
                                                            f"{torch.cuda.device_count()}")
-    if cfg.vllm.fold_error():
-        raise ConfigError("vllm.fold_norm", cfg.vllm.fold_error())
+    if cfg.vllm.fold_norm:
+        raise ConfigError("vllm.fold_norm", "folds edits captured into the graph (vllm.edits_in_graph), a mode a steer "
+                                            "run cannot use (it scores with the tap's values); it is for the bench "
+                                            "and the API")
     if cfg.vllm.in_graph_field():
         raise ConfigError(f"vllm.{cfg.vllm.in_graph_field()}",
                           "a steer run scores with the tap's values (projection metrics), which an engine with its "

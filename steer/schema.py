@@ -167,7 +167,7 @@ class VllmConf:
         """Why `fold_norm` cannot apply with these settings, for checks to say (None: it can, or it is off)."""
         if self.fold_norm and (not self.edits_in_graph or self.compiled_edits):
             return ("folds edits captured into breakable graphs into the next layer's RMSNorm: it needs "
-                    "vllm.edits_in_graph=true and vllm.compiled_edits=false")
+                    "engine=vllm, vllm.edits_in_graph=true and vllm.compiled_edits=false")
         return None
 
 

@@ -60,8 +60,9 @@ def check(cfg: BenchConf) -> None:
     for name, m in cfg.models.items():
         if m.engines_at_once < 1:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
-        if m.min_timed_s is not None and m.min_timed_s < 0:
-            raise ConfigError(f"models.{name}.min_timed_s", f"must be >= 0 or null, got {m.min_timed_s}")
+        if m.min_timed_s is not None and not 0 <= m.min_timed_s <= cfg.max_timed_s:
+            raise ConfigError(f"models.{name}.min_timed_s", f"must be null or in 0..max_timed_s "
+                                                           f"({cfg.max_timed_s:g}), got {m.min_timed_s}")
     need = _largest_batch_tokens(cfg)
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "

@@ -44,6 +44,7 @@ def test_committed_bench_config_composes_and_checks():
                                             ("min_timed_s=-1", "min_timed_s"), ("max_timed_s=0", "max_timed_s"),
                                             ("models.tiny.engines_at_once=0", "models.tiny.engines_at_once"),
                                             ("models.tiny.min_timed_s=-2", "models.tiny.min_timed_s"),
+                                            ("models.smollm2.min_timed_s=20", "models.smollm2.min_timed_s"),
                                             ("kv_cache_tokens=1000", "kv_cache_tokens"),
                                             ('lanes=[{gpus:"0",runs:["*/[abc]"]},{gpus:"1",runs:["*/d"]}]', "lanes"),
                                             ('lanes=[{gpus:"x",runs:["*"]}]', "lanes[0].gpus"),
