@@ -22,6 +22,7 @@ else:
     raise SystemExit("steer imported where it must not be")
 
 import importlib
+import importlib.util
 import pkgutil
 
 import torch
@@ -30,8 +31,10 @@ import interleaver
 from interleaver import EditBank, Kind, RequestEdits, Rows, Span, StageEdit, StepRows, TapProgram
 from interleaver.bank import layout
 
+has_triton = importlib.util.find_spec("triton") is not None
 for m in pkgutil.iter_modules(interleaver.__path__):
-    importlib.import_module(f"interleaver.{m.name}")
+    if m.name != "tap_kernels" or has_triton:  # Triton source: kernels.py imports it only where Triton is
+        importlib.import_module(f"interleaver.{m.name}")
 
 H, TAP = 8, "model.layers.0.output"
 g = torch.Generator().manual_seed(0)
