@@ -123,10 +123,9 @@ class Fused:
         if (norm_weight.shape != (hidden.shape[1],) or norm_weight.device != hidden.device
                 or norm_weight.stride(0) != 1 or norm_weight.dtype != hidden.dtype):
             return False
-        _norm_kernel()[(hidden.shape[0],)](
-            hidden, residual, weights, self.basis, self.col, self.kind, self.slope, self.offset, self.lo, self.hi,
-            norm_weight, float(eps), self.col.shape[0], hidden.shape[1], hidden.stride(0), residual.stride(0),
-            weights.stride(0), BLOCK=self._block, num_warps=self._warps)
+        args = self._args(hidden, residual, weights)  # tap_edit's, the norm's weight and eps after the table's
+        _norm_kernel()[(hidden.shape[0],)](*args[:10], norm_weight, float(eps), *args[10:15], BLOCK=self._block,
+                                           num_warps=self._warps)
         return True
 
     def warm_norm(self) -> None:

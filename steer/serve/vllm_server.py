@@ -40,7 +40,7 @@ def engine_config(conf: ServeConf, table: StageTable) -> dict:
         extra[IN_GRAPH_KEY] = table.stage_list()
         if conf.vllm.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
-        if conf.vllm.fold_norm and not conf.vllm.fold_error():
+        if conf.vllm.fold_norm:  # prepare() refused it with compiled edits
             extra[FOLD_KEY] = True
     else:
         extra[STAGES_KEY] = table.stage_list()

@@ -159,13 +159,19 @@ def test_a_traced_engine_is_let_go_when_its_cells_are_done(engine_c, tmp_path, b
     assert rec["trace"].startswith("trace-")
 
 
-def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, bench_model, monkeypatch):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7")
-    clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
+def _add_on_a_fake_clock(cfg, bench_model, tmp_path, monkeypatch) -> dict:
+    """The `add` cell's record, every pass taking one tick, 0.125 s, of a fake clock."""
+    clock = iter(range(1000))
     monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock) * 0.125)
     group = one_tap(cfg)
     group.cells = [c for c in group.cells if c["scenario"] == "add"]
     [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
+    return rec
+
+
+def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, bench_model, monkeypatch):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=1.0", "max_repeats=7")
+    rec = _add_on_a_fake_clock(cfg, bench_model, tmp_path, monkeypatch)
     assert rec["walls_s"] == [0.125] * 7  # 1 s would take 8 passes: max_repeats stops it at 7
     assert len(stand_in) == 1 + 7  # and one warm-up pass
 
@@ -179,11 +185,7 @@ def test_more_passes_until_repeats_and_seconds(walls, more):
 
 def test_a_model_may_time_its_cells_longer_than_the_run(stand_in, tmp_path, bench_model, monkeypatch):
     cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0.25", "models.tiny.min_timed_s=0.75")
-    clock = iter(range(1000))  # every pass "takes" one tick, 0.125 s, of a fake clock
-    monkeypatch.setattr(runs.time, "perf_counter", lambda: next(clock) * 0.125)
-    group = one_tap(cfg)
-    group.cells = [c for c in group.cells if c["scenario"] == "add"]
-    [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
+    rec = _add_on_a_fake_clock(cfg, bench_model, tmp_path, monkeypatch)
     assert rec["walls_s"] == [0.125] * 6  # the model's 0.75 s, not the run's 0.25 (2 passes)
     assert runs._more([0.125] * 2, cfg) is False and runs._more([0.125] * 2, cfg, 0.75) is True
 

@@ -133,6 +133,18 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     assert in_graph.generate(*jobs[0][:2], GEN, 0) == graph.generate(*jobs[0][:2], GEN, 0)  # still serves
 
 
+def _equals_replay(engine, graph, hf, plans, jobs) -> None:
+    """`engine` gives the replay engine's tokens for the mixed batch and a prompt longer than any graph, and its
+    log-probs for a steered and an unsteered request."""
+    assert engine.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+    long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
+    assert engine.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
+    for p in (plans[0], None):
+        lp_graph = graph.score(jobs[0][0], [], p).logprobs
+        torch.testing.assert_close(engine.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1],
+                                   atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_edits_folded_into_the_next_norm_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
     """vllm.fold_norm: each tap's edits run inside the next layer's residual add and RMSNorm (one kernel, captured)
     and give the replay engine's tokens and log-probs for the mixed batch and a prompt longer than any graph (an
@@ -144,13 +156,7 @@ def test_edits_folded_into_the_next_norm_equal_replay_mode(graph, tiny_spec, tap
         got = folded.llm.collective_rpc(folds)[0]
         assert sorted(got) == sorted(f"model.{t.path}.output" for t in taps)  # Llama layers: every tap folds
         assert all(n.endswith("input_layernorm") or n.endswith(".norm") for n in got.values())
-        assert folded.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
-        long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
-        assert folded.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
-        for p in (plans[0], None):
-            lp_graph = graph.score(jobs[0][0], [], p).logprobs
-            torch.testing.assert_close(folded.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1],
-                                       atol=LOGPROB_ATOL, rtol=0)
+        _equals_replay(folded, graph, hf, plans, jobs)
     finally:
         folded.close()
 
@@ -167,13 +173,7 @@ def test_compiled_edits_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
     try:
         assert compiled.llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
         assert compiled.llm.collective_rpc(graphs_captured)[0] > 0
-        assert compiled.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
-        long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
-        assert compiled.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
-        for p in (plans[0], None):
-            lp_graph = graph.score(jobs[0][0], [], p).logprobs
-            torch.testing.assert_close(compiled.score(jobs[0][0], [], p).logprobs[-1], lp_graph[-1],
-                                       atol=LOGPROB_ATOL, rtol=0)
+        _equals_replay(compiled, graph, hf, plans, jobs)
         with pytest.raises(ValueError, match="was not declared"):
             compiled.generate(jobs[0][0], plan(tiny_spec, 2, e["add"]), GEN, 0)
     finally:
