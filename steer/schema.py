@@ -155,7 +155,8 @@ class VllmConf:
     tap_graphs: bool = False
     # With edits_in_graph (breakable graphs): each residual tap's edits run inside the next layer's residual add and
     # RMSNorm, one kernel for both, where that norm is vLLM's RMSNorm (Llama-family layers); other taps as before.
-    # Off by default until the H200 has measured it against f (python -m steer.bench configs=[b,f,j]).
+    # Off by default: on the H200 it saves about 1.5 us a tap, under 1% of an 8B step, and ran no faster than f
+    # end to end (docs/perf-log.md, 2026-12-03 03:00).
     fold_norm: bool = False
 
     def in_graph_field(self) -> Optional[str]:

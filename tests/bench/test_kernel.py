@@ -94,5 +94,5 @@ def test_the_folded_form_equals_the_triton_kernel_on_a_gpu(scen):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_kernel_bench_times_the_folded_candidate_on_a_gpu():
     out = kernel.measure_fold(64, 4096, "ablate_all", taps=4, replays=3)
-    assert [o["form"] for o in out] == ["norm", "fused+norm", "folded"]
+    assert [o["form"] for o in out] == ["norm", "fused+norm", "folded", "edit_norm"]
     assert all(0 < o["graph_us"] < 1e4 and 0 < o["eager_us"] < 1e4 for o in out) and out[0]["over_norm_us"] == 0
