@@ -105,6 +105,10 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
     if len(cfg.lanes) > 1:
         lines[-1:-1] = ["Lanes, each starting and timing its own engines as above, side by side with the other: "
                         + "; ".join(f"GPU {ln.gpus} runs {', '.join(ln.runs)}" for ln in cfg.lanes) + "."]
+    pinned = [f"lane {i}'s on CPUs {ln.cpus}" if len(cfg.lanes) > 1 else f"on CPUs {ln.cpus}"
+              for i, ln in enumerate(cfg.lanes) if ln.cpus is not None]
+    if pinned:
+        lines[-1:-1] = ["Engines pinned (their processes and threads, `lanes[].cpus`): " + "; ".join(pinned) + "."]
     if any(s.endswith(FAINT) for s in cfg.scenarios):
         lines[-1:-1] = [f"`<scenario>{FAINT}`: the scenario's edits at {cfg.epsilon:g} of their strength, every "
                         "kernel of the full edit run on the unsteered data: its ratio to b is the machinery's cost, "
@@ -201,16 +205,22 @@ def _readings_table(mine: Dict, cfg: BenchConf, title: str, label: str, first: s
     return lines + [""]
 
 
+# Per-pass host readings the report correlates pass times with (steer/bench/cpu.py, steer/bench/placement.py)
+_HOST = (("cpu_busy", "busy CPUs"), ("cpu_steal", "steal"),
+         ("cpu_apart", "the engine's processes on more than one L3 cache"), ("cpu_moved", "its processes moved"))
+
+
 def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
     """Per model, how its pass times followed the host's CPUs (cpu.follows): a host-bound model's slow passes
-    are the host's, and this says whether other work on the machine or the hypervisor took it."""
+    are the host's, and this says whether other work on the machine, the hypervisor, or where the engine's
+    processes ran took it."""
     lines = []
     for model in cfg.run:
         mine = [r for r in records if r.get("model") == model and r.get("status") == "ok"]
-        found = {key: cpu.follows(mine, key) for key in ("cpu_busy", "cpu_steal")}
+        found = {key: cpu.follows(mine, key) for key, _ in _HOST}
         if any(found.values()):
-            said = [f"{what} r = {f[0]:+.2f} ({f[1]} passes of {f[2]} cells)" for what, f in
-                    (("busy CPUs", found["cpu_busy"]), ("steal", found["cpu_steal"])) if f]
+            said = [f"{what} r = {found[key][0]:+.2f} ({found[key][1]} passes of {found[key][2]} cells)"
+                    for key, what in _HOST if found[key]]
             lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
                          + "; ".join(said))
     if not lines:

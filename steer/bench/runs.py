@@ -27,9 +27,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from steer.bench import cpu, engines, nvml, waves, workload
+from steer.bench import cpu, engines, nvml, placement, waves, workload
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
+
+READINGS = ("cpu_apart", "cpu_moved")  # per pass, where the engine's processes ran (steer/bench/placement.py)
 
 
 @dataclass
@@ -93,7 +95,8 @@ class _Timing:
     cell: Dict
     inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
     walls: List[float] = field(default_factory=list)
-    # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal (absent: not read)
+    # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal, where this engine's
+    # processes ran (absent: not read)
     readings: List[Dict[str, float]] = field(default_factory=list)
     host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
     record: Optional[Dict] = None
@@ -102,6 +105,9 @@ class _Timing:
 def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict], ready,
                turns: Optional[waves.Turns]) -> None:
     os.environ.update(env or {})  # before anything touches CUDA
+    cpus = cfg.lanes[workload.lane(cfg, group.model, group.config)].cpus
+    if cpus is not None:  # before vLLM starts its engine core and threads, which inherit it
+        placement.pin(placement.cpu_list(cpus))
     # Engines starting side by side must not write one torch.compile cache entry at once; a directory per
     # configuration and tap set keeps them apart and is still reused by the next run on the machine.
     os.environ["VLLM_CACHE_ROOT"] = str(Path(cfg.cache_dir).expanduser() / "bench-vllm" /
@@ -170,12 +176,12 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed
         if profile:
             profile()  # what ran before this pass is not the cell's
         _sync()
-        with nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host:
+        with nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host, placement.Window() as at:
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)
             _sync()
             t.walls.append(time.perf_counter() - t0)
-        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary()})
+        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary(), **at.summary()})
         if profile:
             for k, v in profile().items():
                 acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
@@ -199,7 +205,7 @@ def _finish(group: Group, t: _Timing, profiled: bool) -> None:
     wall = statistics.median(walls)
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
-    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal"):
+    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *READINGS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             t.record[key], t.record[f"{key}_passes"] = statistics.median(per_pass), per_pass

@@ -54,6 +54,9 @@ class LaneConf:
     gpus: Optional[str] = None
     # "model/config" fnmatch patterns of the engines this lane runs; an engine goes to the first lane that names it
     runs: List[str] = field(default_factory=lambda: ["*"])
+    # CPUs this lane's engine processes (and the engine cores and threads they start) run on, a Linux CPU list
+    # such as "0-3" (null: any); steer/bench/placement.py says why one would
+    cpus: Optional[str] = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 
 from steer import gguf_model, model, tiny
+from steer.bench import placement
 from steer.bench.schema import CONFIGS, FAINT, BenchConf, BenchModelConf
 from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
@@ -184,11 +185,25 @@ def lane(cfg: BenchConf, model_name: str, config: str) -> int:
                                                             for p in ln.runs)), -1)
 
 
+def _check_cpus(field: str, cpus: Optional[str]) -> None:
+    if cpus is None:
+        return
+    try:
+        wanted = placement.cpu_list(cpus)
+    except ValueError as e:
+        raise ConfigError(field, str(e)) from None
+    have = placement.available()
+    if have is not None and not set(wanted) <= set(have):
+        raise ConfigError(field, f"names CPU(s) {sorted(set(wanted) - set(have))} that this process may not run on "
+                                 f"(it may run on {have})")
+
+
 def _check_lanes(cfg: BenchConf) -> None:
     if not cfg.lanes:
         raise ConfigError("lanes", "needs at least one lane, e.g. [{gpus: null, runs: ['*']}]")
     seen = {}
     for i, ln in enumerate(cfg.lanes):
+        _check_cpus(f"lanes[{i}].cpus", ln.cpus)
         if ln.gpus is None:
             continue
         ids = ln.gpus.split(",")

@@ -108,7 +108,8 @@ def test_main_writes_the_table_against_both_stock_servers(tmp_path, fake_servers
     assert got["meta"]["repeats"] == 1 and set(got["rows"]) == {
         "stock/unsteered", "stock_v1/unsteered", *(f"{m}/{ld}" for m in ("replay", "compiled") for ld in serving.LOADS)}
     table = (tmp_path / "out" / "bench-serve.md").read_text()
-    assert "| server / load | output tok/s | range | x stock | x stock_v1 | TTFT p50 ms | x stock | x stock_v1 |" in table
+    assert ("| server / load | output tok/s | range | x stock | x stock_v1 | TTFT p50 ms | x stock | x stock_v1 |"
+            in table)
     # compiled/mixed: 950 tok/s against stock's 1000 and stock_v1's 800
     assert "| compiled/mixed | 950 | 950-950 | 0.950 | 1.188 | 100.0 | 1.00 | 1.00 | 5.00 | 0 |" in table
     assert all(line.count("|") == table.splitlines()[4].count("|") for line in table.splitlines()[4:] if line)

@@ -20,6 +20,8 @@ export STEER_CACHE=${STEER_CACHE:-/tmp/steer-cache} PYTHONUNBUFFERED=1 VLLM_USE_
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 runs=/tmp/steer-runs; rm -rf "$runs"; mkdir -p "$runs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+# The host's CPUs and caches: which CPUs share an L3 decides a bench lane's `cpus`
+{ lscpu; lscpu -e; } > "$OUT/lscpu.txt" 2>&1
 
 tests() {  # [report name]
   local name=${1:-gpu-tests}

@@ -1,0 +1,130 @@
+"""Where an engine's processes ran through a pass, and pinning a lane's engines (steer/bench/placement.py)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench_common import bench_conf, one_tap, records, stand_in_runner
+from steer.bench import placement, report, runs
+
+LINUX = sys.platform.startswith("linux")
+
+
+def test_a_cpu_list_is_read_as_linux_writes_it():
+    assert placement.cpu_list("0-3,8") == [0, 1, 2, 3, 8]
+    assert placement.cpu_list("5") == [5] and placement.cpu_list("2-3, 1") == [1, 2, 3]
+    for bad in ("", "a", "0-", "3-1", "0;1", "-1"):
+        with pytest.raises(ValueError, match="CPU list"):
+            placement.cpu_list(bad)
+
+
+def _cache(root, cpu, index, level, shared):
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    (d / "level").write_text(f"{level}\n")
+    (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+def test_each_cpu_is_named_by_its_l3_cache(tmp_path):
+    for cpu in range(4):
+        _cache(tmp_path, cpu, 0, 1, str(cpu))  # an L1 of its own
+        _cache(tmp_path, cpu, 3, 3, "0-1" if cpu < 2 else "2-3")
+    assert placement.llc_domains(tmp_path) == {0: 0, 1: 0, 2: 2, 3: 2}
+    assert placement.llc_domains(tmp_path / "absent") == {}
+
+
+def _stat(pid, command, ppid, cpu, utime, stime):
+    # proc(5): pid (comm) state ppid ... utime(14) stime(15) ... processor(39)
+    fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 23 + [str(cpu)] + ["0"] * 13
+    return f"{pid} ({command}) " + " ".join(fields) + "\n"
+
+
+def _proc(root, procs):
+    for pid, (command, ppid, cpu, ticks) in procs.items():
+        (root / str(pid)).mkdir(parents=True, exist_ok=True)
+        (root / str(pid) / "stat").write_text(_stat(pid, command, ppid, cpu, ticks, 0))
+    (root / "self").mkdir(exist_ok=True)  # not a process directory
+    (root / "stat").write_text("cpu 1 2 3\n")
+
+
+def test_a_snapshot_holds_the_process_and_its_children(tmp_path):
+    _proc(tmp_path, {10: ("python (engine) x", 1, 3, 50), 11: ("VLLM::EngineCore", 10, 7, 80),
+                     12: ("other", 1, 0, 5), 13: ("grandchild", 11, 2, 1)})
+    assert placement.snapshot(10, tmp_path) == {10: (3, 50), 11: (7, 80)}
+
+
+def test_processes_that_worked_through_a_pass_say_whether_they_were_apart_and_moved():
+    domains = {0: 0, 1: 0, 2: 2, 3: 2}
+    start = {10: (0, 100), 11: (1, 100), 12: (3, 100)}
+    # 100 ticks: 10 and 11 worked (50 and 90 ticks), 12 barely (5); 11 ended on the other cache
+    end = {10: (0, 150), 11: (2, 190), 12: (3, 105)}
+    assert placement.between(start, end, 100.0, domains) == {"cpu_moved": 0.5, "cpu_apart": 1.0}
+    together = {10: (1, 150), 11: (0, 190), 12: (3, 105)}
+    assert placement.between(start, together, 100.0, domains) == {"cpu_moved": 1.0, "cpu_apart": 0.0}
+    assert placement.between(start, end, 100.0, {}) == {"cpu_moved": 0.5}  # no caches named
+    alone = {10: (0, 150), 11: (1, 101)}
+    assert placement.between(start, alone, 100.0, domains) == {"cpu_moved": 0.0}  # one worked: apart from whom?
+    assert placement.between(start, {}, 100.0, domains) == {} and placement.between({}, end, 100.0, domains) == {}
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_a_window_sees_this_process_and_its_busy_child(tmp_path):
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy])  # started before the pass, as an engine core is
+    time.sleep(0.3)
+    with placement.Window() as w:
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            pass
+    child.wait()
+    got = w.summary()
+    assert 0.0 <= got["cpu_moved"] <= 1.0 and set(got) <= {"cpu_moved", "cpu_apart"}
+    if w.domains and set(w.domains) >= set(placement.available()):  # /sys names every CPU's L3: two worked
+        assert got["cpu_apart"] in (0.0, 1.0)
+    with placement.Window(proc=tmp_path / "absent") as w:  # no /proc
+        pass
+    assert w.summary() == {}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_pinned_process_and_what_it_starts_run_on_the_cpus_given():
+    cpu = placement.available()[-1]
+    code = ("import os, subprocess, sys\nfrom steer.bench import placement\nplacement.pin([%d])\n"
+            "print(sorted(os.sched_getaffinity(0)))\n"
+            "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])" % cpu)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == [f"[{cpu}]", f"[{cpu}]"]
+
+
+def test_an_engine_process_pins_itself_to_its_lane_s_cpus_before_its_engine_starts(engine_c, monkeypatch, tmp_path,
+                                                                                  bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=1", "min_timed_s=0", "lanes=[{runs:['*'],cpus:'0'}]")
+    seen = []
+    monkeypatch.setattr(placement, "pin", lambda cpus: seen.append(("pin", cpus)))
+    engine_c(lambda cfg, m, where, group: seen.append("start") or stand_in_runner())
+    group = one_tap(cfg)
+    group.cells = group.cells[:1]
+    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
+    assert seen == [("pin", [0]), "start"] and records(tmp_path / "out.json")[0]["status"] == "ok"
+
+
+def test_a_cell_keeps_where_its_passes_ran_and_the_report_follows_it(engine_c, monkeypatch, tmp_path, bench_model):
+    cfg = bench_conf("run=[tiny]", "batches=[[4,6]]", "repeats=3", "min_timed_s=0", "configs=[c]",
+                     "scenarios=[add]", "lanes=[{runs:['*'],cpus:'0-1'}]")
+    monkeypatch.setattr(placement, "pin", lambda cpus: None)
+    engine_c(lambda cfg, m, where, group: stand_in_runner())
+    readings = iter([{"cpu_apart": 1.0, "cpu_moved": 0.5}, {"cpu_apart": 0.0, "cpu_moved": 0.0},
+                     {"cpu_apart": 1.0, "cpu_moved": 1.0}])
+    monkeypatch.setattr(placement.Window, "summary", lambda self: next(readings))
+    group = one_tap(cfg)
+    group.cells = group.cells[:1]
+    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
+    [rec] = records(tmp_path / "out.json")
+    assert rec["cpu_apart_passes"] == [1.0, 0.0, 1.0] and rec["cpu_moved_passes"] == [0.5, 0.0, 1.0]
+    rec.update(model="tiny", config="c", walls_s=[2.0, 1.0, 2.0])  # the passes apart were the slow ones
+    md = report.markdown(report.cells([rec], cfg), [], cfg, {}, "now", "cmd", [rec])
+    assert "the engine's processes on more than one L3 cache r = +1.00 (3 passes of 1 cells)" in md
+    assert "Engines pinned (their processes and threads, `lanes[].cpus`): on CPUs 0-1." in md
