@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from steer import results
-from steer.bench import cpu
+from steer.bench import bootstrap, cpu
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
@@ -49,7 +49,7 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
             "best_vs_b": _ratio(best, _best(b)), "vs_eps": _ratio(t, _tok(faint)),
             "best_vs_eps": _ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
             "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
-            "status": r["status"], "detail": r.get("detail", "")}
+            "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or []}
 
 
 def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
@@ -66,9 +66,11 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
                 ratio = _ratio(of.get("tok_s"), over.get("tok_s"))
                 best = _ratio(of.get("best_tok_s"), over.get("best_tok_s"))
                 decides = best if t.between == "fastest" else ratio
+                span = bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])
                 label = f"{t.of}/{t.over} >= {t.at_least:g}" + (" (fastest)" if t.between == "fastest" else "")
                 out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
                             "ratio": ratio, "required": t.at_least, "best": best, "between": t.between,
+                            "interval": span,
                             "holds": None if decides is None else decides >= t.at_least})
     return out
 
@@ -234,16 +236,24 @@ def _targets_table(goals: List[Dict]) -> List[str]:
     # host-bound model's passes can spread by half (the tiny model's do, alone on the machine), and a ratio that
     # holds between fastest passes but not between medians is the noise's, not the steering's; a target marked
     # (fastest) is decided there.
+    # The interval (steer/bench/bootstrap.py) is the medians' ratio's on the passes' noise alone: where it reaches
+    # past the threshold of a target decided between medians, the run did not decide it, whichever side the ratio
+    # fell on. Resampled fastest passes only ever rise, so no interval is given for those.
     lines = ["Targets (holds: measured, the medians' ratio, or for a target marked (fastest) the ratio between "
-             "fastest passes; fastest passes: the same ratio between each cell's fastest pass):", "",
-             "| target | scenario | model | batch | measured | fastest passes | holds |",
-             "|---|---|---|---|---:|---:|---|"]
+             "fastest passes; fastest passes: the same ratio between each cell's fastest pass; "
+             f"interval: the medians' ratio's {bootstrap.LEVEL:.0%} interval, resampling each cell's passes; "
+             "undecided: a target between medians whose interval reaches past its threshold):", "",
+             "| target | scenario | model | batch | measured | fastest passes | interval | holds |",
+             "|---|---|---|---|---:|---:|---:|---|"]
     for g in goals:
         decided = g["best"] if g["between"] == "fastest" else g["ratio"]
+        span = g.get("interval")
         verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
             f"**no** ({decided - g['required']:+.3f})"
+        if g["holds"] is not None and g["between"] != "fastest" and span and span[0] < g["required"] <= span[1]:
+            verdict += ", undecided"
         lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
-                     f"{_fmt(g['best'])} | {verdict} |")
+                     f"{_fmt(g['best'])} | {_span(span)} | {verdict} |")
     return lines + [""]
 
 
@@ -264,7 +274,7 @@ def _missing(rows: List[Dict]) -> List[str]:
 
 def write(out_dir, rows: List[Dict], goals: List[Dict], md: str, cfg: BenchConf) -> None:
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=_FIELDS)
+    w = csv.DictWriter(buf, fieldnames=_FIELDS, extrasaction="ignore")
     w.writeheader()
     w.writerows(rows)
     results.write_text(out_dir / "bench.csv", buf.getvalue())
@@ -317,6 +327,10 @@ def _ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
 
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _span(span) -> str:
+    return "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}"
 
 
 def _pair(median: Optional[float], fastest: Optional[float]) -> str:

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from bench_common import bench_conf
-from steer.bench import report
+from steer.bench import bootstrap, report
 
 
 def records(cfg):
@@ -41,8 +41,11 @@ def test_fastest_passes_give_a_second_ratio_beside_the_medians():
     goal = next(g for g in report.targets(rows, cfg) if g["target"] == "c/b >= 0.9")
     assert goal["ratio"] == pytest.approx(0.5 / 0.55) and goal["best"] == pytest.approx(0.8) and goal["holds"]
     md = report.markdown(rows, report.targets(rows, cfg), cfg, {}, "now", "cmd")
-    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | yes |" in md
-    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | yes |" in md
+    lo, hi = bootstrap.interval([0.5, 0.55, 0.6], [0.4, 0.5, 0.7])  # the medians' ratio on the passes' noise
+    assert lo <= 0.5 / 0.55 <= hi
+    verdict = "yes, undecided" if lo < 0.9 <= hi else "yes"
+    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | {lo:.2f}-{hi:.2f} | {verdict} |" in md
+    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | yes |" in md  # d has one pass: no interval
 
 
 def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
@@ -187,5 +190,7 @@ def test_a_target_between_fastest_passes_is_decided_there():
     assert fastest["best"] == pytest.approx(0.4 / 0.41) and fastest["holds"] is True
     assert medians["ratio"] == pytest.approx(0.5 / 0.6) and medians["holds"] is False
     md = report.markdown(report.cells(recs, cfg), [fastest, medians], cfg, {}, "now", "cmd")
-    assert "| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | yes |" in md
-    assert "| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | **no** (-0.117) |" in md
+    span = "{:.2f}-{:.2f}".format(*bootstrap.interval([0.41, 0.6, 0.7], [0.4, 0.5, 0.5]))
+    # the same interval beside both; only the target between medians can be left undecided by it
+    assert f"| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | {span} | yes |" in md
+    assert f"| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | {span} | **no** (-0.117), undecided |" in md

@@ -1,0 +1,30 @@
+"""How far a ratio between two cells could move on their passes' noise alone: a bootstrap interval.
+
+A host-bound model's passes spread by 20-85% and independently from pass to pass (SmolLM2 on the H200,
+docs/perf-log.md 2026-12-03 03:00), so with a few dozen passes a cell, a ratio between two cells is uncertain by
+several percent. Resampling each cell's passes (with replacement, as many as it has) and taking the ratio of
+medians again, many times, says how much: a target whose interval reaches past its threshold was not decided by
+the run, whichever side its ratio fell on.
+"""
+
+import random
+from statistics import median
+from typing import Optional, Sequence, Tuple
+
+RESAMPLES = 1000
+LEVEL = 0.90
+
+
+def interval(of: Sequence[float], over: Sequence[float], resamples: int = RESAMPLES,
+             seed: int = 0) -> Optional[Tuple[float, float]]:
+    """The central `LEVEL` interval of `of`'s throughput over `over`'s between their medians, each cell given by
+    its passes' wall times (the same batch, so the ratio of tok/s is over's median time over of's). None where
+    either cell has fewer than 2 passes. (Not for fastest passes: a resample's fastest is never faster than the
+    cell's, so such an interval only leans one way.)"""
+    if len(of) < 2 or len(over) < 2:
+        return None
+    rng = random.Random(seed)  # the same run gives the same report
+    ratios = sorted(median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
+                    for _ in range(resamples))
+    tail = (1 - LEVEL) / 2
+    return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]

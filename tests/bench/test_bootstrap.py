@@ -1,0 +1,41 @@
+"""The medians' ratio's interval on the passes' noise (steer/bench/bootstrap.py)."""
+
+import random
+from statistics import median
+
+from steer.bench import bootstrap
+
+
+def test_cells_without_noise_give_their_ratio_exactly():
+    assert bootstrap.interval([0.5] * 5, [0.5] * 4) == (1.0, 1.0)
+    assert bootstrap.interval([1.0] * 3, [0.5] * 3) == (0.5, 0.5)  # twice the time: half the tok/s
+    assert bootstrap.interval([1.0], [0.5, 0.6]) is None and bootstrap.interval([1.0, 1.1], []) is None
+
+
+def test_the_interval_holds_the_ratio_and_narrows_with_more_passes():
+    rng = random.Random(1)
+
+    def passes(n):
+        return [0.4 * (1 + rng.random() * 0.6) for _ in range(n)]  # SmolLM2-like: up to 60% over the fastest
+
+    few, many = (passes(8), passes(8)), (passes(200), passes(200))
+    lo, hi = bootstrap.interval(*few)
+    assert lo <= median(few[1]) / median(few[0]) <= hi
+    lo2, hi2 = bootstrap.interval(*many)
+    assert hi2 - lo2 < (hi - lo) / 2 and lo2 < 1.0 < hi2
+
+
+def test_the_interval_covers_the_true_ratio_about_as_often_as_it_says():
+    # 200 runs of two cells with the same true speed: a 90% interval should hold 1.0 in most of them
+    rng = random.Random(7)
+    covered = 0
+    for i in range(200):
+        a, b = ([0.4 * (1 + rng.expovariate(5)) for _ in range(24)] for _ in range(2))
+        lo, hi = bootstrap.interval(a, b, resamples=300, seed=i)
+        covered += lo <= 1.0 <= hi
+    assert 0.80 * 200 <= covered <= 0.98 * 200
+
+
+def test_the_same_passes_give_the_same_interval():
+    a, b = [0.4, 0.5, 0.45, 0.6], [0.41, 0.52, 0.44]
+    assert bootstrap.interval(a, b) == bootstrap.interval(a, b)  # a report rewritten from a run says the same
