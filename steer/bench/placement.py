@@ -1,9 +1,10 @@
 """Where a timed engine's processes ran through a pass, and pinning a lane's engines to chosen CPUs.
 
-SmolLM2's passes spread by 20-85% with nothing else on the host, and the spread is per pass: a pass's time says
-nothing of the pass timed just before it (docs/perf-log.md, 2026-12-03 03:00). A vLLM engine is two busy processes
-(the frontend, which times the pass, and its engine core), which talk every decode step; where the scheduler puts
-them when they wake for a pass could make a pass fast or slow and then stay for the pass. So each pass records,
+SmolLM2's passes spread by 20-85% with nothing else on the host, in spells of about a second, one engine at a time:
+a pass follows its engine's previous pass in the same turn but not the other engines' passes of the round
+(docs/perf-log.md, 2026-12-03 03:00). A vLLM engine is two busy processes (the frontend, which times the pass, and
+its engine core), which talk every decode step; where the scheduler puts them when they wake for their turn
+could make their passes fast or slow for a while. So each pass records,
 of the processes that worked through it (this one and its children), whether they ended it on CPUs of more than
 one last-level cache (`cpu_apart`, 1 or 0, where /sys says which CPUs share one) and what share of them ended it
 on another CPU than they started it on (`cpu_moved`); the report correlates pass times with both. `pin` is the
