@@ -7,6 +7,7 @@
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
+#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 21 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
@@ -82,6 +83,25 @@ serve() {
   # shellcheck disable=SC2086
   python -m steer.bench.serving --out "$OUT/bench-serve" ${SERVE_ARGS:-} > "$OUT/bench-serve.log" 2>&1
   echo "serve bench rc=$?"; grep -E "^\[serve-bench\]|^\|" "$OUT/bench-serve.log"
+}
+
+table() {
+  # Issue 19's table in one run, both models, a run's worth of device time (about 21 minutes): SmolLM2 without a, h,
+  # i and the faint twins; every engine pinned to the CPUs that share CPU 2's L3 cache (at most 8; 2-9 where one
+  # L3 holds them all or fewer than 4), where SmolLM2's passes keep their own spells of speed unpinned
+  # (DEVELOPERS.md)
+  local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
+  CPUS=$(python - "$l3" <<'PY'
+import os, sys
+from steer.bench import placement
+shared = placement.cpu_list(open(sys.argv[1]).read().strip()) if os.path.exists(sys.argv[1]) else []
+cpus = shared[:8] if 4 <= len(shared) < len(placement.available()) else list(range(2, 10))
+print(",".join(map(str, cpus)))
+PY
+)
+  echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null))"
+  BENCH_ARGS="configs=[a,b,c,f,h,i] trace=[] skip=['*/[de]/*@eps/*','smollm2/[ahi]/*','smollm2/*/*@eps/*'] \
+lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
 }
 
 kernel() {
