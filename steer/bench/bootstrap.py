@@ -19,12 +19,13 @@ def interval(of: Sequence[float], over: Sequence[float], resamples: int = RESAMP
              seed: int = 0) -> Optional[Tuple[float, float]]:
     """The central `LEVEL` interval of `of`'s throughput over `over`'s between their medians, each cell given by
     its passes' wall times (the same batch, so the ratio of tok/s is over's median time over of's). None where
-    either cell has fewer than 2 passes. (Not for fastest passes: a resample's fastest is never faster than the
-    cell's, so such an interval only leans one way.)"""
+    either cell has fewer than 2 passes. Nominal with few passes (a percentile bootstrap of a median covers less
+    than it says with 6 or 7), and not for fastest passes: a resample's fastest is never faster than the cell's,
+    so such an interval only leans one way."""
     if len(of) < 2 or len(over) < 2:
         return None
     rng = random.Random(seed)  # the same run gives the same report
     ratios = sorted(median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
                     for _ in range(resamples))
-    tail = (1 - LEVEL) / 2
-    return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
+    tail = round((1 - LEVEL) / 2 * resamples)
+    return ratios[tail], ratios[resamples - 1 - tail]

@@ -6,13 +6,16 @@ a pass follows its engine's previous pass in the same turn but not the other eng
 its engine core), which talk every decode step; where the scheduler puts them when they wake for their turn
 could make their passes fast or slow for a while. So each pass records,
 of the processes that worked through it (this one and its children), whether they ended it on CPUs of more than
-one last-level cache (`cpu_apart`, 1 or 0, where /sys says which CPUs share one) and what share of them ended it
-on another CPU than they started it on (`cpu_moved`); the report correlates pass times with both. `pin` is the
+one last-level cache (`cpu_apart`, 1 or 0, where /sys says which CPUs share one; a virtual machine's /sys says what
+its hypervisor tells it) and what share of them ended it on another CPU than they started it on (`cpu_moved`),
+each process by its main thread, where a vLLM process's steady work runs (its I/O threads are not read); the
+report correlates pass times with both. `pin` is the
 remedy to measure against it (`lanes[].cpus`). Linux only: elsewhere a window reads nothing.
 """
 
 import os
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -31,9 +34,18 @@ def cpu_list(text: str) -> List[int]:
     return sorted(cpus)
 
 
-def pin(cpus: List[int]) -> None:
-    """Run this process, and every thread and process it starts from now on, on `cpus` only."""
-    os.sched_setaffinity(0, cpus)
+def pin(cpus: List[int], proc: Path = PROC) -> None:
+    """Run this process (each of its threads: an affinity is a thread's own) and every thread and process it
+    starts from now on on `cpus` only. Thread pools sized before (torch's) keep their size."""
+    try:
+        tids = [int(t.name) for t in (proc / "self" / "task").iterdir()]
+    except OSError:  # no /proc: this thread, and what it starts
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # ended meanwhile
+            continue
 
 
 def available() -> Optional[List[int]]:
@@ -41,6 +53,7 @@ def available() -> Optional[List[int]]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
+@lru_cache(maxsize=4)
 def llc_domains(root: Path = SYS_CPU) -> Dict[int, int]:
     """Each CPU's last-level (L3) cache, named by the lowest CPU sharing it; {} where /sys does not say."""
     domains = {}
@@ -53,20 +66,34 @@ def llc_domains(root: Path = SYS_CPU) -> Dict[int, int]:
     return domains
 
 
-def snapshot(pid: int, proc: Path = PROC) -> Dict[int, Tuple[int, int]]:
-    """{pid: (the CPU it last ran on, its CPU time in clock ticks)} of process `pid` and its children."""
+def family(pid: int, proc: Path = PROC) -> List[int]:
+    """Process `pid` and its children (a vLLM engine's frontend and its engine core), from /proc."""
+    return [pid] + sorted(int(d.name) for d in proc.iterdir() if d.name.isdigit() and int(d.name) != pid
+                          and (_fields(proc / d.name) or [None, None])[1] == str(pid))
+
+
+def snapshot(pids: List[int], proc: Path = PROC) -> Dict[int, Tuple[int, int]]:
+    """{pid: (the CPU its main thread last ran on, its CPU time in clock ticks, every thread's)} of `pids` still
+    running."""
     stats = {}
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            try:
-                # After the command's closing parenthesis: state, ppid, ... utime and stime (fields 14 and
-                # 15 of proc(5)), ... processor (field 39); the command itself may hold spaces and parentheses
-                fields = (d / "stat").read_text().rpartition(")")[2].split()
-                if int(d.name) == pid or int(fields[1]) == pid:
-                    stats[int(d.name)] = (int(fields[36]), int(fields[11]) + int(fields[12]))
-            except (OSError, ValueError, IndexError):  # gone meanwhile, or not a stat line
-                continue
+    for pid in pids:
+        fields = _fields(proc / str(pid))
+        try:
+            # proc(5) numbers the fields from 1 with the pid, then the command: after it, utime and stime are
+            # fields 14 and 15, processor field 39
+            stats[pid] = (int(fields[36]), int(fields[11]) + int(fields[12]))
+        except (TypeError, ValueError, IndexError):  # gone meanwhile, or not a stat line
+            continue
     return stats
+
+
+def _fields(d: Path) -> Optional[List[str]]:
+    """A /proc/<pid>/stat line's fields after the command (which may hold spaces and parentheses), from the state
+    on; None where it cannot be read."""
+    try:
+        return (d / "stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
 
 
 def between(start: Dict[int, Tuple[int, int]], end: Dict[int, Tuple[int, int]], ticks: float,
@@ -83,30 +110,32 @@ def between(start: Dict[int, Tuple[int, int]], end: Dict[int, Tuple[int, int]], 
 
 
 class Window:
-    """Within its `with` block, where this process and its children ran: `summary()` (see `between`)."""
+    """Within its `with` block, where this process and its children ran: `summary()` (see `between`). Its reads
+    (the process's family once, then one stat file each) come before and after the block: enter it outside the
+    other readings of a pass, so that they do not count its work."""
 
     def __init__(self, proc: Path = PROC, root: Path = SYS_CPU, pid: Optional[int] = None):
         self.proc, self.pid = proc, pid or os.getpid()
         self.domains = llc_domains(root)
+        self._pids: List[int] = []
         self._start: Dict[int, Tuple[int, int]] = {}
         self._end: Dict[int, Tuple[int, int]] = {}
         self._t0 = self._ticks = 0.0
 
     def __enter__(self) -> "Window":
-        self._start, self._t0 = self._read(), time.monotonic()
+        try:
+            self._pids = family(self.pid, self.proc)
+        except OSError:  # no /proc (not Linux)
+            self._pids = []
+        self._start, self._t0 = snapshot(self._pids, self.proc), time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._end, self._ticks = self._read(), (time.monotonic() - self._t0) * _hz()
+        self._ticks = (time.monotonic() - self._t0) * _hz()
+        self._end = snapshot(self._pids, self.proc)
 
     def summary(self) -> Dict[str, float]:
         return between(self._start, self._end, self._ticks, self.domains)
-
-    def _read(self) -> Dict[int, Tuple[int, int]]:
-        try:
-            return snapshot(self.pid, self.proc)
-        except OSError:  # no /proc (not Linux)
-            return {}
 
 
 def _hz() -> float:

@@ -236,9 +236,10 @@ def _targets_table(goals: List[Dict]) -> List[str]:
     # host-bound model's passes can spread by half (the tiny model's do, alone on the machine), and a ratio that
     # holds between fastest passes but not between medians is the noise's, not the steering's; a target marked
     # (fastest) is decided there.
-    # The interval (steer/bench/bootstrap.py) is the medians' ratio's on the passes' noise alone: where it reaches
-    # past the threshold of a target decided between medians, the run did not decide it, whichever side the ratio
-    # fell on. Resampled fastest passes only ever rise, so no interval is given for those.
+    # The interval (steer/bench/bootstrap.py) is the medians' ratio's on the passes' noise alone, on every row:
+    # where it reaches past the threshold of a target decided between medians, the run did not decide it,
+    # whichever side the ratio fell on. A target between fastest passes is never flagged: resampled fastest
+    # passes only ever rise, so there is no interval of its own ratio to flag it by.
     lines = ["Targets (holds: measured, the medians' ratio, or for a target marked (fastest) the ratio between "
              "fastest passes; fastest passes: the same ratio between each cell's fastest pass; "
              f"interval: the medians' ratio's {bootstrap.LEVEL:.0%} interval, resampling each cell's passes; "

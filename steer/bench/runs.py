@@ -176,7 +176,8 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed
         if profile:
             profile()  # what ran before this pass is not the cell's
         _sync()
-        with nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host, placement.Window() as at:
+        # Where the processes ran is read first and last, so the GPU and host readings do not count its reads
+        with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host:
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)
             _sync()

@@ -34,8 +34,3 @@ def test_the_interval_covers_the_true_ratio_about_as_often_as_it_says():
         lo, hi = bootstrap.interval(a, b, resamples=300, seed=i)
         covered += lo <= 1.0 <= hi
     assert 0.80 * 200 <= covered <= 0.98 * 200
-
-
-def test_the_same_passes_give_the_same_interval():
-    a, b = [0.4, 0.5, 0.45, 0.6], [0.41, 0.52, 0.44]
-    assert bootstrap.interval(a, b) == bootstrap.interval(a, b)  # a report rewritten from a run says the same

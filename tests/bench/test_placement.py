@@ -53,7 +53,8 @@ def _proc(root, procs):
 def test_a_snapshot_holds_the_process_and_its_children(tmp_path):
     _proc(tmp_path, {10: ("python (engine) x", 1, 3, 50), 11: ("VLLM::EngineCore", 10, 7, 80),
                      12: ("other", 1, 0, 5), 13: ("grandchild", 11, 2, 1)})
-    assert placement.snapshot(10, tmp_path) == {10: (3, 50), 11: (7, 80)}
+    assert placement.family(10, tmp_path) == [10, 11]
+    assert placement.snapshot([10, 11, 99], tmp_path) == {10: (3, 50), 11: (7, 80)}  # 99 has ended
 
 
 def test_processes_that_worked_through_a_pass_say_whether_they_were_apart_and_moved():
@@ -71,32 +72,45 @@ def test_processes_that_worked_through_a_pass_say_whether_they_were_apart_and_mo
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
-def test_a_window_sees_this_process_and_its_busy_child(tmp_path):
+def test_a_window_reads_this_process_and_its_busy_child_as_ps_sees_them(tmp_path):
     busy = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
     child = subprocess.Popen([sys.executable, "-c", busy])  # started before the pass, as an engine core is
     time.sleep(0.3)
     with placement.Window() as w:
+        t0 = os.times()
         end = time.monotonic() + 0.6
         while time.monotonic() < end:
             pass
+        t1 = os.times()
+        seen = subprocess.run(["ps", "-o", "pid=,ppid=,time=", "-p", f"{os.getpid()},{child.pid}"],
+                              capture_output=True, text=True).stdout.split()
     child.wait()
+    assert w._pids[0] == os.getpid() and child.pid in w._pids  # the family, by its parent pid
+    assert seen[:2] == [str(os.getpid()), str(os.getppid())] and seen[3:5] == [str(child.pid), str(os.getpid())]
+    # this process's CPU time, in clock ticks, grew as the kernel's own count says it did (fields 14 and 15)
+    ticks = (t1.user + t1.system - t0.user - t0.system) * placement._hz()
+    assert abs(w._end[os.getpid()][1] - w._start[os.getpid()][1] - ticks) <= 3
     got = w.summary()
-    assert 0.0 <= got["cpu_moved"] <= 1.0 and set(got) <= {"cpu_moved", "cpu_apart"}
-    if w.domains and set(w.domains) >= set(placement.available()):  # /sys names every CPU's L3: two worked
-        assert got["cpu_apart"] in (0.0, 1.0)
+    assert 0.0 <= got["cpu_moved"] <= 1.0 and got.get("cpu_apart", 0.0) in (0.0, 1.0)
     with placement.Window(proc=tmp_path / "absent") as w:  # no /proc
         pass
     assert w.summary() == {}
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
-def test_a_pinned_process_and_what_it_starts_run_on_the_cpus_given():
+def test_a_pinned_process_its_threads_and_what_it_starts_run_on_the_cpus_given():
     cpu = placement.available()[-1]
-    code = ("import os, subprocess, sys\nfrom steer.bench import placement\nplacement.pin([%d])\n"
-            "print(sorted(os.sched_getaffinity(0)))\n"
-            "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])" % cpu)
+    code = f"""import os, subprocess, sys, threading
+from steer.bench import placement
+started = threading.Event()
+before = threading.Thread(target=lambda: (started.set(), threading.Event().wait(2)), daemon=True)
+before.start(); started.wait()  # a thread that was running before the pin, as an engine's are
+placement.pin([{cpu}])
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(before.native_id)))
+subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split("\n")[:2] == [f"[{cpu}]", f"[{cpu}]"]
+    assert out.split("\n")[:2] == [f"[{cpu}] [{cpu}]", f"[{cpu}]"]
 
 
 def test_an_engine_process_pins_itself_to_its_lane_s_cpus_before_its_engine_starts(engine_c, monkeypatch, tmp_path,

@@ -42,10 +42,25 @@ def test_fastest_passes_give_a_second_ratio_beside_the_medians():
     assert goal["ratio"] == pytest.approx(0.5 / 0.55) and goal["best"] == pytest.approx(0.8) and goal["holds"]
     md = report.markdown(rows, report.targets(rows, cfg), cfg, {}, "now", "cmd")
     lo, hi = bootstrap.interval([0.5, 0.55, 0.6], [0.4, 0.5, 0.7])  # the medians' ratio on the passes' noise
-    assert lo <= 0.5 / 0.55 <= hi
-    verdict = "yes, undecided" if lo < 0.9 <= hi else "yes"
-    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | {lo:.2f}-{hi:.2f} | {verdict} |" in md
+    assert lo < 0.9 <= hi  # the noise reaches past the threshold
+    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | {lo:.2f}-{hi:.2f} | yes, undecided |" in md
     assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | yes |" in md  # d has one pass: no interval
+
+
+def test_a_target_whose_interval_clears_its_threshold_is_decided():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "scenarios=[add]", "configs=[b,c]",
+                     "targets=[{scenario:add,at_least:0.9},{scenario:add,at_least:0.99}]")
+    n = 64 * 128
+    tight = {"b": [0.50, 0.501, 0.502, 0.503], "c": [0.52, 0.521, 0.522, 0.523]}  # c is 0.96 of b, little noise
+    recs = [{"model": "tiny", "config": c, "scenario": "unsteered" if c == "b" else "add", "requests": 64,
+             "tokens": 128, "status": "ok", "tok_s": n / median(w), "wall_s": median(w), "walls_s": w}
+            for c, w in tight.items()]
+    goals = report.targets(report.cells(recs, cfg), cfg)
+    assert [g["holds"] for g in goals] == [True, False]
+    assert 0.95 < goals[0]["interval"][0] < goals[0]["interval"][1] < 0.97
+    md = report.markdown(report.cells(recs, cfg), goals, cfg, {}, "now", "cmd")
+    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.96 | 0.96 | 0.96-0.96 | yes |" in md
+    assert "| c/b >= 0.99 | add | tiny | 64x128 | 0.96 | 0.96 | 0.96-0.96 | **no** (-0.028) |" in md
 
 
 def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
