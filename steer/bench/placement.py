@@ -7,10 +7,13 @@ its engine core), which talk every decode step; where the scheduler puts them wh
 could make their passes fast or slow for a while. So each pass records,
 of the processes that worked through it (this one and its children), whether they ended it on CPUs of more than
 one last-level cache (`cpu_apart`, 1 or 0, where /sys says which CPUs share one; a virtual machine's /sys says what
-its hypervisor tells it) and what share of them ended it on another CPU than they started it on (`cpu_moved`),
+its hypervisor tells it), whether two of them ended it on one physical core (`cpu_shared_core`: the same CPU, or
+two SMT threads of a core, each running slower while the other is busy) and what share of them ended it on
+another CPU than they started it on (`cpu_moved`),
 each process by its main thread, where a vLLM process's steady work runs (its I/O threads are not read); the
-report correlates pass times with both. `pin` is the
-remedy to measure against it (`lanes[].cpus`). Linux only: elsewhere a window reads nothing.
+report correlates pass times with each. `pin` is the
+remedy to measure against it (`lanes[].cpus`; `one_per_core` chooses CPUs that keep busy processes off each
+other's cores). Linux only: elsewhere a window reads nothing.
 """
 
 import os
@@ -96,16 +99,43 @@ def _fields(d: Path) -> Optional[List[str]]:
         return None
 
 
+@lru_cache(maxsize=4)
+def cores(root: Path = SYS_CPU) -> Dict[int, int]:
+    """Each CPU's physical core, named by the lowest CPU of its SMT siblings; {} where /sys does not say."""
+    out = {}
+    for d in root.glob("cpu[0-9]*/topology/thread_siblings_list"):
+        try:
+            out[int(d.parent.parent.name[3:])] = min(cpu_list(d.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def one_per_core(cpus: List[int], root: Path = SYS_CPU) -> List[int]:
+    """`cpus` less every CPU that shares a physical core with a lower one of them (all of them where /sys does not
+    say): busy processes pinned there cannot land on two threads of one core."""
+    core, seen, out = cores(root), set(), []
+    for c in sorted(cpus):
+        if core.get(c, c) not in seen:
+            seen.add(core.get(c, c))
+            out.append(c)
+    return out
+
+
 def between(start: Dict[int, Tuple[int, int]], end: Dict[int, Tuple[int, int]], ticks: float,
-            domains: Dict[int, int]) -> Dict[str, float]:
-    """`cpu_apart` and `cpu_moved` (the module docstring) over a pass of `ticks` clock ticks; {} where no process
-    worked through it, and no `cpu_apart` where fewer than two did or /sys named no caches."""
+            domains: Dict[int, int], core: Optional[Dict[int, int]] = None) -> Dict[str, float]:
+    """`cpu_apart`, `cpu_shared_core` and `cpu_moved` (the module docstring) over a pass of `ticks` clock ticks;
+    {} where no process worked through it, and neither of the first two where fewer than two did or /sys named
+    no caches (cores)."""
     worked = [p for p in end if p in start and end[p][1] - start[p][1] >= WORKED * ticks]
     if not worked or ticks <= 0:
         return {}
     got = {"cpu_moved": sum(end[p][0] != start[p][0] for p in worked) / len(worked)}
-    if len(worked) >= 2 and all(end[p][0] in domains for p in worked):
-        got["cpu_apart"] = float(len({domains[end[p][0]] for p in worked}) > 1)
+    cpus = [end[p][0] for p in worked]
+    if len(cpus) >= 2 and all(c in domains for c in cpus):
+        got["cpu_apart"] = float(len({domains[c] for c in cpus}) > 1)
+    if len(cpus) >= 2 and core and all(c in core for c in cpus):
+        got["cpu_shared_core"] = float(len({core[c] for c in cpus}) < len(cpus))
     return got
 
 
@@ -116,7 +146,7 @@ class Window:
 
     def __init__(self, proc: Path = PROC, root: Path = SYS_CPU, pid: Optional[int] = None):
         self.proc, self.pid = proc, pid or os.getpid()
-        self.domains = llc_domains(root)
+        self.domains, self.cores = llc_domains(root), cores(root)
         self._pids: List[int] = []
         self._start: Dict[int, Tuple[int, int]] = {}
         self._end: Dict[int, Tuple[int, int]] = {}
@@ -135,7 +165,7 @@ class Window:
         self._end = snapshot(self._pids, self.proc)
 
     def summary(self) -> Dict[str, float]:
-        return between(self._start, self._end, self._ticks, self.domains)
+        return between(self._start, self._end, self._ticks, self.domains, self.cores)
 
 
 def _hz() -> float:

@@ -209,7 +209,8 @@ def _readings_table(mine: Dict, cfg: BenchConf, title: str, label: str, first: s
 
 # Per-pass host readings the report correlates pass times with (steer/bench/cpu.py, steer/bench/placement.py)
 _HOST = (("cpu_busy", "busy CPUs"), ("cpu_steal", "steal"),
-         ("cpu_apart", "the engine's processes on more than one L3 cache"), ("cpu_moved", "its processes moved"))
+         ("cpu_apart", "the engine's processes on more than one L3 cache"),
+         ("cpu_shared_core", "two of them on one physical core"), ("cpu_moved", "its processes moved"))
 
 
 def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:

@@ -31,7 +31,8 @@ from steer.bench import cpu, engines, nvml, placement, waves, workload
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
-READINGS = ("cpu_apart", "cpu_moved")  # per pass, where the engine's processes ran (steer/bench/placement.py)
+# per pass, where the engine's processes ran (steer/bench/placement.py)
+READINGS = ("cpu_apart", "cpu_shared_core", "cpu_moved")
 
 
 @dataclass

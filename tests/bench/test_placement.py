@@ -36,6 +36,17 @@ def test_each_cpu_is_named_by_its_l3_cache(tmp_path):
     assert placement.llc_domains(tmp_path / "absent") == {}
 
 
+def test_each_cpu_is_named_by_its_core_and_one_thread_of_each_core_is_chosen(tmp_path):
+    for cpu in range(8):  # four cores of two threads: 0 and 4, 1 and 5, ...
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
+    assert placement.cores(tmp_path) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 0, 5: 1, 6: 2, 7: 3}
+    assert placement.one_per_core([2, 3, 4, 5, 6, 7], tmp_path) == [2, 3, 4, 5]  # 6 and 7 share 2's and 3's
+    assert placement.one_per_core([5, 1], tmp_path) == [1]
+    assert placement.one_per_core([3, 2], tmp_path / "absent") == [2, 3]  # no topology: every CPU its own core
+
+
 def _stat(pid, command, ppid, cpu, utime, stime):
     # proc(5): pid (comm) state ppid ... utime(14) stime(15) ... processor(39)
     fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 23 + [str(cpu)] + ["0"] * 13
@@ -71,6 +82,16 @@ def test_processes_that_worked_through_a_pass_say_whether_they_were_apart_and_mo
     assert placement.between(start, {}, 100.0, domains) == {} and placement.between({}, end, 100.0, domains) == {}
 
 
+def test_two_processes_ending_a_pass_on_one_physical_core_are_said_so():
+    core = {0: 0, 1: 1, 2: 0, 3: 1}  # 0 and 2 are one core's two threads
+    start = {10: (0, 0), 11: (1, 0)}
+    on_siblings = placement.between(start, {10: (0, 50), 11: (2, 50)}, 100.0, {}, core)
+    assert on_siblings == {"cpu_moved": 0.5, "cpu_shared_core": 1.0}
+    assert placement.between(start, {10: (1, 50), 11: (1, 50)}, 100.0, {}, core)["cpu_shared_core"] == 1.0  # one CPU
+    assert placement.between(start, {10: (0, 50), 11: (3, 50)}, 100.0, {}, core)["cpu_shared_core"] == 0.0
+    assert "cpu_shared_core" not in placement.between(start, {10: (0, 50), 11: (3, 50)}, 100.0, {}, {})
+
+
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
 def test_a_window_reads_this_process_and_its_busy_child_as_ps_sees_them(tmp_path):
     busy = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
@@ -92,6 +113,7 @@ def test_a_window_reads_this_process_and_its_busy_child_as_ps_sees_them(tmp_path
     assert abs(w._end[os.getpid()][1] - w._start[os.getpid()][1] - ticks) <= 3
     got = w.summary()
     assert 0.0 <= got["cpu_moved"] <= 1.0 and got.get("cpu_apart", 0.0) in (0.0, 1.0)
+    assert got.get("cpu_shared_core", 0.0) in (0.0, 1.0)
     with placement.Window(proc=tmp_path / "absent") as w:  # no /proc
         pass
     assert w.summary() == {}
@@ -141,4 +163,5 @@ def test_a_cell_keeps_where_its_passes_ran_and_the_report_follows_it(engine_c, m
     rec.update(model="tiny", config="c", walls_s=[2.0, 1.0, 2.0])  # the passes apart were the slow ones
     md = report.markdown(report.cells([rec], cfg), [], cfg, {}, "now", "cmd", [rec])
     assert "the engine's processes on more than one L3 cache r = +1.00 (3 passes of 1 cells)" in md
+    assert "its processes moved r = +0.87" in md and "physical core" not in md  # never read: not said
     assert "Engines pinned (their processes and threads, `lanes[].cpus`): on CPUs 0-1." in md

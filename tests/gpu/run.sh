@@ -87,16 +87,17 @@ serve() {
 
 table() {
   # Issue 19's table in one run, both models, a run's worth of device time (about 21 minutes): SmolLM2 without a, h,
-  # i and the faint twins; every engine pinned to the CPUs that share CPU 2's L3 cache (at most 8; 2-9 where one
-  # L3 holds them all or fewer than 4), where SmolLM2's passes keep their own spells of speed unpinned
-  # (DEVELOPERS.md)
+  # i and the faint twins; every engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds
+  # them all or fewer than 4), one thread of each physical core, at most 8: unpinned, SmolLM2's passes keep spells
+  # of speed of their own (DEVELOPERS.md)
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
 from steer.bench import placement
 shared = placement.cpu_list(open(sys.argv[1]).read().strip()) if os.path.exists(sys.argv[1]) else []
-cpus = shared[:8] if 4 <= len(shared) < len(placement.available()) else list(range(2, 10))
-print(",".join(map(str, cpus)))
+have = placement.available()
+cpus = shared if 4 <= len(shared) < len(have) else [c for c in have if c >= 2]
+print(",".join(map(str, (placement.one_per_core(cpus) or placement.one_per_core(have))[:8])))
 PY
 )
   echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null))"
