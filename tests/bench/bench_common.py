@@ -27,6 +27,15 @@ def one_tap(cfg, config="c"):
     return next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == config and len(g.layers) == 1)
 
 
+def first_cell(cfg, where, out):
+    """The records of one engine process, run in this process, that times only the first cell of `one_tap(cfg)`
+    on the tiny model at `where`, into `out`."""
+    group = one_tap(cfg)
+    group.cells = group.cells[:1]
+    runs.run_group(cfg, cfg.models["tiny"], where, group, str(out))
+    return records(out)
+
+
 def stand_in_runner():
     """A stand-in engine's runner, a new one each call (tracing gives a runner attributes of its own): a pass in
     which every request generates all its tokens, at once."""

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from bench_common import bench_conf, one_tap, records, stand_in_runner
-from steer.bench import cpu, report, runs
+from bench_common import bench_conf, first_cell, stand_in_runner
+from steer.bench import cpu, report
 
 STAT = """cpu  1000 20 300 5000 40 5 6 70 0 0
 cpu0 500 10 150 2500 20 2 3 35 0 0
@@ -67,10 +67,7 @@ def test_a_cell_records_its_passes_host_readings(engine_c, monkeypatch, tmp_path
     readings = iter([{"cpu_busy": 2.0, "cpu_steal": 0.0}, {"cpu_busy": 4.0, "cpu_steal": 5.0},
                      {"cpu_busy": 3.0, "cpu_steal": 1.0}])
     monkeypatch.setattr(cpu.Window, "summary", lambda self: next(readings))
-    group = one_tap(cfg)
-    group.cells = group.cells[:1]
-    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
-    [rec] = records(tmp_path / "out.json")
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
     assert rec["cpu_busy_passes"] == [2.0, 4.0, 3.0] and rec["cpu_steal_passes"] == [0.0, 5.0, 1.0]
     assert (rec["cpu_busy"], rec["cpu_steal"]) == (3.0, 1.0)  # the medians of the passes'
 

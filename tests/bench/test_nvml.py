@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench_common import bench_conf, one_tap, records, stand_in_runner
-from steer.bench import nvml, runs
+from bench_common import bench_conf, first_cell, stand_in_runner
+from steer.bench import nvml
 
 
 def counting_reader(readings):
@@ -110,10 +110,7 @@ def test_a_cell_records_the_clock_and_power_of_its_passes(engine_c, monkeypatch,
     passes = iter([(1900.0, 400.0), (1800.0, 420.0), (1700.0, 480.0)])  # one reading a pass: the period is long
     monkeypatch.setattr(nvml, "PERIOD_S", 60.0)
     monkeypatch.setattr(nvml, "reader", lambda: (lambda: next(passes), "") if readable else (None, "no NVML"))
-    group = one_tap(cfg)
-    group.cells = group.cells[:1]
-    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
-    [rec] = records(tmp_path / "out.json")
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
     assert rec["status"] == "ok" and len(rec["walls_s"]) == 3
     if readable:
         assert rec["sm_mhz_passes"] == [1900.0, 1800.0, 1700.0] and rec["power_w_passes"] == [400.0, 420.0, 480.0]

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bench_common import bench_conf, one_tap, records, stand_in_runner
-from steer.bench import placement, report, runs
+from bench_common import bench_conf, first_cell, stand_in_runner
+from steer.bench import placement, report
 
 LINUX = sys.platform.startswith("linux")
 
@@ -141,10 +141,8 @@ def test_an_engine_process_pins_itself_to_its_lane_s_cpus_before_its_engine_star
     seen = []
     monkeypatch.setattr(placement, "pin", lambda cpus: seen.append(("pin", cpus)))
     engine_c(lambda cfg, m, where, group: seen.append("start") or stand_in_runner())
-    group = one_tap(cfg)
-    group.cells = group.cells[:1]
-    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
-    assert seen == [("pin", [0]), "start"] and records(tmp_path / "out.json")[0]["status"] == "ok"
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
+    assert seen == [("pin", [0]), "start"] and rec["status"] == "ok"
 
 
 def test_a_cell_keeps_where_its_passes_ran_and_the_report_follows_it(engine_c, monkeypatch, tmp_path, bench_model):
@@ -155,10 +153,7 @@ def test_a_cell_keeps_where_its_passes_ran_and_the_report_follows_it(engine_c, m
     readings = iter([{"cpu_apart": 1.0, "cpu_moved": 0.5}, {"cpu_apart": 0.0, "cpu_moved": 0.0},
                      {"cpu_apart": 1.0, "cpu_moved": 1.0}])
     monkeypatch.setattr(placement.Window, "summary", lambda self: next(readings))
-    group = one_tap(cfg)
-    group.cells = group.cells[:1]
-    runs.run_group(cfg, cfg.models["tiny"], bench_model, group, str(tmp_path / "out.json"))
-    [rec] = records(tmp_path / "out.json")
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
     assert rec["cpu_apart_passes"] == [1.0, 0.0, 1.0] and rec["cpu_moved_passes"] == [0.5, 0.0, 1.0]
     rec.update(model="tiny", config="c", walls_s=[2.0, 1.0, 2.0])  # the passes apart were the slow ones
     md = report.markdown(report.cells([rec], cfg), [], cfg, {}, "now", "cmd", [rec])
