@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 PROC, SYS_CPU = Path("/proc"), Path("/sys/devices/system/cpu")
+READINGS = ("cpu_apart", "cpu_shared_core", "cpu_moved")  # what `between` reads of a pass
 WORKED = 0.1  # a process that ran for this share of a pass's time or more worked through it
 
 
@@ -59,14 +60,8 @@ def available() -> Optional[List[int]]:
 @lru_cache(maxsize=4)
 def llc_domains(root: Path = SYS_CPU) -> Dict[int, int]:
     """Each CPU's last-level (L3) cache, named by the lowest CPU sharing it; {} where /sys does not say."""
-    domains = {}
-    for d in root.glob("cpu[0-9]*/cache/index[0-9]*"):
-        try:
-            if (d / "level").read_text().strip() == "3":
-                domains[int(d.parent.parent.name[3:])] = min(cpu_list((d / "shared_cpu_list").read_text().strip()))
-        except (OSError, ValueError):
-            continue
-    return domains
+    return _lowest_sharing((d.parent.parent, d / "shared_cpu_list") for d in root.glob("cpu[0-9]*/cache/index[0-9]*")
+                           if _read(d / "level") == "3")
 
 
 def family(pid: int, proc: Path = PROC) -> List[int]:
@@ -102,13 +97,26 @@ def _fields(d: Path) -> Optional[List[str]]:
 @lru_cache(maxsize=4)
 def cores(root: Path = SYS_CPU) -> Dict[int, int]:
     """Each CPU's physical core, named by the lowest CPU of its SMT siblings; {} where /sys does not say."""
+    return _lowest_sharing((d.parent.parent, d) for d in root.glob("cpu[0-9]*/topology/thread_siblings_list"))
+
+
+def _lowest_sharing(lists) -> Dict[int, int]:
+    """{CPU: the lowest CPU of its list} for each (/sys's cpuN directory, a CPU-list file of it) of `lists`; a CPU
+    whose file cannot be read or parsed is left out."""
     out = {}
-    for d in root.glob("cpu[0-9]*/topology/thread_siblings_list"):
+    for cpu_dir, path in lists:
         try:
-            out[int(d.parent.parent.name[3:])] = min(cpu_list(d.read_text().strip()))
-        except (OSError, ValueError):
+            out[int(cpu_dir.name[3:])] = min(cpu_list(_read(path)))
+        except ValueError:  # unreadable (None is no CPU list) or not a list
             continue
     return out
+
+
+def _read(path: Path) -> Optional[str]:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def one_per_core(cpus: List[int], root: Path = SYS_CPU) -> List[int]:

@@ -31,9 +31,6 @@ from steer.bench import cpu, engines, nvml, placement, waves, workload
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
-# per pass, where the engine's processes ran (steer/bench/placement.py)
-READINGS = ("cpu_apart", "cpu_shared_core", "cpu_moved")
-
 
 @dataclass
 class Group:
@@ -207,7 +204,7 @@ def _finish(group: Group, t: _Timing, profiled: bool) -> None:
     wall = statistics.median(walls)
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
-    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *READINGS):
+    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             t.record[key], t.record[f"{key}_passes"] = statistics.median(per_pass), per_pass
