@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from steer import results
-from steer.bench import bootstrap, cpu
+from steer.bench import bootstrap, cpu, spells
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
@@ -111,6 +111,10 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
               for i, ln in enumerate(cfg.lanes) if ln.cpus is not None]
     if pinned:
         lines[-1:-1] = ["Engines pinned (their processes and threads, `lanes[].cpus`): " + "; ".join(pinned) + "."]
+    envs = [f"{name}'s with " + ", ".join(f"{k}={v}" for k, v in m.env.items())
+            for name, m in cfg.models.items() if name in cfg.run and m.env]
+    if envs:
+        lines[-1:-1] = ["Engine processes' own environment (`models.<name>.env`): " + "; ".join(envs) + "."]
     if any(s.endswith(FAINT) for s in cfg.scenarios):
         lines[-1:-1] = [f"`<scenario>{FAINT}`: the scenario's edits at {cfg.epsilon:g} of their strength, every "
                         "kernel of the full edit run on the unsteered data: its ratio to b is the machinery's cost, "
@@ -226,6 +230,12 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
                     for key, what in _HOST if found[key]]
             lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
                          + "; ".join(said))
+        after = spells.adjacent(mine)
+        if any(after.values()):
+            said = [f"{what} r = {after[kind][0]:+.2f} ({after[kind][1]} pairs)"
+                    for kind, what in (("same", "its own engine's"), ("other", "another engine's")) if after[kind]]
+            lines.append(f"- {model}: each pass's time against the next pass's, when that is " + "; ".join(said)
+                         + " (a host's slow spells: both follow; an engine process's own: only its own)")
     if not lines:
         return []
     return ["How pass times followed the host (correlation over every timed pass; each reading less its cell's "

@@ -93,6 +93,7 @@ class _Timing:
     cell: Dict
     inputs: tuple  # (prompts, scenario): the same objects every pass, as a user's batch would be
     walls: List[float] = field(default_factory=list)
+    starts: List[float] = field(default_factory=list)  # each timed pass's start, wall clock (steer/bench/spells.py)
     # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal, where this engine's
     # processes ran (absent: not read)
     readings: List[Dict[str, float]] = field(default_factory=list)
@@ -103,6 +104,7 @@ class _Timing:
 def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: str, env: Optional[Dict], ready,
                turns: Optional[waves.Turns]) -> None:
     os.environ.update(env or {})  # before anything touches CUDA
+    os.environ.update(m.env)  # the model's own settings (models.<name>.env), before vLLM reads them
     cpus = cfg.lanes[workload.lane(cfg, group.model, group.config)].cpus
     if cpus is not None:  # before vLLM starts its engine core and threads, which inherit it
         placement.pin(placement.cpu_list(cpus))
@@ -176,6 +178,7 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed
         _sync()
         # Where the processes ran is read first and last, so the GPU and host readings do not count its reads
         with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host:
+            t.starts.append(time.time())
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)
             _sync()
@@ -203,7 +206,8 @@ def _finish(group: Group, t: _Timing, profiled: bool) -> None:
     walls = t.walls
     wall = statistics.median(walls)
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
-                "spread": (max(walls) - min(walls)) / wall, "walls_s": walls}
+                "spread": (max(walls) - min(walls)) / wall, "walls_s": walls, "started_s": t.starts,
+                "pid": os.getpid()}
     for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:

@@ -44,6 +44,9 @@ class BenchModelConf:
     # The run's min_timed_s for this model's cells (null: the run's): a host-bound model's passes spread so
     # widely that its fastest pass needs many more passes to show up
     min_timed_s: Optional[float] = None
+    # Environment variables every engine process of this model sets before vLLM starts, e.g.
+    # +models.smollm2.env.VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the process that times it
+    env: Dict[str, str] = field(default_factory=dict)
     tiny: TinyConf = field(default_factory=TinyConf)
     gguf: GgufConf = field(default_factory=GgufConf)
 

@@ -64,6 +64,7 @@ def check(cfg: BenchConf) -> None:
         if m.min_timed_s is not None and not 0 <= m.min_timed_s <= cfg.max_timed_s:
             raise ConfigError(f"models.{name}.min_timed_s", f"must be null or in 0..max_timed_s "
                                                            f"({cfg.max_timed_s:g}), got {m.min_timed_s}")
+        _check_env(name, m)
     need = _largest_batch_tokens(cfg)
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
@@ -79,6 +80,19 @@ def check(cfg: BenchConf) -> None:
                                            "run eagerly")
     if cfg.warmup_tokens is not None and cfg.warmup_tokens < 1:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
+
+
+# What the bench itself sets in an engine process: a lane's GPUs, a configuration's pipeline, the compile cache
+OWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", "VLLM_USE_BREAKABLE_CUDAGRAPH", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def _check_env(name: str, m: BenchModelConf) -> None:
+    for key in m.env:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"models.{name}.env", f"{key!r} is not an environment variable's name")
+        if key in OWN_ENV:
+            raise ConfigError(f"models.{name}.env.{key}", f"is the bench's own to set ({', '.join(OWN_ENV)}): "
+                                                          "lanes[].gpus and the configurations set these")
 
 
 def _check_cells(cfg: BenchConf) -> None:

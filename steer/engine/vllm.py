@@ -20,7 +20,7 @@ from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
 from interleaver.clock import Clock
 from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY,
-                                        TAPS_KEY, shutdown, tap_location, worker_cls)
+                                        TAPS_KEY, forget_environment, shutdown, tap_location, worker_cls)
 from steer.edit import Edit
 from steer.engine import stop_ids
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores
@@ -290,6 +290,7 @@ def set_environment(conf: VllmConf, rpc_tensors: bool = True) -> None:
     # The tap worker hooks the V1 GPUModelRunner (interleaver/vllm_internals.py); 0.26 would otherwise pick
     # its V2 runner for Llama-family models.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    forget_environment()  # an engine core that ran in this process may have cached the last engine's
 
 
 def profiler_config(directory: str) -> dict:

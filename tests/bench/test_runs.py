@@ -2,11 +2,12 @@
 
 import faulthandler
 import json
+import os
 
 import pytest
 
-from bench_common import COMMAND, bench_conf, ended, one_tap, records, stand_in_runner
-from steer.bench import engines, runs
+from bench_common import COMMAND, bench_conf, ended, first_cell, one_tap, records, stand_in_runner
+from steer.bench import engines, report, runs
 from test_timeline import synthetic_trace
 
 
@@ -384,3 +385,17 @@ def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cach
     monkeypatch.setattr(bench_main._Book, "finish", lambda self, g, e: None)
     bench_main.run(cfg, tmp_path, console, COMMAND)
     assert sorted(seen) == [("a", "0", "lane0"), ("b", "0", "lane0"), ("c", "0", "lane0"), ("d", "1", "lane1")]
+
+
+def test_an_engine_process_sets_its_models_environment_before_its_engine_starts(engine_c, monkeypatch, tmp_path,
+                                                                               bench_model):
+    cfg = bench_conf("run=[tiny]", "batches=[[4,6]]", "repeats=1", "min_timed_s=0",
+                     "+models.tiny.env.STEER_BENCH_TEST_ENV=0")
+    monkeypatch.setenv("STEER_BENCH_TEST_ENV", "1")  # and monkeypatch puts it back after
+    seen = []
+    engine_c(lambda cfg, m, where, group: seen.append(os.environ["STEER_BENCH_TEST_ENV"]) or stand_in_runner())
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
+    assert seen == ["0"] and rec["status"] == "ok"
+    md = report.markdown(report.cells([], cfg), [], cfg, {}, "now", "cmd")
+    assert "Engine processes' own environment (`models.<name>.env`): tiny's with " \
+           "STEER_BENCH_TEST_ENV=0." in md

@@ -59,7 +59,10 @@ def test_committed_bench_config_composes_and_checks():
                                             ("epsilon=1e-13", "epsilon"), ("scenarios=[add,k8@ep]", "scenarios[1]"),
                                             ("targets=[{scenario:add,at_least:1,between:mean}]",
                                              "targets[0].between"),
-                                            ("trace=[llama3_8b/b/*/64x128,llama3_8b/f/ablate/*]", "trace[1]")])
+                                            ("trace=[llama3_8b/b/*/64x128,llama3_8b/f/ablate/*]", "trace[1]"),
+                                            ("+models.tiny.env.CUDA_VISIBLE_DEVICES=1",
+                                             "models.tiny.env.CUDA_VISIBLE_DEVICES"),
+                                            ("+models.tiny.env.A-B=1", "models.tiny.env")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))

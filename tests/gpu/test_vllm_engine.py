@@ -12,7 +12,8 @@ from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
 from helpers import plan
 from interleaver.vllm_internals import eager_breaks, folds, graphs_captured
 from steer.edit import compile_edit
-from steer.schema import EditKind, TapConf
+from steer.engine.vllm import set_environment
+from steer.schema import EditKind, TapConf, VllmConf
 from steer.tap import resolve
 
 pytestmark = pytest.mark.gpu
@@ -202,3 +203,25 @@ def test_tap_graphs_equal_replay_mode(graph, tiny_spec, taps, direction, hf):
     late = plan(tiny_spec, 2, compile_edit(EditKind.add, 5.0, direction))  # new stages: the graphs are remade
     assert graphed.generate(jobs[1][0], late, GEN, 0) == graph.generate(jobs[1][0], late, GEN, 0)
     assert graphed.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+
+
+@pytest.mark.parametrize("in_graph", [False, True], ids=["replay", "in_graph"])
+def test_an_engine_core_in_this_process_equals_one_in_its_own(graph, tiny_spec, taps, direction, hf, monkeypatch,
+                                                              in_graph):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (the bench's models.<name>.env can set it): vLLM's engine core, and with
+    it the tap worker, runs in this process, and steers as the engine core of its own process does."""
+    _, plans, jobs = mixed_batch(tiny_spec, direction, hf)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    inline = vllm_engine(tiny_spec, taps, [p for p in plans if p], max_cudagraph_capture_size=MAX_GRAPH,
+                         edits_in_graph=in_graph)
+    try:
+        assert type(inline.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        _equals_replay(inline, graph, hf, plans, jobs)
+    finally:
+        inline.close()
+    # That engine core cached vLLM's environment in this process; the next engine reads it afresh
+    import vllm.envs
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    set_environment(VllmConf())
+    assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True

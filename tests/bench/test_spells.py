@@ -1,0 +1,75 @@
+"""Whose slow spells (steer/bench/spells.py): each pass against the next, by the same engine process or another."""
+
+import os
+import time
+
+import pytest
+
+from bench_common import bench_conf, first_cell, stand_in_runner
+from steer.bench import report, spells
+
+
+def _cells(order, slow):
+    """Records of one cell per engine: the engines run passes in `order` (their pids, one second apart), and
+    pass i takes 2 s where slow(i, pid), else 1 s."""
+    cells = {}
+    for i, pid in enumerate(order):
+        rec = cells.setdefault(pid, {"pid": pid, "walls_s": [], "started_s": []})
+        rec["walls_s"].append(2.0 if slow(i, pid) else 1.0)
+        rec["started_s"].append(float(i))
+    return list(cells.values())
+
+
+def test_a_hosts_spells_show_in_the_next_pass_whichever_engine_runs_it():
+    # Two engines take turns pass by pass; the host runs slow for 4 passes in every 8
+    found = spells.adjacent(_cells([1, 2] * 24, lambda i, pid: i % 8 < 4))
+    assert found["same"] is None  # no engine ran two passes in a row
+    r, pairs = found["other"]
+    assert r > 0.4 and pairs == 47
+
+
+def test_an_engines_own_spells_show_only_in_its_own_next_pass():
+    # Each engine runs 4 passes a turn; 1 is slow in its even turns, 2 in every fourth pair of turns: the passes
+    # that meet at a change of engine do not follow each other
+    turns = [pid for turn in range(24) for pid in [1 + turn % 2] * 4]
+
+    def slow(i, pid):
+        return (i // 8) % 2 == 0 if pid == 1 else (i // 8) % 4 < 2
+
+    found = spells.adjacent(_cells(turns, slow))
+    assert found["same"][0] > 0.9 and found["same"][1] == 72
+    assert abs(found["other"][0]) < 0.3 and found["other"][1] == 23
+
+
+def test_runs_without_starts_or_pids_and_too_few_pairs_say_nothing():
+    cells = _cells([1, 2] * 6, lambda i, pid: i % 4 < 2)
+    assert spells.adjacent([{k: v for k, v in c.items() if k != "started_s"} for c in cells]) == \
+        {"same": None, "other": None}
+    assert spells.adjacent([{k: v for k, v in c.items() if k != "pid"} for c in cells]) == \
+        {"same": None, "other": None}
+    assert spells.adjacent(_cells([1, 2, 1], lambda i, pid: i == 1))["other"] is None  # 2 pairs
+    assert spells.adjacent(_cells([1, 2] * 4, lambda i, pid: False))["other"] is None  # no pass slower
+
+
+def test_a_cell_records_when_each_pass_began_and_its_engine_process(engine_c, tmp_path, bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0")
+    engine_c(lambda cfg, m, where, group: stand_in_runner())
+    before = time.time()
+    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
+    starts = rec["started_s"]
+    assert len(starts) == len(rec["walls_s"]) == 3 and rec["pid"] == os.getpid()
+    assert before <= starts[0] <= starts[1] <= starts[2] <= time.time()
+    assert starts[1] - starts[0] >= rec["walls_s"][0] - 1e-3  # a pass starts once the one before it has ended
+
+
+def test_the_report_says_whose_spells_they_were():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[b,c]", "scenarios=[add]")
+    recs = [{**c, "model": "tiny", "config": "bc"[c["pid"] - 1], "scenario": ("unsteered", "add")[c["pid"] - 1],
+             "requests": 64, "tokens": 128, "status": "ok", "tok_s": 1000.0, "wall_s": 1.0}
+            for c in _cells([1, 2] * 24, lambda i, pid: i % 8 < 4)]
+    md = report.markdown(report.cells(recs, cfg), [], cfg, {}, "now", "cmd", recs)
+    r = spells.adjacent(recs)["other"][0]
+    assert f"- tiny: each pass's time against the next pass's, when that is another engine's r = {r:+.2f} " \
+           "(47 pairs)" in md
+    assert "its own engine's r =" not in md
+    assert pytest.approx(r) == spells.adjacent(recs[::-1])["other"][0]  # the records' order does not matter
