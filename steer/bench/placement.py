@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 PROC, SYS_CPU = Path("/proc"), Path("/sys/devices/system/cpu")
 READINGS = ("cpu_apart", "cpu_shared_core", "cpu_moved")  # what `between` reads of a pass
+# ... and the CPU the pass's busiest process (an engine core's busy loop) ended it on: a name, not a measure
+BUSIEST = "cpu_busiest"
 WORKED = 0.1  # a process that ran for this share of a pass's time or more worked through it
 
 
@@ -132,13 +134,15 @@ def one_per_core(cpus: List[int], root: Path = SYS_CPU) -> List[int]:
 
 def between(start: Dict[int, Tuple[int, int]], end: Dict[int, Tuple[int, int]], ticks: float,
             domains: Dict[int, int], core: Optional[Dict[int, int]] = None) -> Dict[str, float]:
-    """`cpu_apart`, `cpu_shared_core` and `cpu_moved` (the module docstring) over a pass of `ticks` clock ticks;
-    {} where no process worked through it, and neither of the first two where fewer than two did or /sys named
-    no caches (cores)."""
+    """`cpu_apart`, `cpu_shared_core`, `cpu_moved` (the module docstring) and `cpu_busiest` over a pass of `ticks`
+    clock ticks; {} where no process worked through it, and neither of the first two where fewer than two did or
+    /sys named no caches (cores)."""
     worked = [p for p in end if p in start and end[p][1] - start[p][1] >= WORKED * ticks]
     if not worked or ticks <= 0:
         return {}
-    got = {"cpu_moved": sum(end[p][0] != start[p][0] for p in worked) / len(worked)}
+    busiest = max(worked, key=lambda p: end[p][1] - start[p][1])
+    got = {"cpu_moved": sum(end[p][0] != start[p][0] for p in worked) / len(worked),
+           BUSIEST: float(end[busiest][0])}
     cpus = [end[p][0] for p in worked]
     if len(cpus) >= 2 and all(c in domains for c in cpus):
         got["cpu_apart"] = float(len({domains[c] for c in cpus}) > 1)

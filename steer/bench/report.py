@@ -230,12 +230,7 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
                     for key, what in _HOST if found[key]]
             lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
                          + "; ".join(said))
-        after = spells.adjacent(mine)
-        if any(after.values()):
-            said = [f"{what} r = {after[kind][0]:+.2f} ({after[kind][1]} pairs)"
-                    for kind, what in (("same", "its own engine's"), ("other", "another engine's")) if after[kind]]
-            lines.append(f"- {model}: each pass's time against the next pass's, when that is " + "; ".join(said)
-                         + " (a host's slow spells: both follow; an engine process's own: only its own)")
+        lines += [f"- {model}: {said}" for said in spells.said(mine)]
     if not lines:
         return []
     return ["How pass times followed the host (correlation over every timed pass; each reading less its cell's "

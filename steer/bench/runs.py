@@ -208,10 +208,12 @@ def _finish(group: Group, t: _Timing, profiled: bool) -> None:
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls, "started_s": t.starts,
                 "pid": os.getpid()}
-    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS):
+    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
-            t.record[key], t.record[f"{key}_passes"] = statistics.median(per_pass), per_pass
+            t.record[f"{key}_passes"] = per_pass
+            if key != placement.BUSIEST:  # a CPU's number has no median
+                t.record[key] = statistics.median(per_pass)
     gpu = f", {t.record['sm_mhz']:,.0f} MHz, {t.record['power_w']:,.0f} W" if "sm_mhz" in t.record else ""
     if "cpu_busy" in t.record:
         gpu += f", {t.record['cpu_busy']:.1f} CPUs busy, {t.record['cpu_steal']:.1f}% stolen"

@@ -5,11 +5,15 @@ own engine (docs/perf-log.md, 2026-12-03). That alone cannot tell a host that ru
 neighbour on the machine, the hypervisor) from a process that does (its threads, its garbage, its GIL): an
 engine's consecutive passes are also adjacent in time. Each pass's start (`started_s`, wall clock) and engine
 process (`pid`) can: over every pair of passes adjacent in time, a host's spells make the next pass follow this
-one whichever engine runs it; a process's make only its own next pass follow.
+one whichever engine runs it; a process's make only its own next pass follow. A third kind would look like a
+process's: a virtual machine's CPUs can each run slow for a while (their physical cores shared with other guests),
+and an engine's busy loop stays on one CPU while the next engine's wakes on another. So each pass also keeps the
+CPU its busiest process ended it on (`cpu_busiest`, steer/bench/placement.py), and `by_cpu` says how much of the
+passes' spread that CPU accounts for.
 """
 
 from collections import defaultdict
-from math import log
+from math import exp, log
 from statistics import StatisticsError, correlation, median
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -33,6 +37,57 @@ def adjacent(records: Sequence[Dict]) -> Dict[str, Optional[Found]]:
     for (_, pid, x), (_, next_pid, y) in zip(passes, passes[1:]):
         pairs["same" if pid == next_pid else "other"].append((x, y))
     return {kind: _correlation(pairs[kind]) for kind in ("same", "other")}
+
+
+def by_cpu(records: Sequence[Dict]) -> Optional[Tuple[float, Dict[int, Tuple[float, int]]]]:
+    """Over `records` (one model's timed cells), each pass's log time over its cell's median by the CPU its busiest
+    process ended it on (`cpu_busiest_passes`): the share of those times' variance that the CPU accounts for (the
+    between-CPU sum of squares over the total), and per CPU the mean and how many passes. A host whose CPUs run at
+    different speeds for a while (a virtual machine's CPUs share physical cores with other guests) shows here; None
+    where fewer than 2 CPUs or no spread."""
+    on: Dict[int, List[float]] = defaultdict(list)
+    for r in records:
+        walls, cpus = r.get("walls_s") or [], r.get("cpu_busiest_passes") or []
+        if len(cpus) != len(walls) or len(walls) < 2:
+            continue
+        mid = median(walls)
+        for w, c in zip(walls, cpus):
+            on[int(c)].append(log(w / mid))
+    every = [x for xs in on.values() for x in xs]
+    if len(on) < 2:
+        return None
+    mean = sum(every) / len(every)
+    total = sum((x - mean) ** 2 for x in every)
+    if total == 0:
+        return None
+    between = sum(len(xs) * (sum(xs) / len(xs) - mean) ** 2 for xs in on.values())
+    return between / total, {c: (sum(xs) / len(xs), len(xs)) for c, xs in sorted(on.items())}
+
+
+def said(records: Sequence[Dict]) -> List[str]:
+    """What `adjacent` and `by_cpu` find in `records` (one model's timed cells), a sentence each; none where they
+    find nothing."""
+    out = []
+    after = adjacent(records)
+    if any(after.values()):
+        found = [f"{what} r = {after[kind][0]:+.2f} ({after[kind][1]} pairs)"
+                 for kind, what in (("same", "its own engine's"), ("other", "another engine's")) if after[kind]]
+        out.append("each pass's time against the next pass's, when that is " + "; ".join(found)
+                   + " (a host's slow spells: both follow; an engine process's own: only its own)")
+    where = by_cpu(records)
+    if where:
+        share, cpus = where
+        slow, fast = max(cpus, key=lambda c: cpus[c][0]), min(cpus, key=lambda c: cpus[c][0])
+        out.append(f"the CPU its busiest process ended a pass on accounts for {share:.0%} of the variance of pass "
+                   f"times ({sum(n for _, n in cpus.values())} passes on {len(cpus)} CPUs; slowest CPU {slow} "
+                   f"{_pct(cpus[slow][0])} over {cpus[slow][1]} passes, fastest CPU {fast} {_pct(cpus[fast][0])} "
+                   f"over {cpus[fast][1]})")
+    return out
+
+
+def _pct(log_ratio: float) -> str:
+    """A mean log time ratio as a percentage over or under the cells' medians."""
+    return f"{exp(log_ratio) - 1:+.0%}"
 
 
 def _correlation(pairs: List[Tuple[float, float]]) -> Optional[Found]:

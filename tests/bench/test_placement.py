@@ -73,12 +73,15 @@ def test_processes_that_worked_through_a_pass_say_whether_they_were_apart_and_mo
     start = {10: (0, 100), 11: (1, 100), 12: (3, 100)}
     # 100 ticks: 10 and 11 worked (50 and 90 ticks), 12 barely (5); 11 ended on the other cache
     end = {10: (0, 150), 11: (2, 190), 12: (3, 105)}
-    assert placement.between(start, end, 100.0, domains) == {"cpu_moved": 0.5, "cpu_apart": 1.0}
+    # the busiest of them, 11 (90 ticks), ended the pass on CPU 2
+    assert placement.between(start, end, 100.0, domains) == {"cpu_moved": 0.5, "cpu_apart": 1.0, "cpu_busiest": 2.0}
     together = {10: (1, 150), 11: (0, 190), 12: (3, 105)}
-    assert placement.between(start, together, 100.0, domains) == {"cpu_moved": 1.0, "cpu_apart": 0.0}
-    assert placement.between(start, end, 100.0, {}) == {"cpu_moved": 0.5}  # no caches named
+    assert placement.between(start, together, 100.0, domains) == {"cpu_moved": 1.0, "cpu_apart": 0.0,
+                                                                  "cpu_busiest": 0.0}
+    assert placement.between(start, end, 100.0, {}) == {"cpu_moved": 0.5, "cpu_busiest": 2.0}  # no caches named
     alone = {10: (0, 150), 11: (1, 101)}
-    assert placement.between(start, alone, 100.0, domains) == {"cpu_moved": 0.0}  # one worked: apart from whom?
+    # one worked: apart from whom?
+    assert placement.between(start, alone, 100.0, domains) == {"cpu_moved": 0.0, "cpu_busiest": 0.0}
     assert placement.between(start, {}, 100.0, domains) == {} and placement.between({}, end, 100.0, domains) == {}
 
 
@@ -86,7 +89,7 @@ def test_two_processes_ending_a_pass_on_one_physical_core_are_said_so():
     core = {0: 0, 1: 1, 2: 0, 3: 1}  # 0 and 2 are one core's two threads
     start = {10: (0, 0), 11: (1, 0)}
     on_siblings = placement.between(start, {10: (0, 50), 11: (2, 50)}, 100.0, {}, core)
-    assert on_siblings == {"cpu_moved": 0.5, "cpu_shared_core": 1.0}
+    assert on_siblings == {"cpu_moved": 0.5, "cpu_shared_core": 1.0, "cpu_busiest": 0.0}
     assert placement.between(start, {10: (1, 50), 11: (1, 50)}, 100.0, {}, core)["cpu_shared_core"] == 1.0  # one CPU
     assert placement.between(start, {10: (0, 50), 11: (3, 50)}, 100.0, {}, core)["cpu_shared_core"] == 0.0
     assert "cpu_shared_core" not in placement.between(start, {10: (0, 50), 11: (3, 50)}, 100.0, {}, {})

@@ -1,5 +1,6 @@
 """Whose slow spells (steer/bench/spells.py): each pass against the next, by the same engine process or another."""
 
+import math
 import os
 import time
 
@@ -73,3 +74,21 @@ def test_the_report_says_whose_spells_they_were():
            "(47 pairs)" in md
     assert "its own engine's r =" not in md
     assert pytest.approx(r) == spells.adjacent(recs[::-1])["other"][0]  # the records' order does not matter
+
+
+def test_pass_times_are_split_by_the_cpu_the_busiest_process_ran_on():
+    # Two cells; CPU 3 runs slow, CPU 5 at speed: the CPU accounts for all of the spread
+    recs = [{"walls_s": [1.0, 2.0, 1.0, 1.0, 2.0], "cpu_busiest_passes": [5.0, 3.0, 5.0, 5.0, 3.0]},
+            {"walls_s": [4.0, 8.0, 4.0], "cpu_busiest_passes": [5.0, 3.0, 5.0]}]
+    share, cpus = spells.by_cpu(recs)
+    assert share == pytest.approx(1.0) and set(cpus) == {3, 5} and cpus[3][1] == 3 and cpus[5][1] == 5
+    assert cpus[3][0] == pytest.approx(math.log(2)) and cpus[5][0] == 0.0  # twice its cell's median, and at it
+    # the CPUs alike: they account for none of it
+    even = [{"walls_s": [1.0, 2.0, 1.0, 2.0], "cpu_busiest_passes": [5.0, 5.0, 3.0, 3.0]}]
+    assert spells.by_cpu(even)[0] == pytest.approx(0.0)
+    assert spells.by_cpu([{"walls_s": [1.0, 2.0], "cpu_busiest_passes": [5.0, 5.0]}]) is None  # one CPU
+    assert spells.by_cpu([{"walls_s": [1.0, 2.0], "cpu_busiest_passes": [5.0]}]) is None  # a pass without it
+    assert spells.by_cpu([{"walls_s": [1.0, 1.0], "cpu_busiest_passes": [5.0, 3.0]}]) is None  # no spread
+    said = spells.said(recs)
+    assert said == ["the CPU its busiest process ended a pass on accounts for 100% of the variance of pass times "
+                    "(8 passes on 2 CPUs; slowest CPU 3 +100% over 3 passes, fastest CPU 5 +0% over 5)"]
