@@ -7,7 +7,6 @@ lazily: the module imports without it.
 """
 
 import os
-import sys
 import time
 from typing import Any, Dict, Optional
 
@@ -294,15 +293,6 @@ def graphs_captured(worker) -> int:
     from vllm.compilation.counter import compilation_counter
 
     return int(compilation_counter.num_cudagraph_captured)
-
-
-def forget_environment() -> None:
-    """Make vLLM read its environment variables afresh. An engine core caches them once it has started
-    (vllm.envs.enable_envs_cache); where it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), the next
-    engine started here would otherwise keep the first one's settings (its pipeline, its process layout)."""
-    envs = sys.modules.get("vllm.envs")  # not imported yet: nothing cached
-    if envs is not None and hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
 
 
 def shutdown(llm: Any) -> None:

@@ -218,9 +218,9 @@ _HOST = (("cpu_busy", "busy CPUs"), ("cpu_steal", "steal"),
 
 
 def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
-    """Per model, how its pass times followed the host's CPUs (cpu.follows): a host-bound model's slow passes
-    are the host's, and this says whether other work on the machine, the hypervisor, or where the engine's
-    processes ran took it."""
+    """Per model, how its pass times followed the host's CPUs (cpu.follows), the next pass and the CPU that ran
+    them (spells.said): whether other work on the machine, the hypervisor, where the engine's processes ran, or
+    the engine process itself made a host-bound model's passes slow."""
     lines = []
     for model in cfg.run:
         mine = [r for r in records if r.get("model") == model and r.get("status") == "ok"]
@@ -230,11 +230,11 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
                     for key, what in _HOST if found[key]]
             lines.append(f"- {model}: each pass's time over its cell's median, against the host through it: "
                          + "; ".join(said))
-        lines += [f"- {model}: {said}" for said in spells.said(mine)]
+        lines += [f"- {model}: {finding}" for finding in spells.said(mine)]
     if not lines:
         return []
-    return ["How pass times followed the host (correlation over every timed pass; each reading less its cell's "
-            "mean):", ""] + lines + [""]
+    return ["How pass times followed the host (over every timed pass, each pass's time and reading less its cell's "
+            "mean; steer/bench/spells.py for the next pass and the CPU):", ""] + lines + [""]
 
 
 def _targets_table(goals: List[Dict]) -> List[str]:

@@ -13,55 +13,67 @@ passes' spread that CPU accounts for.
 """
 
 from collections import defaultdict
-from math import exp, log
-from statistics import StatisticsError, correlation, median
+from math import exp, fsum, log
+from statistics import StatisticsError, correlation
 from typing import Dict, List, Optional, Sequence, Tuple
 
 Found = Tuple[float, int]  # correlation, pairs
+MIN_PASSES = 3  # a CPU with fewer passes says nothing of its speed
 
 
 def adjacent(records: Sequence[Dict]) -> Dict[str, Optional[Found]]:
     """Over `records` (one model's timed cells), every pass against the pass that started next: the correlation
-    between their log times over their cells' medians, for pairs run by the same engine process ("same") and by
-    different ones ("other"), and how many pairs; None where fewer than 3 pairs or no spread. Cells without
-    `started_s` and `pid` (runs before they were recorded) count for nothing."""
-    passes = []  # (start, pid, log time over the cell's median)
+    between their log times, each less its cell's mean, for pairs run by the same engine process ("same") and by
+    different ones ("other"), and how many pairs; None where fewer than 3 pairs or no spread. A pair with a gap
+    longer than the first pass between them (a wave of engines starting) is no pair. Cells without `started_s`
+    and `pid` (runs before they were recorded) count for nothing."""
+    passes = []  # (start, wall, pid, log time less its cell's mean)
     for r in records:
         walls, starts = r.get("walls_s") or [], r.get("started_s") or []
         if len(starts) != len(walls) or len(walls) < 2 or "pid" not in r:
             continue
-        mid = median(walls)
-        passes += [(s, r["pid"], log(w / mid)) for s, w in zip(starts, walls)]
+        passes += [(s, w, r["pid"], x) for s, w, x in zip(starts, walls, _centred_logs(walls))]
     passes.sort()
     pairs: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
-    for (_, pid, x), (_, next_pid, y) in zip(passes, passes[1:]):
-        pairs["same" if pid == next_pid else "other"].append((x, y))
+    for (start, wall, pid, x), (next_start, _, next_pid, y) in zip(passes, passes[1:]):
+        if next_start - (start + wall) <= wall:
+            pairs["same" if pid == next_pid else "other"].append((x, y))
     return {kind: _correlation(pairs[kind]) for kind in ("same", "other")}
 
 
 def by_cpu(records: Sequence[Dict]) -> Optional[Tuple[float, Dict[int, Tuple[float, int]]]]:
-    """Over `records` (one model's timed cells), each pass's log time over its cell's median by the CPU its busiest
-    process ended it on (`cpu_busiest_passes`): the share of those times' variance that the CPU accounts for (the
-    between-CPU sum of squares over the total), and per CPU the mean and how many passes. A host whose CPUs run at
-    different speeds for a while (a virtual machine's CPUs share physical cores with other guests) shows here; None
-    where fewer than 2 CPUs or no spread."""
+    """Over `records` (one model's timed cells), each pass's log time less its cell's mean, by the CPU its busiest
+    process ended it on (`cpu_busiest_passes`; CPUs with fewer than `MIN_PASSES` left out): the share of those
+    times' variance the CPU accounts for beyond what chance gives that many CPUs (omega squared, at least 0), and
+    per CPU the mean and how many passes. A host whose CPUs run at different speeds for a while (a virtual
+    machine's CPUs share physical cores with other guests) shows here; None where fewer than 2 CPUs or no spread."""
     on: Dict[int, List[float]] = defaultdict(list)
     for r in records:
         walls, cpus = r.get("walls_s") or [], r.get("cpu_busiest_passes") or []
         if len(cpus) != len(walls) or len(walls) < 2:
             continue
-        mid = median(walls)
-        for w, c in zip(walls, cpus):
-            on[int(c)].append(log(w / mid))
+        for c, x in zip(cpus, _centred_logs(walls)):
+            on[int(c)].append(x)
+    on = {c: xs for c, xs in on.items() if len(xs) >= MIN_PASSES}
     every = [x for xs in on.values() for x in xs]
-    if len(on) < 2:
+    k, n = len(on), len(every)
+    if k < 2 or n <= k:
         return None
-    mean = sum(every) / len(every)
-    total = sum((x - mean) ** 2 for x in every)
-    if total == 0:
+    mean = fsum(every) / n
+    total = fsum((x - mean) ** 2 for x in every)
+    between = fsum(len(xs) * (fsum(xs) / len(xs) - mean) ** 2 for xs in on.values())
+    within = (total - between) / (n - k)
+    if total <= 0:
         return None
-    between = sum(len(xs) * (sum(xs) / len(xs) - mean) ** 2 for xs in on.values())
-    return between / total, {c: (sum(xs) / len(xs), len(xs)) for c, xs in sorted(on.items())}
+    share = max(0.0, (between - (k - 1) * within) / (total + within))
+    return share, {c: (fsum(xs) / len(xs), len(xs)) for c, xs in sorted(on.items())}
+
+
+def _centred_logs(walls: Sequence[float]) -> List[float]:
+    """Each pass's log time less the mean of its cell's: the cell's own speed taken out."""
+    logs = [log(w) for w in walls]
+    mean = fsum(logs) / len(logs)
+    return [x - mean for x in logs]
 
 
 def said(records: Sequence[Dict]) -> List[str]:
@@ -79,14 +91,14 @@ def said(records: Sequence[Dict]) -> List[str]:
         share, cpus = where
         slow, fast = max(cpus, key=lambda c: cpus[c][0]), min(cpus, key=lambda c: cpus[c][0])
         out.append(f"the CPU its busiest process ended a pass on accounts for {share:.0%} of the variance of pass "
-                   f"times ({sum(n for _, n in cpus.values())} passes on {len(cpus)} CPUs; slowest CPU {slow} "
-                   f"{_pct(cpus[slow][0])} over {cpus[slow][1]} passes, fastest CPU {fast} {_pct(cpus[fast][0])} "
-                   f"over {cpus[fast][1]})")
+                   f"times beyond chance ({sum(n for _, n in cpus.values())} passes on {len(cpus)} CPUs; slowest "
+                   f"CPU {slow} {_pct(cpus[slow][0])} over {cpus[slow][1]} passes, fastest CPU {fast} "
+                   f"{_pct(cpus[fast][0])} over {cpus[fast][1]})")
     return out
 
 
 def _pct(log_ratio: float) -> str:
-    """A mean log time ratio as a percentage over or under the cells' medians."""
+    """A mean log time ratio as a percentage over or under the cells' means."""
     return f"{exp(log_ratio) - 1:+.0%}"
 
 

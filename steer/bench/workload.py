@@ -82,8 +82,10 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
 
 
-# What the bench itself sets in an engine process: a lane's GPUs, a configuration's pipeline, the compile cache
-OWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", "VLLM_USE_BREAKABLE_CUDAGRAPH", "VLLM_USE_V2_MODEL_RUNNER")
+# What the bench itself sets in an engine process, after a model's env: a lane's GPUs, a configuration's pipeline,
+# the compile cache, and what steer's engine needs of vLLM (steer.engine.vllm.set_environment)
+OWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", "VLLM_USE_BREAKABLE_CUDAGRAPH", "VLLM_USE_V2_MODEL_RUNNER",
+           "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION")
 
 
 def _check_env(name: str, m: BenchModelConf) -> None:
@@ -93,6 +95,9 @@ def _check_env(name: str, m: BenchModelConf) -> None:
         if key in OWN_ENV:
             raise ConfigError(f"models.{name}.env.{key}", f"is the bench's own to set ({', '.join(OWN_ENV)}): "
                                                           "lanes[].gpus and the configurations set these")
+        if m.env[key] in ("True", "False"):  # Hydra read true/false as a boolean, and vLLM reads int("True")
+            raise ConfigError(f"models.{name}.env.{key}", f"got the boolean {m.env[key]}; write 1 or 0, or quote "
+                                                          "the value to keep it a string")
 
 
 def _check_cells(cfg: BenchConf) -> None:

@@ -11,6 +11,7 @@ Only public vLLM API is used here; the internals live in interleaver/vllm_intern
 
 import gc
 import os
+import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -20,7 +21,7 @@ from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
 from interleaver.clock import Clock
 from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY,
-                                        TAPS_KEY, forget_environment, shutdown, tap_location, worker_cls)
+                                        TAPS_KEY, shutdown, tap_location, worker_cls)
 from steer.edit import Edit
 from steer.engine import stop_ids
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores
@@ -291,6 +292,15 @@ def set_environment(conf: VllmConf, rpc_tensors: bool = True) -> None:
     # its V2 runner for Llama-family models.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     forget_environment()  # an engine core that ran in this process may have cached the last engine's
+
+
+def forget_environment() -> None:
+    """Make vLLM read its environment variables afresh. An engine core caches them once it has started
+    (vllm.envs.enable_envs_cache) until its shutdown; where it runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING
+    =0) and is still running or was dropped without one, the next engine here would keep its settings."""
+    envs = sys.modules.get("vllm.envs")  # not imported yet: nothing cached
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
 
 
 def profiler_config(directory: str) -> dict:

@@ -2,6 +2,7 @@
 
 import math
 import os
+import random
 import time
 
 import pytest
@@ -42,6 +43,13 @@ def test_an_engines_own_spells_show_only_in_its_own_next_pass():
     assert abs(found["other"][0]) < 0.3 and found["other"][1] == 23
 
 
+def test_passes_with_a_wave_of_engine_starts_between_them_are_no_pair():
+    cells = _cells([1, 2] * 24, lambda i, pid: i % 8 < 4)
+    for c in cells:  # the second half of the passes start a minute later
+        c["started_s"] = [s + (60.0 if s >= 24 else 0.0) for s in c["started_s"]]
+    assert spells.adjacent(cells)["other"][1] == 46
+
+
 def test_runs_without_starts_or_pids_and_too_few_pairs_say_nothing():
     cells = _cells([1, 2] * 6, lambda i, pid: i % 4 < 2)
     assert spells.adjacent([{k: v for k, v in c.items() if k != "started_s"} for c in cells]) == \
@@ -77,18 +85,36 @@ def test_the_report_says_whose_spells_they_were():
 
 
 def test_pass_times_are_split_by_the_cpu_the_busiest_process_ran_on():
-    # Two cells; CPU 3 runs slow, CPU 5 at speed: the CPU accounts for all of the spread
-    recs = [{"walls_s": [1.0, 2.0, 1.0, 1.0, 2.0], "cpu_busiest_passes": [5.0, 3.0, 5.0, 5.0, 3.0]},
-            {"walls_s": [4.0, 8.0, 4.0], "cpu_busiest_passes": [5.0, 3.0, 5.0]}]
+    # Two cells of different speed; on CPU 3 each pass takes twice what it takes on CPU 5: all of the spread
+    recs = [{"walls_s": [1.0, 2.0, 1.0, 2.0], "cpu_busiest_passes": [5.0, 3.0, 5.0, 3.0]},
+            {"walls_s": [4.0, 8.0, 4.0, 8.0], "cpu_busiest_passes": [5.0, 3.0, 5.0, 3.0]}]
     share, cpus = spells.by_cpu(recs)
-    assert share == pytest.approx(1.0) and set(cpus) == {3, 5} and cpus[3][1] == 3 and cpus[5][1] == 5
-    assert cpus[3][0] == pytest.approx(math.log(2)) and cpus[5][0] == 0.0  # twice its cell's median, and at it
-    # the CPUs alike: they account for none of it
-    even = [{"walls_s": [1.0, 2.0, 1.0, 2.0], "cpu_busiest_passes": [5.0, 5.0, 3.0, 3.0]}]
-    assert spells.by_cpu(even)[0] == pytest.approx(0.0)
-    assert spells.by_cpu([{"walls_s": [1.0, 2.0], "cpu_busiest_passes": [5.0, 5.0]}]) is None  # one CPU
+    assert share == pytest.approx(1.0) and cpus[3][1] == cpus[5][1] == 4
+    assert cpus[3][0] - cpus[5][0] == pytest.approx(math.log(2))
+    assert spells.said(recs) == [
+        "the CPU its busiest process ended a pass on accounts for 100% of the variance of pass times beyond chance "
+        "(8 passes on 2 CPUs; slowest CPU 3 +41% over 4 passes, fastest CPU 5 -29% over 4)"]
+    # the CPUs alike: none of it
+    even = [{"walls_s": [1.0, 2.0, 1.0, 2.0] * 2, "cpu_busiest_passes": [5.0, 5.0, 3.0, 3.0] * 2}]
+    assert spells.by_cpu(even)[0] == 0.0
+    # a cell with a slow tail, all of it on one CPU, makes that CPU no slower: only within a cell does it count
+    tail = [{"walls_s": [1.0, 1.0, 1.0, 1.0, 1.8, 2.0], "cpu_busiest_passes": [3.0] * 6},
+            {"walls_s": [1.0, 1.2, 1.0, 1.2], "cpu_busiest_passes": [5.0] * 4}]
+    assert spells.by_cpu(tail)[0] == 0.0
+
+
+def test_many_cpus_account_for_nothing_where_pass_times_are_noise_alone():
+    rng = random.Random(0)
+    recs = [{"walls_s": [rng.uniform(1.0, 1.5) for _ in range(30)],
+             "cpu_busiest_passes": [float(rng.randrange(8)) for _ in range(30)]} for _ in range(2)]
+    # the raw between-CPU share of these passes is 9%: what chance gives 8 CPUs over 60 passes
+    assert spells.by_cpu(recs)[0] < 0.02
+
+
+def test_too_few_passes_one_cpu_or_no_spread_say_nothing():
+    assert spells.by_cpu([{"walls_s": [1.0, 2.0, 1.0], "cpu_busiest_passes": [5.0] * 3}]) is None  # one CPU
+    # CPU 3's two passes are too few to count: one CPU left
+    assert spells.by_cpu([{"walls_s": [1.0, 2.0, 1.0, 2.0, 1.0], "cpu_busiest_passes": [5.0, 5.0, 5.0, 3.0, 3.0]}]) \
+        is None
     assert spells.by_cpu([{"walls_s": [1.0, 2.0], "cpu_busiest_passes": [5.0]}]) is None  # a pass without it
-    assert spells.by_cpu([{"walls_s": [1.0, 1.0], "cpu_busiest_passes": [5.0, 3.0]}]) is None  # no spread
-    said = spells.said(recs)
-    assert said == ["the CPU its busiest process ended a pass on accounts for 100% of the variance of pass times "
-                    "(8 passes on 2 CPUs; slowest CPU 3 +100% over 3 passes, fastest CPU 5 +0% over 5)"]
+    assert spells.by_cpu([{"walls_s": [1.0] * 6, "cpu_busiest_passes": [5.0, 3.0] * 3}]) is None  # no spread

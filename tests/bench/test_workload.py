@@ -62,7 +62,10 @@ def test_committed_bench_config_composes_and_checks():
                                             ("trace=[llama3_8b/b/*/64x128,llama3_8b/f/ablate/*]", "trace[1]"),
                                             ("+models.tiny.env.CUDA_VISIBLE_DEVICES=1",
                                              "models.tiny.env.CUDA_VISIBLE_DEVICES"),
-                                            ("+models.tiny.env.A-B=1", "models.tiny.env")])
+                                            ("+models.tiny.env.A-B=1", "models.tiny.env"),
+                                            ("+models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD=fork",
+                                             "models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD"),
+                                            ("+models.tiny.env.VLLM_X=true", "models.tiny.env.VLLM_X")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))

@@ -1,12 +1,15 @@
 """The vLLM engine's host-side helpers, on CPU (the engine itself runs in tests/gpu)."""
 
 import json
+import os
+import sys
 from types import SimpleNamespace
 
 import torch
 
 from interleaver.clock import Clock
-from steer.engine.vllm import _dense, rank_zero
+from steer.engine.vllm import _dense, rank_zero, set_environment
+from steer.schema import VllmConf
 
 
 def test_flat_logprobs_become_dense_rows():
@@ -67,3 +70,15 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     assert params[0]["extra_args"]["steer"] is params[3]["extra_args"]["steer"] is params[5]["extra_args"]["steer"]
     assert engine._clock.calls == {"params": 1} and engine._clock.seconds["params"] > 0
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
+
+
+
+def test_each_engine_has_vllm_read_its_environment_afresh(monkeypatch):
+    # An engine core that ran in this process leaves vLLM's environment cached (vllm.envs.enable_envs_cache)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what set_environment sets stays in this test
+    monkeypatch.delitem(sys.modules, "vllm.envs", raising=False)
+    set_environment(VllmConf())  # vLLM not imported: nothing cached, nothing to do
+    calls = []
+    monkeypatch.setitem(sys.modules, "vllm.envs", SimpleNamespace(disable_envs_cache=lambda: calls.append(1)))
+    set_environment(VllmConf())
+    assert calls == [1] and os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"

@@ -217,11 +217,13 @@ def test_an_engine_core_in_this_process_equals_one_in_its_own(graph, tiny_spec, 
     try:
         assert type(inline.llm.llm_engine.engine_core).__name__ == "InprocClient"
         _equals_replay(inline, graph, hf, plans, jobs)
+        # While it runs, that engine core holds vLLM's environment cached in this process; an engine started
+        # meanwhile (or after this one is dropped without shutdown, which alone clears it) reads it afresh
+        import vllm.envs
+
+        assert vllm.envs._is_envs_cache_enabled()
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+        set_environment(VllmConf())
+        assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
     finally:
         inline.close()
-    # That engine core cached vLLM's environment in this process; the next engine reads it afresh
-    import vllm.envs
-
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
-    set_environment(VllmConf())
-    assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True

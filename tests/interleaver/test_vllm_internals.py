@@ -148,16 +148,3 @@ def test_an_in_graph_worker_serves_only_its_declared_stages():
     with pytest.raises(ValueError, match="cannot serve others"):
         w.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages])
 
-
-def test_vllms_cached_environment_is_forgotten_before_the_next_engine(monkeypatch):
-    import sys
-    from types import SimpleNamespace
-
-    from interleaver.vllm_internals import forget_environment
-
-    monkeypatch.delitem(sys.modules, "vllm.envs", raising=False)
-    forget_environment()  # vLLM not imported: nothing cached, nothing to do
-    calls = []
-    monkeypatch.setitem(sys.modules, "vllm.envs", SimpleNamespace(disable_envs_cache=lambda: calls.append(1)))
-    forget_environment()
-    assert calls == [1]
