@@ -211,10 +211,11 @@ def _readings_table(mine: Dict, cfg: BenchConf, title: str, label: str, first: s
     return lines + [""]
 
 
-# Per-pass host readings the report correlates pass times with (steer/bench/cpu.py, steer/bench/placement.py)
+# Per-pass host readings the report correlates pass times with (steer/bench/cpu.py, placement.py, pauses.py)
 _HOST = (("cpu_busy", "busy CPUs"), ("cpu_steal", "steal"),
          ("cpu_apart", "the engine's processes on more than one L3 cache"),
-         ("cpu_shared_core", "two of them on one physical core"), ("cpu_moved", "its processes moved"))
+         ("cpu_shared_core", "two of them on one physical core"), ("cpu_moved", "its processes moved"),
+         ("gc_s", "the timing process's garbage collections' time"), ("gc_full", "its full collections"))
 
 
 def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from steer.bench import cpu, engines, nvml, placement, waves, workload
+from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
 from steer.results import write_json, write_text
 
@@ -177,13 +177,14 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed
             profile()  # what ran before this pass is not the cell's
         _sync()
         # Where the processes ran is read first and last, so the GPU and host readings do not count its reads
-        with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host:
+        with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host, \
+                pauses.Window() as collected:
             t.starts.append(time.time())
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)
             _sync()
             t.walls.append(time.perf_counter() - t0)
-        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary(), **at.summary()})
+        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary(), **at.summary(), **collected.summary()})
         if profile:
             for k, v in profile().items():
                 acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
@@ -208,7 +209,8 @@ def _finish(group: Group, t: _Timing, profiled: bool) -> None:
     t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
                 "spread": (max(walls) - min(walls)) / wall, "walls_s": walls, "started_s": t.starts,
                 "pid": os.getpid()}
-    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST):
+    for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST,
+                *pauses.READINGS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             t.record[f"{key}_passes"] = per_pass
