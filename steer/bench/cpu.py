@@ -83,8 +83,8 @@ def follows(records: Sequence[Dict], key: str) -> Optional[Tuple[float, int, int
             continue
         cells += 1
         times = [w / median(walls) for w in walls]
-        xs += _centred(values)
-        ys += _centred(times)
+        xs += centred(values)
+        ys += centred(times)
     if len(xs) < 3 or not any(xs) or not any(ys):
         return None
     try:
@@ -93,7 +93,7 @@ def follows(records: Sequence[Dict], key: str) -> Optional[Tuple[float, int, int
         return None
 
 
-def _centred(values: List[float]) -> List[float]:
+def centred(values: List[float]) -> List[float]:
     """`values` less their mean; exactly 0 where they never vary (a mean can round off a constant)."""
     if max(values) == min(values):
         return [0.0] * len(values)

@@ -17,6 +17,8 @@ from math import exp, fsum, log
 from statistics import StatisticsError, correlation
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from steer.bench.cpu import centred
+
 Found = Tuple[float, int]  # correlation, pairs
 MIN_PASSES = 3  # a CPU with fewer passes says nothing of its speed
 
@@ -32,7 +34,8 @@ def adjacent(records: Sequence[Dict]) -> Dict[str, Optional[Found]]:
         walls, starts = r.get("walls_s") or [], r.get("started_s") or []
         if len(starts) != len(walls) or len(walls) < 2 or "pid" not in r:
             continue
-        passes += [(s, w, r["pid"], x) for s, w, x in zip(starts, walls, _centred_logs(walls))]
+        logs = centred([log(w) for w in walls])
+        passes += [(s, w, r["pid"], x) for s, w, x in zip(starts, walls, logs)]
     passes.sort()
     pairs: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
     for (start, wall, pid, x), (next_start, _, next_pid, y) in zip(passes, passes[1:]):
@@ -52,7 +55,7 @@ def by_cpu(records: Sequence[Dict]) -> Optional[Tuple[float, Dict[int, Tuple[flo
         walls, cpus = r.get("walls_s") or [], r.get("cpu_busiest_passes") or []
         if len(cpus) != len(walls) or len(walls) < 2:
             continue
-        for c, x in zip(cpus, _centred_logs(walls)):
+        for c, x in zip(cpus, centred([log(w) for w in walls])):
             on[int(c)].append(x)
     on = {c: xs for c, xs in on.items() if len(xs) >= MIN_PASSES}
     every = [x for xs in on.values() for x in xs]
@@ -61,19 +64,12 @@ def by_cpu(records: Sequence[Dict]) -> Optional[Tuple[float, Dict[int, Tuple[flo
         return None
     mean = fsum(every) / n
     total = fsum((x - mean) ** 2 for x in every)
-    between = fsum(len(xs) * (fsum(xs) / len(xs) - mean) ** 2 for xs in on.values())
-    within = (total - between) / (n - k)
     if total <= 0:
         return None
+    between = fsum(len(xs) * (fsum(xs) / len(xs) - mean) ** 2 for xs in on.values())
+    within = (total - between) / (n - k)
     share = max(0.0, (between - (k - 1) * within) / (total + within))
     return share, {c: (fsum(xs) / len(xs), len(xs)) for c, xs in sorted(on.items())}
-
-
-def _centred_logs(walls: Sequence[float]) -> List[float]:
-    """Each pass's log time less the mean of its cell's: the cell's own speed taken out."""
-    logs = [log(w) for w in walls]
-    mean = fsum(logs) / len(logs)
-    return [x - mean for x in logs]
 
 
 def said(records: Sequence[Dict]) -> List[str]:

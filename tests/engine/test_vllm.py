@@ -72,7 +72,6 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
 
 
-
 def test_each_engine_has_vllm_read_its_environment_afresh(monkeypatch):
     # An engine core that ran in this process leaves vLLM's environment cached (vllm.envs.enable_envs_cache)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # what set_environment sets stays in this test
