@@ -140,6 +140,10 @@ class VLLMEngine(Engine):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            # Pinned host blocks an in-process engine core used stay in torch's host cache with their use counts,
+            # and the next breakable graph capture in this process trips an assert on them (vLLM 0.26, torch 2.11)
+            torch.cuda.synchronize()
+            torch._C._host_emptyCache()
 
     def start_profile(self) -> None:
         """Arm vLLM's torch profiler (an engine started with `profile_dir`)."""
