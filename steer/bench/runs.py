@@ -1,15 +1,15 @@
 """One engine configuration in one process: start it, then time every scenario and batch it serves.
 
-Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and
-each sets its own vLLM environment before importing it). A process started beside others (steer/bench/waves.py)
-says when its engine is ready and times nothing until it is asked for a round, so no pass is timed while another
-engine compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure
-is output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
-least `min_timed_s` seconds of them, none begun after `max_timed_s`, after a warm-up pass of the same batch and
-edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model
-samples ids its small tokenizer does not have), so every configuration does the same work. Through each timed pass
-the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read (steer/bench/cpu.py). How
-each configuration's engine starts and runs a pass is steer/bench/engines.py's.
+Each configuration runs in a process of its own (vLLM does not free GPU memory reliably within a process, and each
+sets its own vLLM environment before importing it). A process started beside others (steer/bench/waves.py) says when
+its engine is ready and times nothing until it is asked for a round, so no pass is timed while another engine
+compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure is
+output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
+least `min_timed_s` seconds of them, none begun after `max_timed_s` (a model's own where set), after a warm-up pass
+of the same batch and edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a
+dummy-weight model samples ids its small tokenizer does not have), so every configuration does the same work.
+Through each timed pass the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read
+(steer/bench/cpu.py). How each configuration's engine starts and runs a pass is steer/bench/engines.py's.
 """
 
 import faulthandler
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
-from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf
+from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, timed_window
 from steer.results import write_json, write_text
 
 
@@ -134,7 +134,7 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
             return  # the scheduler is gone
         for t in cells:
             if t.record is None:
-                _pass(cfg, group, runner, t, read, m.min_timed_s)
+                _pass(cfg, group, runner, t, read, m)
                 if t.record is not None:  # after every cell: a process killed later keeps what it finished
                     machine = machine or engines.machine()
                     _write(out, [t.record for t in cells if t.record is not None], machine)
@@ -164,10 +164,10 @@ def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
         t.record["trace"] = name
 
 
-def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed_s: Optional[float] = None) -> None:
+def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Optional[BenchModelConf] = None) -> None:
     """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
-    `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader); `min_timed_s` (None: the
-    run's) is the model's own."""
+    `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader); `m` (None: the run's
+    settings) may time the model's cells for longer (`_more`)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # host time: the taps' (STEER_PROFILE=1), steer's params
     try:
@@ -196,7 +196,7 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, min_timed
         traceback.print_exc()
         t.record = {**t.cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]}
         return
-    if not _more(t.walls, cfg, min_timed_s):
+    if not _more(t.walls, cfg, m):
         _finish(group, t, profile is not None)
 
 
@@ -256,17 +256,19 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
     return workload.prompts(n, cfg.prompt_len, cfg.seed), scen
 
 
-def _more(walls: List[float], cfg: BenchConf, min_timed_s: Optional[float] = None) -> bool:
-    """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` (None: the
-    run's) timed in all (up to `max_repeats` passes); never once `max_timed_s` are timed, always when none is."""
+def _more(walls: List[float], cfg: BenchConf, m: Optional[BenchModelConf] = None) -> bool:
+    """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` timed in all (up
+    to `max_repeats` passes); never once `max_timed_s` are timed, always when none is. The model's `min_timed_s`
+    and `max_timed_s` (`m`; None or null: the run's) stand in for the run's."""
+    least, most = timed_window(cfg, m)
     if not walls:
         return True
-    if sum(walls) >= cfg.max_timed_s:
+    if sum(walls) >= most:
         return False
     if len(walls) < cfg.repeats:
         return True
-    least = cfg.min_timed_s if min_timed_s is None else min_timed_s
     return len(walls) < cfg.max_repeats and sum(walls) < least
+
 
 
 def _sync() -> None:

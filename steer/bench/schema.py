@@ -1,7 +1,7 @@
 """The bench's typed config: conf/bench.yaml is merged onto these dataclasses, so a typo fails at composition."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -44,6 +44,9 @@ class BenchModelConf:
     # The run's min_timed_s for this model's cells (null: the run's): a host-bound model's passes spread so
     # widely that its fastest pass needs many more passes to show up
     min_timed_s: Optional[float] = None
+    # The run's max_timed_s for this model's cells (null: the run's): a host-bound model's slow spells last about as
+    # long as a pass of its larger batch, so a pass wholly between them needs many passes to turn up
+    max_timed_s: Optional[float] = None
     # Environment variables every engine process of this model sets before vLLM starts, e.g.
     # +models.smollm2.env.VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the process that times it
     env: Dict[str, str] = field(default_factory=dict)
@@ -127,3 +130,9 @@ class BenchConf:
 
 def register() -> None:
     ConfigStore.instance().store(name="bench_schema", node=BenchConf)
+
+
+def timed_window(cfg: BenchConf, m: Optional[BenchModelConf] = None) -> Tuple[float, float]:
+    """A model's (min_timed_s, max_timed_s): its own where set, else the run's."""
+    own = (None, None) if m is None else (m.min_timed_s, m.max_timed_s)
+    return (cfg.min_timed_s if own[0] is None else own[0], cfg.max_timed_s if own[1] is None else own[1])

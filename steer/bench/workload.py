@@ -16,7 +16,7 @@ import torch
 
 from steer import gguf_model, model, tiny
 from steer.bench import placement
-from steer.bench.schema import CONFIGS, FAINT, BenchConf, BenchModelConf
+from steer.bench.schema import CONFIGS, FAINT, BenchConf, BenchModelConf, timed_window
 from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.schema import EditKind, ModelConf
@@ -61,9 +61,7 @@ def check(cfg: BenchConf) -> None:
     for name, m in cfg.models.items():
         if m.engines_at_once < 1:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
-        if m.min_timed_s is not None and not 0 <= m.min_timed_s <= cfg.max_timed_s:
-            raise ConfigError(f"models.{name}.min_timed_s", f"must be null or in 0..max_timed_s "
-                                                           f"({cfg.max_timed_s:g}), got {m.min_timed_s}")
+        _check_timed(cfg, name, m)
         _check_env(name, m)
     need = _largest_batch_tokens(cfg)
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
@@ -86,6 +84,18 @@ def check(cfg: BenchConf) -> None:
 # the compile cache, and what steer's engine needs of vLLM (steer.engine.vllm.set_environment)
 OWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", "VLLM_USE_BREAKABLE_CUDAGRAPH", "VLLM_USE_V2_MODEL_RUNNER",
            "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION")
+
+
+def _check_timed(cfg: BenchConf, name: str, m: BenchModelConf) -> None:
+    """A model's own time floor and cap: null, or a floor in 0..its cap and a cap above 0."""
+    if m.max_timed_s is not None and m.max_timed_s <= 0:
+        raise ConfigError(f"models.{name}.max_timed_s", f"must be null or > 0 (one pass is always timed), got "
+                                                       f"{m.max_timed_s}")
+    _, most = timed_window(cfg, m)
+    if m.min_timed_s is not None and not 0 <= m.min_timed_s <= most:
+        cap = "its max_timed_s" if m.max_timed_s is not None else "max_timed_s"
+        raise ConfigError(f"models.{name}.min_timed_s", f"must be null or in 0..{cap} ({most:g}), got "
+                                                       f"{m.min_timed_s}")
 
 
 def _check_env(name: str, m: BenchModelConf) -> None:

@@ -188,7 +188,16 @@ def test_a_model_may_time_its_cells_longer_than_the_run(stand_in, tmp_path, benc
     cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0.25", "models.tiny.min_timed_s=0.75")
     rec = _add_on_a_fake_clock(cfg, bench_model, tmp_path, monkeypatch)
     assert rec["walls_s"] == [0.125] * 6  # the model's 0.75 s, not the run's 0.25 (2 passes)
-    assert runs._more([0.125] * 2, cfg) is False and runs._more([0.125] * 2, cfg, 0.75) is True
+    assert runs._more([0.125] * 2, cfg) is False and runs._more([0.125] * 2, cfg, cfg.models["tiny"]) is True
+
+
+def test_a_model_may_time_past_the_runs_cap():
+    cfg = bench_conf("repeats=2", "min_timed_s=1.0", "max_timed_s=4", "max_repeats=30", "models.tiny.min_timed_s=9",
+                     "models.tiny.max_timed_s=10")
+    tiny = cfg.models["tiny"]
+    assert runs._more([3.0, 3.0], cfg) is False and runs._more([3.0, 3.0], cfg, tiny) is True  # 6 s: past 4, not 9
+    assert runs._more([3.0, 3.0, 3.0, 1.5], cfg, tiny) is False  # 10.5 s: its own cap
+    assert runs._more([9.5], cfg, tiny) is True and runs._more([10.0], cfg, tiny) is False
 
 
 def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, bench_model):
