@@ -167,7 +167,7 @@ def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
 def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Optional[BenchModelConf] = None) -> None:
     """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
     `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader); `m` (None: the run's
-    settings) may time the model's cells for longer (`_more`)."""
+    settings) may time the model's cells for longer or shorter (`_more`)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # host time: the taps' (STEER_PROFILE=1), steer's params
     try:
@@ -268,7 +268,6 @@ def _more(walls: List[float], cfg: BenchConf, m: Optional[BenchModelConf] = None
     if len(walls) < cfg.repeats:
         return True
     return len(walls) < cfg.max_repeats and sum(walls) < least
-
 
 
 def _sync() -> None:

@@ -58,6 +58,8 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("trace_timeout_s", f"must be > 0, got {cfg.trace_timeout_s}")
     if cfg.max_timed_s <= 0:
         raise ConfigError("max_timed_s", f"must be > 0 (one pass is always timed), got {cfg.max_timed_s}")
+    if cfg.min_timed_s > cfg.max_timed_s:
+        raise ConfigError("min_timed_s", f"must be <= max_timed_s ({cfg.max_timed_s:g}), got {cfg.min_timed_s}")
     for name, m in cfg.models.items():
         if m.engines_at_once < 1:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
@@ -91,11 +93,14 @@ def _check_timed(cfg: BenchConf, name: str, m: BenchModelConf) -> None:
     if m.max_timed_s is not None and m.max_timed_s <= 0:
         raise ConfigError(f"models.{name}.max_timed_s", f"must be null or > 0 (one pass is always timed), got "
                                                        f"{m.max_timed_s}")
-    _, most = timed_window(cfg, m)
+    least, most = timed_window(cfg, m)
     if m.min_timed_s is not None and not 0 <= m.min_timed_s <= most:
         cap = "its max_timed_s" if m.max_timed_s is not None else "max_timed_s"
         raise ConfigError(f"models.{name}.min_timed_s", f"must be null or in 0..{cap} ({most:g}), got "
                                                        f"{m.min_timed_s}")
+    if least > most:  # its own cap under the run's floor
+        raise ConfigError(f"models.{name}.max_timed_s", f"must be >= min_timed_s ({least:g}, the run's), got "
+                                                       f"{m.max_timed_s}")
 
 
 def _check_env(name: str, m: BenchModelConf) -> None:

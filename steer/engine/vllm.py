@@ -138,12 +138,14 @@ class VLLMEngine(Engine):
         shutdown(llm)
         del llm
         gc.collect()
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():  # not when the engine core had a process of its own and this none
             torch.cuda.empty_cache()
             # Pinned host blocks an in-process engine core used stay in torch's host cache with their use counts,
             # and the next breakable graph capture in this process trips an assert on them (vLLM 0.26, torch 2.11)
             torch.cuda.synchronize()
-            torch._C._host_emptyCache()
+            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # private: a torch may lack it
+            if empty_host_cache is not None:
+                empty_host_cache()
 
     def start_profile(self) -> None:
         """Arm vLLM's torch profiler (an engine started with `profile_dir`)."""

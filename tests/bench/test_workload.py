@@ -47,6 +47,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ("models.smollm2.min_timed_s=50", "models.smollm2.min_timed_s"),
                                             ("models.tiny.min_timed_s=20", "models.tiny.min_timed_s"),
                                             ("models.smollm2.max_timed_s=0", "models.smollm2.max_timed_s"),
+                                            ("models.tiny.max_timed_s=2", "models.tiny.max_timed_s"),
+                                            ("min_timed_s=20", "min_timed_s"),
                                             ("kv_cache_tokens=1000", "kv_cache_tokens"),
                                             ('lanes=[{gpus:"0",runs:["*/[abc]"]},{gpus:"1",runs:["*/d"]}]', "lanes"),
                                             ('lanes=[{gpus:"x",runs:["*"]}]', "lanes[0].gpus"),
@@ -72,6 +74,16 @@ def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (["models.smollm2.min_timed_s=50"], "must be null or in 0..its max_timed_s (40), got 50.0"),
+    (["models.tiny.min_timed_s=20"], "must be null or in 0..max_timed_s (15), got 20.0"),
+    (["models.tiny.max_timed_s=2"], "must be >= min_timed_s (4, the run's), got 2.0")])
+def test_a_model_s_time_window_errors_say_what_bounds_it(overrides, said):
+    with pytest.raises(ConfigError) as e:
+        workload.check(bench_conf("run=[tiny,smollm2]", "min_timed_s=4", "max_timed_s=15", *overrides))
+    assert said in str(e.value)
 
 
 def test_an_engine_goes_to_the_first_lane_that_names_it():
