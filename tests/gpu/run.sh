@@ -7,7 +7,7 @@
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
-#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 21 minutes)
+#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 20 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
@@ -86,10 +86,11 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, a run's worth of device time (about 21 minutes): SmolLM2 without a, h,
-  # i and the faint twins; every engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds
-  # them all or fewer than 4), one thread of each physical core, at most 8: unpinned, SmolLM2's passes keep spells
-  # of speed of their own (DEVELOPERS.md)
+  # Issue 19's table in one run, both models, most of a session's device time (about 20 minutes; 15 on 2026-12-03
+  # before SmolLM2 took 36-45 s a cell): SmolLM2 without a, h, i and the faint twins; every engine pinned to the
+  # CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of each physical
+  # core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells are the host's, pinned
+  # or not (DEVELOPERS.md)
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
