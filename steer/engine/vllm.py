@@ -74,6 +74,7 @@ class VLLMEngine(Engine):
         self._pushed = len(self.bank.stages)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
+        release_host_cache()  # an engine that ran in this process and was never closed (or failed to start)
         self.llm = LLM(
             model=spec.source,
             revision=spec.revision,
@@ -140,12 +141,7 @@ class VLLMEngine(Engine):
         gc.collect()
         if torch.cuda.is_initialized():  # not when the engine core had a process of its own and this none
             torch.cuda.empty_cache()
-            # Pinned host blocks an in-process engine core used stay in torch's host cache with their use counts,
-            # and the next breakable graph capture in this process trips an assert on them (vLLM 0.26, torch 2.11)
-            torch.cuda.synchronize()
-            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)  # private: a torch may lack it
-            if empty_host_cache is not None:
-                empty_host_cache()
+        release_host_cache()
 
     def start_profile(self) -> None:
         """Arm vLLM's torch profiler (an engine started with `profile_dir`)."""
@@ -278,6 +274,18 @@ class VLLMEngine(Engine):
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
               capture: Tuple[str, ...] = ()) -> Scores:
         return self.score_many([(prompt_ids, cont_ids, plan, capture)])[0]
+
+
+def release_host_cache() -> None:
+    """Empty torch's cache of pinned host blocks in this process, where CUDA is initialised. Blocks an in-process
+    engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) used stay cached with their use counts, and the next breakable
+    graph capture in this process trips an assert on them (vLLM 0.26, torch 2.11: CachingHostAllocator.h:773)."""
+    if not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    empty = getattr(torch._C, "_host_emptyCache", None)  # private: a torch may lack it
+    if empty is not None:
+        empty()
 
 
 def set_environment(conf: VllmConf, rpc_tensors: bool = True) -> None:

@@ -81,3 +81,27 @@ def test_each_engine_has_vllm_read_its_environment_afresh(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.envs", SimpleNamespace(disable_envs_cache=lambda: calls.append(1)))
     set_environment(VllmConf())
     assert calls == [1] and os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+
+
+def test_closing_an_engine_empties_the_pinned_host_cache_where_cuda_runs(monkeypatch):
+    # A second in-process engine's breakable graph capture trips on the first one's cached pinned blocks
+    from steer.engine import vllm as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "shutdown", lambda llm: calls.append("shutdown"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("host"), raising=False)
+    engine = engine_module.VLLMEngine.__new__(engine_module.VLLMEngine)
+    engine.llm = object()
+    engine.close()
+    assert calls == ["shutdown", "empty_cache", "synchronize", "host"] and engine.llm is None
+    engine.close()  # closed: nothing more
+    assert len(calls) == 4
+    monkeypatch.delattr(torch._C, "_host_emptyCache")  # a torch without it: nothing to empty, no error
+    engine_module.release_host_cache()
+    assert calls[4:] == ["synchronize"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA here: nothing at all
+    engine_module.release_host_cache()
+    assert len(calls) == 5
