@@ -157,8 +157,8 @@ def _heatmap(path: Path, cfg: SteerConf, table: List[Dict], best: Optional[Dict]
 
     s = cfg.select
     by = {(c["layer"], c["scale"]): c for c in table}
-    gain = np.array([[by[(l, float(x))]["gain"] if by[(l, float(x))]["gain"] is not None else np.nan
-                      for x in s.scales] for l in s.layers], dtype=float)
+    gain = np.array([[by[(layer, float(x))]["gain"] if by[(layer, float(x))]["gain"] is not None else np.nan
+                      for x in s.scales] for layer in s.layers], dtype=float)
     fig, ax = plt.subplots(figsize=(1.2 * len(s.scales) + 2.5, 0.6 * len(s.layers) + 1.8))
     im = ax.imshow(gain, cmap="viridis", aspect="auto")
     fig.colorbar(im, ax=ax, label="concept gain")

@@ -26,7 +26,10 @@ def on_tiny(overrides):
     keys = [o.lstrip("+~").split("=")[0] for o in overrides if not o.startswith("-")]
     if any(k == "experiment" for k in keys):
         return list(overrides)
-    named = lambda k: any(x == k or x.startswith(k + ".") or (k == "edit.scale" and x == "edit") for x in keys)
+
+    def named(k):
+        return any(x == k or x.startswith(k + ".") or (k == "edit.scale" and x == "edit") for x in keys)
+
     return list(overrides) + [v for k, v in TINY.items() if not named(k)]
 
 

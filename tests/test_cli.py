@@ -22,7 +22,7 @@ def ok(res):
 def test_default_run(tmp_path, cache_dir):
     ok(run_cli([], tmp_path, cache_dir))
     [d] = run_dirs(tmp_path)
-    rows = [json.loads(l) for l in (d / "results.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
     m = json.loads((d / "metrics.json").read_text())
     assert set(m) >= {"kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s"}
@@ -44,7 +44,7 @@ def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
     assert [r["edit.scale"] for r in rows] == ["0", "4"]
     assert float(rows[0]["kl_mean"]) == 0.0 and float(rows[0]["tokens_changed_frac"]) == 0.0
     assert float(rows[1]["kl_mean"]) > 0.0 and float(rows[1]["tokens_changed_frac"]) > 0.0
-    zero = [json.loads(l) for l in (summary.parent / "0" / "results.jsonl").read_text().splitlines()]
+    zero = [json.loads(line) for line in (summary.parent / "0" / "results.jsonl").read_text().splitlines()]
     assert all(r["steered"] == r["baseline"] for r in zero)
     assert "summary:" in res.stdout
 
