@@ -9,7 +9,7 @@ the run, whichever side its ratio fell on.
 
 import random
 from statistics import median
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 RESAMPLES = 1000
 LEVEL = 0.90
@@ -25,7 +25,21 @@ def interval(of: Sequence[float], over: Sequence[float], resamples: int = RESAMP
     if len(of) < 2 or len(over) < 2:
         return None
     rng = random.Random(seed)  # the same run gives the same report
-    ratios = sorted(median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
-                    for _ in range(resamples))
-    tail = round((1 - LEVEL) / 2 * resamples)
-    return ratios[tail], ratios[resamples - 1 - tail]
+    return _central([median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
+                     for _ in range(resamples)])
+
+
+def median_interval(values: Sequence[float], resamples: int = RESAMPLES,
+                    seed: int = 0) -> Optional[Tuple[float, float]]:
+    """The central `LEVEL` interval of the median of `values` (paired ratios, steer/bench/pairs.py), resampling
+    them with replacement; None with fewer than 2."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(seed)
+    return _central([median(rng.choices(values, k=len(values))) for _ in range(resamples)])
+
+
+def _central(draws: List[float]) -> Tuple[float, float]:
+    draws = sorted(draws)
+    tail = round((1 - LEVEL) / 2 * len(draws))
+    return draws[tail], draws[-1 - tail]

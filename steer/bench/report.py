@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from steer import results
-from steer.bench import bootstrap, cpu, spells
+from steer.bench import bootstrap, cpu, pairs, plot, spells
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
@@ -49,12 +49,13 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
             "best_vs_b": _ratio(best, _best(b)), "vs_eps": _ratio(t, _tok(faint)),
             "best_vs_eps": _ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
             "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
-            "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or []}
+            "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or [],
+            "started_s": r.get("started_s") or [], "paired": bool(r.get("paired"))}
 
 
 def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
-    """Each target at each model and batch it covers: the measured ratios (between medians, and between fastest
-    passes) and whether the one the target is `between` holds."""
+    """Each target at each model and batch it covers: the measured ratios (between medians, fastest passes, and
+    where `over` was the run's pairing reference, paired passes) and whether the one it is `between` holds."""
     by = {(r["model"], r["requests"], r["new_tokens"], r["scenario"], r["config"]): r for r in rows}
     out = []
     for t in cfg.targets:
@@ -64,13 +65,16 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
             for req, new in cfg.batches:
                 of, over = (by.get((model, req, new, t.scenario, c)) or {} for c in (t.of, t.over))
                 ratio = _ratio(of.get("tok_s"), over.get("tok_s"))
-                best = _ratio(of.get("best_tok_s"), over.get("best_tok_s"))
-                decides = best if t.between == "fastest" else ratio
+                # paired, the fastest passes are of and its neighbours (pairs.py)
+                pair = pairs.figures(of, over) if over.get("paired") and of.get("status") == "ok" else {}
+                best = pair.get("paired_fastest") or _ratio(of.get("best_tok_s"), over.get("best_tok_s"))
+                decides = {"fastest": best, "paired": pair.get("paired")}.get(t.between, ratio)
                 span = bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])
-                label = f"{t.of}/{t.over} >= {t.at_least:g}" + (" (fastest)" if t.between == "fastest" else "")
+                label = f"{t.of}/{t.over} >= {t.at_least:g}" + ("" if t.between == "medians" else f" ({t.between})")
                 out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
                             "ratio": ratio, "required": t.at_least, "best": best, "between": t.between,
-                            "interval": span,
+                            "interval": span, "paired": pair.get("paired"),
+                            "paired_interval": pair.get("paired_interval"),
                             "holds": None if decides is None else decides >= t.at_least})
     return out
 
@@ -115,6 +119,11 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
             for name, m in cfg.models.items() if name in cfg.run and m.env]
     if envs:
         lines[-1:-1] = ["Engine processes' own environment (`models.<name>.env`): " + "; ".join(envs) + "."]
+    paired = [f"{name}'s over {m.paired}" for name, m in cfg.models.items() if name in cfg.run and m.paired]
+    if paired:
+        lines[-1:-1] = ["Paired (`models.<name>.paired`), " + "; ".join(paired) + ": in a wave holding that "
+                        "configuration, a round goes batch by batch and it times a pass before and after every other "
+                        "engine's, so each pass has two of its passes beside it (the targets' `paired`)."]
     if any(s.endswith(FAINT) for s in cfg.scenarios):
         lines[-1:-1] = [f"`<scenario>{FAINT}`: the scenario's edits at {cfg.epsilon:g} of their strength, every "
                         "kernel of the full edit run on the unsteered data: its ratio to b is the machinery's cost, "
@@ -239,29 +248,28 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
 
 
 def _targets_table(goals: List[Dict]) -> List[str]:
-    # By default the verdict is the medians'. The fastest passes' ratio beside it tells a cost from noise: a
-    # host-bound model's passes can spread by half (the tiny model's do, alone on the machine), and a ratio that
-    # holds between fastest passes but not between medians is the noise's, not the steering's; a target marked
-    # (fastest) is decided there.
-    # The interval (steer/bench/bootstrap.py) is the medians' ratio's on the passes' noise alone, on every row:
-    # where it reaches past the threshold of a target decided between medians, the run did not decide it,
-    # whichever side the ratio fell on. A target between fastest passes is never flagged: resampled fastest
-    # passes only ever rise, so there is no interval of its own ratio to flag it by.
-    lines = ["Targets (holds: measured, the medians' ratio, or for a target marked (fastest) the ratio between "
-             "fastest passes; fastest passes: the same ratio between each cell's fastest pass; "
-             f"interval: the medians' ratio's {bootstrap.LEVEL:.0%} interval, resampling each cell's passes; "
-             "undecided: a target between medians whose interval reaches past its threshold):", "",
-             "| target | scenario | model | batch | measured | fastest passes | interval | holds |",
-             "|---|---|---|---|---:|---:|---:|---|"]
+    # By default the verdict is the medians'. A host-bound model's passes spread by half, so the fastest passes'
+    # ratio and the paired one beside it tell a cost from noise; a target marked (fastest) or (paired) is decided
+    # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
+    # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
+    lines = ["Targets (holds: measured, the medians' ratio, or for a target marked (fastest) or (paired) that "
+             "ratio; fastest passes: the same ratio between each cell's fastest pass (in a paired run, among the "
+             "reference passes beside the cell's); paired: the median of each pass's ratio to the reference passes "
+             f"beside it, and its {bootstrap.LEVEL:.0%} interval (steer/bench/pairs.py); interval: the medians' "
+             "ratio's, resampling each cell's passes; undecided: a target between medians or paired passes whose "
+             "interval reaches past its threshold):", "",
+             "| target | scenario | model | batch | measured | fastest passes | paired | interval | holds |",
+             "|---|---|---|---|---:|---:|---:|---:|---|"]
     for g in goals:
-        decided = g["best"] if g["between"] == "fastest" else g["ratio"]
-        span = g.get("interval")
+        decided = {"fastest": g["best"], "paired": g["paired"]}.get(g["between"], g["ratio"])
+        span = g["paired_interval"] if g["between"] == "paired" else g.get("interval")
         verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
             f"**no** ({decided - g['required']:+.3f})"
         if g["holds"] is not None and g["between"] != "fastest" and span and span[0] < g["required"] <= span[1]:
             verdict += ", undecided"
+        paired = "-" if g["paired"] is None else f"{_fmt(g['paired'])} ({_span(g['paired_interval'])})"
         lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
-                     f"{_fmt(g['best'])} | {_span(span)} | {verdict} |")
+                     f"{_fmt(g['best'])} | {paired} | {_span(g.get('interval'))} | {verdict} |")
     return lines + [""]
 
 
@@ -287,35 +295,7 @@ def write(out_dir, rows: List[Dict], goals: List[Dict], md: str, cfg: BenchConf)
     w.writerows(rows)
     results.write_text(out_dir / "bench.csv", buf.getvalue())
     results.write_text(out_dir / "bench.md", md)
-    results.write_bytes(out_dir / "bench.png", _plot(rows, cfg))
-
-
-def _plot(rows: List[Dict], cfg: BenchConf) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(m, r, t) for m in cfg.run for r, t in cfg.batches]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    width = 0.8 / max(len(cfg.configs), 1)
-    for ax, (model, req, tok) in zip(axes[0], panels):
-        for k, c in enumerate(cfg.configs):
-            ys = [next((r["vs_b"] for r in rows if (r["model"], r["requests"], r["new_tokens"], r["scenario"],
-                                                      r["config"]) == (model, req, tok, s, c)), None) or 0.0
-                  for s in cfg.scenarios]
-            ax.bar([i + (k - (len(cfg.configs) - 1) / 2) * width for i in range(len(cfg.scenarios))], ys, width,
-                   label=c)
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xticks(range(len(cfg.scenarios)), cfg.scenarios)
-        ax.set_title(f"{model}, {req}x{tok}")
-        ax.set_ylabel("output tok/s / b")
-    axes[0][0].legend(title="config", fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    results.write_bytes(out_dir / "bench.png", plot.bars(rows, cfg))
 
 
 def _tok(r: Optional[Dict]) -> Optional[float]:

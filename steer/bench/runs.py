@@ -83,7 +83,7 @@ def run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out: 
             # Should the way out hang, the scheduler kills this process after waves.EXIT_S; its threads' stacks,
             # dumped halfway there, say where it hung.
             faulthandler.dump_traceback_later(waves.EXIT_S / 2, exit=False)
-            turns.answer(False)
+            turns.answer([])
 
 
 @dataclass
@@ -130,23 +130,37 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
     read, _ = nvml.reader()  # without NVML the cells go without clocks (the bench said so once, at its start)
     machine: Dict = {}
     while True:
-        if turns is not None and not turns.wait():
+        ask = turns.wait() if turns is not None else waves.ROUND
+        if ask is None:
             return  # the scheduler is gone
         for t in cells:
-            if t.record is None:
-                _pass(cfg, group, runner, t, read, m)
-                if t.record is not None:  # after every cell: a process killed later keeps what it finished
-                    machine = machine or engines.machine()
-                    _write(out, [t.record for t in cells if t.record is not None], machine)
-        if all(t.record is not None for t in cells):
+            if t.record is not None or (ask.batch is not None and (t.cell["requests"], t.cell["tokens"]) !=
+                                        tuple(ask.batch)):
+                continue
+            if not ask.close:
+                _pass(cfg, group, runner, t, read, m, keep=ask.keep)
+            elif t.walls:  # the pairing reference, closed: the passes it has stand (the report pairs them)
+                _finish(group, t, getattr(runner, "profile", None) is not None)
+                t.record["paired"] = True
+            if t.record is not None:  # after every cell: a process killed later keeps what it finished
+                machine = machine or engines.machine()
+                _write(out, [t.record for t in cells if t.record is not None], machine)
+        wanted = _wanted(cells)
+        if ask.close or not wanted:
             break
         if turns is not None:
-            turns.answer(True)
+            turns.answer(wanted)
     # Traces come after every timed pass: once vLLM's profiler has run, each later step pays for its annotations.
     for t in cells:
-        if t.cell in traced and hasattr(runner, "trace") and t.record["status"] == "ok":
+        if t.cell in traced and hasattr(runner, "trace") and t.record and t.record["status"] == "ok":
             _trace(cfg, group, runner, t, out)
-            _write(out, [t.record for t in cells], machine)
+            _write(out, [t.record for t in cells if t.record is not None], machine)
+
+
+def _wanted(cells: List["_Timing"]) -> List[waves.Batch]:
+    """The batches of the cells still short of their passes (a pairing reference's stay open until it is
+    closed), in order."""
+    return list(dict.fromkeys((t.cell["requests"], t.cell["tokens"]) for t in cells if t.record is None))
 
 
 def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
@@ -164,10 +178,12 @@ def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
         t.record["trace"] = name
 
 
-def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Optional[BenchModelConf] = None) -> None:
+def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Optional[BenchModelConf] = None,
+          keep: bool = False) -> None:
     """One timed pass of a cell (after its warm-up, on its first), and its record once it has all its passes;
     `read` (None: none) reads the GPU's clock and power through the pass (nvml.reader); `m` (None: the run's
-    settings) may time the model's cells for longer or shorter (`_more`)."""
+    settings) may time the model's cells for longer or shorter (`_more`); `keep`: the pairing reference's pass,
+    which leaves the cell open (it is finished when the scheduler closes it)."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     profile = getattr(runner, "profile", None)  # host time: the taps' (STEER_PROFILE=1), steer's params
     try:
@@ -196,7 +212,7 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
         traceback.print_exc()
         t.record = {**t.cell, "status": "error", "detail": f"{type(e).__name__}: {e}"[:500]}
         return
-    if not _more(t.walls, cfg, m):
+    if not keep and not _more(t.walls, cfg, m):
         _finish(group, t, profile is not None)
 
 

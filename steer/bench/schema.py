@@ -47,6 +47,10 @@ class BenchModelConf:
     # The run's max_timed_s for this model's cells (null: the run's): a host-bound model's slow spells last about as
     # long as a pass of its larger batch, so a pass wholly between them needs many passes to turn up
     max_timed_s: Optional[float] = None
+    # An unsteered configuration (b) that times a pass of each batch before and after every other engine's, where
+    # its wave holds it (null: plain rounds): each steered pass sits between two of its passes, and the report
+    # sets the one against the others (steer/bench/pairs.py), which a host's spells move together
+    paired: Optional[str] = None
     # Environment variables every engine process of this model sets before vLLM starts, e.g.
     # +models.smollm2.env.VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core in the process that times it
     env: Dict[str, str] = field(default_factory=dict)
@@ -72,8 +76,8 @@ class TargetConf:
     of: str = "c"
     over: str = "b"
     at_least: float = MISSING
-    # Which ratio decides: between the cells' medians, or between their fastest passes (for a host-bound model,
-    # whose passes spread widely whatever steers them)
+    # Which ratio decides: between the cells' medians, their fastest passes (for a host-bound model, whose passes
+    # spread widely whatever steers them), or paired passes (a paired run's `over`, steer/bench/pairs.py)
     between: str = "medians"
 
 

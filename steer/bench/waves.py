@@ -8,6 +8,12 @@ engine has all its passes. A host-bound model's passes drift and jump with whate
 rounds, every configuration of a wave samples the same stretch of the run, so their ratios do not depend on which
 was timed first (the measurement that showed it: docs/perf-log.md, bench).
 
+Paired (a model's `paired`, e.g. b): where the wave holds that reference configuration, a round goes batch by
+batch, and the reference times a pass of the batch before and after every other engine's, whatever it has: each
+steered pass then sits between two of b's, and the report sets it against them (steer/bench/pairs.py). A
+host-bound model's passes move 20-40% from one to the next in the host's spells; a pair shares the spell far more
+often than passes a round apart. The reference's cells are finished when the others' are.
+
 A start that fails beside others (memory, a port taken at the same moment) is tried once more alone after its
 wave, so crowding never costs a figure.
 
@@ -17,16 +23,31 @@ Each engine process leads a process group of its own, and once finished it gets 
 (its engine core included) is killed.
 """
 
+import functools
 import os
 import signal
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 G = TypeVar("G")
 
 EXIT_S = 20.0  # for an engine process to end after its last cell (vLLM's own shutdown takes about a second)
-ROUND = "round"  # the scheduler's one message: time your next round
+Batch = Tuple[int, int]  # requests, new tokens
+
+
+@dataclass(frozen=True)
+class Ask:
+    """The scheduler's message: time a round of your cells (those at `batch`; None: all). `keep`: the pairing
+    reference times a pass of each such cell whether or not it has its passes; `close`: it is done, finish."""
+
+    batch: Optional[Batch] = None
+    keep: bool = False
+    close: bool = False
+
+
+ROUND = Ask()  # a whole round, the unpaired one
 
 
 class Engine(Protocol):
@@ -36,8 +57,9 @@ class Engine(Protocol):
 
     def alive(self) -> bool: ...
 
-    def round(self, timeout: float) -> Optional[bool]: ...  # time one round: True more to come, False finished
-    # (every cell timed and traced), None failed (died, or no answer within `timeout`)
+    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Batch]]: ...  # time one round: the
+    # batches it still wants passes at ([]: finished, every cell timed and traced), None failed (died, or no
+    # answer within `timeout`)
 
     def join(self, timeout: float) -> None: ...
 
@@ -45,10 +67,13 @@ class Engine(Protocol):
 
 
 def run(groups: Sequence[G], width: int, start: Callable[[G], Engine], finish: Callable[[G, Engine], None],
-        timeout_s: float, poll_s: float = 0.5, exit_s: float = EXIT_S) -> None:
+        timeout_s: float, poll_s: float = 0.5, exit_s: float = EXIT_S, reference: Optional[Callable[[G], bool]] = None,
+        batches: Sequence[Batch] = ()) -> None:
     """Start `groups` `width` at a time; time the ready ones in rounds, in order within a round; `finish` each once
     it is finished and gone (ended within `exit_s`, or killed) or failed (dead before ready, past `timeout_s` to
-    start, or to time a round)."""
+    start, or to time a round). Where `reference` names a group of the wave, its rounds are paired over
+    `batches`, in that order."""
+    time_ = functools.partial(_time, reference=reference, batches=batches)
     for i in range(0, len(groups), width):
         wave = list(groups[i:i + width])
         engines = [start(g) for g in wave]
@@ -61,11 +86,11 @@ def run(groups: Sequence[G], width: int, start: Callable[[G], Engine], finish: C
             else:  # crowded out: tried once more, alone, after the wave
                 e.kill()
                 retry.append(g)
-        _time(started, timeout_s, exit_s, finish)
+        time_(started, timeout_s, exit_s, finish)
         for g in retry:
             e = start(g)
             _await([e], timeout_s, poll_s)
-            _time([(g, e)], timeout_s, exit_s, finish)
+            time_([(g, e)], timeout_s, exit_s, finish)
 
 
 def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
@@ -76,13 +101,61 @@ def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
 
 
 def _time(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
-          finish: Callable[[G, Engine], None]) -> None:
-    """Kill and finish the engines that never got ready; time the rest in rounds."""
+          finish: Callable[[G, Engine], None], reference: Optional[Callable[[G], bool]] = None,
+          batches: Sequence[Batch] = ()) -> None:
+    """Kill and finish the engines that never got ready; time the rest in rounds (paired where `reference` names
+    one of them and there are others)."""
     for g, e in engines:
         if not e.ready():
             e.kill()
             finish(g, e)
-    _rounds([(g, e) for g, e in engines if e.ready()], timeout_s, exit_s, finish)
+    ready = [(g, e) for g, e in engines if e.ready()]
+    ref = next((x for x in ready if reference is not None and reference(x[0])), None)
+    if ref is None or len(ready) < 2 or not batches:
+        return _rounds(ready, timeout_s, exit_s, finish)
+    _paired(ref, [x for x in ready if x is not ref], [tuple(b) for b in batches], timeout_s, exit_s, finish)
+
+
+def _paired(ref: Tuple[G, Engine], engines: List[Tuple[G, Engine]], batches: List[Batch], timeout_s: float,
+            exit_s: float, finish: Callable[[G, Engine], None]) -> None:
+    """Batch by batch, the reference times a pass before the first engine still wanting that batch and after each
+    one's round; once every other engine is finished, the reference closes (should it fail on the way, the others
+    go on unpaired)."""
+    wanted = {id(e): set(batches) for _, e in engines}
+    active, paired = list(engines), True
+    while active:
+        for batch in batches:
+            turn = [(g, e) for g, e in active if batch in wanted[id(e)]]
+            for i, (g, e) in enumerate(turn):
+                if paired and i == 0:
+                    paired = _keep(ref, batch, timeout_s, exit_s, finish)
+                left = e.round(timeout_s, Ask(batch))
+                if left:
+                    wanted[id(e)] = {tuple(b) for b in left}
+                else:
+                    active.remove((g, e))
+                    _end(g, e, exit_s, finish)
+                if paired:
+                    paired = _keep(ref, batch, timeout_s, exit_s, finish)
+    if paired:
+        ref[1].round(timeout_s, Ask(close=True))
+        _end(*ref, exit_s, finish)
+
+
+def _keep(ref: Tuple[G, Engine], batch: Batch, timeout_s: float, exit_s: float,
+          finish: Callable[[G, Engine], None]) -> bool:
+    """One reference pass at `batch`; False (the reference finished as failed) if it did not answer."""
+    if ref[1].round(timeout_s, Ask(batch, keep=True)) is None:
+        _end(*ref, exit_s, finish)
+        return False
+    return True
+
+
+def _end(g: G, e: Engine, exit_s: float, finish: Callable[[G, Engine], None]) -> None:
+    """A finished (or failed) engine gets `exit_s` to end, is made sure of, and is finished."""
+    e.join(exit_s)
+    e.kill()
+    finish(g, e)
 
 
 def _rounds(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
@@ -95,9 +168,7 @@ def _rounds(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
             if e.round(timeout_s):
                 continue
             active.remove((g, e))
-            e.join(exit_s)
-            e.kill()
-            finish(g, e)
+            _end(g, e, exit_s, finish)
 
 
 _LIVE: "weakref.WeakSet[Process]" = weakref.WeakSet()
@@ -122,14 +193,14 @@ class Process:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def round(self, timeout: float) -> Optional[bool]:
+    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Batch]]:
         try:
-            self._conn.send(ROUND)
+            self._conn.send(ask)
             deadline = time.monotonic() + timeout
             while not self._conn.poll(0.5):
                 if not self.process.is_alive() or time.monotonic() > deadline:
                     return None
-            return bool(self._conn.recv())
+            return [tuple(b) for b in self._conn.recv()]
         except (EOFError, OSError):  # the child died (its end of the pipe closed)
             return None
 
@@ -154,21 +225,24 @@ class Process:
 
 
 class Turns:
-    """The engine's side of the rounds: wait for the scheduler's next round, then say whether more are wanted."""
+    """The engine's side of the rounds: wait for the scheduler's next round, then say which batches it still
+    wants passes at."""
 
     def __init__(self, conn):
         self.conn = conn
 
-    def wait(self) -> bool:
-        """Block until the next round is asked for; False if the scheduler is gone."""
+    def wait(self) -> Optional[Ask]:
+        """Block until the next round is asked for; None if the scheduler is gone."""
         try:
-            return self.conn.recv() == ROUND
+            ask = self.conn.recv()
         except (EOFError, OSError):
-            return False
+            return None
+        return ask if isinstance(ask, Ask) else None
 
-    def answer(self, more: bool) -> None:
+    def answer(self, wanted: Sequence[Batch]) -> None:
+        """The batches this engine still wants passes at (none: finished)."""
         try:
-            self.conn.send(more)
+            self.conn.send([list(b) for b in wanted])
         except (BrokenPipeError, OSError):  # the scheduler is gone: nothing to tell
             pass
 

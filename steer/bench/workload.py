@@ -16,7 +16,7 @@ import torch
 
 from steer import gguf_model, model, tiny
 from steer.bench import placement
-from steer.bench.schema import CONFIGS, FAINT, BenchConf, BenchModelConf, timed_window
+from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf, BenchModelConf, timed_window
 from steer.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.schema import EditKind, ModelConf
@@ -65,6 +65,9 @@ def check(cfg: BenchConf) -> None:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
         _check_timed(cfg, name, m)
         _check_env(name, m)
+        if m.paired is not None and m.paired not in UNSTEERED:
+            raise ConfigError(f"models.{name}.paired", f"must be null or an unsteered configuration "
+                                                      f"({', '.join(UNSTEERED)}), got {m.paired!r}")
     need = _largest_batch_tokens(cfg)
     if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < need:
         raise ConfigError("kv_cache_tokens", f"{cfg.kv_cache_tokens} tokens cannot hold the largest batch at full "
@@ -135,8 +138,8 @@ def _check_cells(cfg: BenchConf) -> None:
         for key in ("of", "over"):
             if getattr(t, key) not in CONFIGS:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
-        if t.between not in ("medians", "fastest"):
-            raise ConfigError(f"targets[{i}].between", f"expected medians or fastest, got {t.between!r}")
+        if t.between not in ("medians", "fastest", "paired"):
+            raise ConfigError(f"targets[{i}].between", f"expected medians, fastest or paired, got {t.between!r}")
 
 
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:

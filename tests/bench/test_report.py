@@ -43,8 +43,8 @@ def test_fastest_passes_give_a_second_ratio_beside_the_medians():
     md = report.markdown(rows, report.targets(rows, cfg), cfg, {}, "now", "cmd")
     lo, hi = bootstrap.interval([0.5, 0.55, 0.6], [0.4, 0.5, 0.7])  # the medians' ratio on the passes' noise
     assert lo < 0.9 <= hi  # the noise reaches past the threshold
-    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | {lo:.2f}-{hi:.2f} | yes, undecided |" in md
-    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | yes |" in md  # d has one pass: no interval
+    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | - | {lo:.2f}-{hi:.2f} | yes, undecided |" in md
+    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | - | yes |" in md  # d has one pass: no interval
 
 
 def test_a_target_whose_interval_clears_its_threshold_is_decided():
@@ -59,8 +59,8 @@ def test_a_target_whose_interval_clears_its_threshold_is_decided():
     assert [g["holds"] for g in goals] == [True, False]
     assert 0.95 < goals[0]["interval"][0] < goals[0]["interval"][1] < 0.97
     md = report.markdown(report.cells(recs, cfg), goals, cfg, {}, "now", "cmd")
-    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.96 | 0.96 | 0.96-0.96 | yes |" in md
-    assert "| c/b >= 0.99 | add | tiny | 64x128 | 0.96 | 0.96 | 0.96-0.96 | **no** (-0.028) |" in md
+    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | yes |" in md
+    assert "| c/b >= 0.99 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | **no** (-0.028) |" in md
 
 
 def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
@@ -210,5 +210,30 @@ def test_a_target_between_fastest_passes_is_decided_there():
     md = report.markdown(report.cells(recs, cfg), [fastest, medians], cfg, {}, "now", "cmd")
     span = "{:.2f}-{:.2f}".format(*bootstrap.interval([0.41, 0.6, 0.7], [0.4, 0.5, 0.5]))
     # the same interval beside both; only the target between medians can be left undecided by it
-    assert f"| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | {span} | yes |" in md
-    assert f"| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | {span} | **no** (-0.117), undecided |" in md
+    assert f"| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | yes |" in md
+    assert f"| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | **no** (-0.117), undecided |" in md
+
+
+def test_a_target_between_paired_passes_is_decided_by_each_pass_against_its_neighbours():
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[b,f]", "scenarios=[add]",
+                     "targets=[{scenario:add,of:f,at_least:0.95,between:paired},"
+                     "{scenario:add,of:f,at_least:0.95,between:fastest}]")
+    n = 64 * 128
+    # b f b f b, 0.1 s apart: f's first pass fell in a slow spell (0.6 s beside b's 0.58 and 0.6), its second in a
+    # fast one; b has a fast pass (0.3 s) far from any of f's, which only its fastest pass overall sees
+    b = {"walls_s": [0.58, 0.6, 0.4, 0.3], "started_s": [0.0, 1.3, 2.4, 60.0], "paired": True}
+    f = {"walls_s": [0.6, 0.41], "started_s": [0.68, 2.0]}
+    recs = [{"model": "tiny", "config": c, "scenario": s, "requests": 64, "tokens": 128, "status": "ok",
+             "tok_s": n / median(r["walls_s"]), "wall_s": median(r["walls_s"]), **r}
+            for c, s, r in (("b", "unsteered", b), ("f", "add", f))]
+    paired, fastest = report.targets(report.cells(recs, cfg), cfg)
+    assert paired["paired"] == pytest.approx(median([0.59 / 0.6, 0.5 / 0.41])) and paired["holds"] is True
+    # between fastest passes: b's fastest beside f's (0.4 s), not its 0.3 s a minute away
+    assert fastest["best"] == pytest.approx(0.4 / 0.41) and fastest["holds"] is True
+    md = report.markdown(report.cells(recs, cfg), [paired, fastest], cfg, {}, "now", "cmd")
+    lo, hi = paired["paired_interval"]
+    assert f"| f/b >= 0.95 (paired) | add | tiny | 64x128 | 0.97 | 0.98 | 1.10 ({lo:.2f}-{hi:.2f}) | " in md
+    unpaired = [{**r, "paired": False} for r in recs]  # the same passes, b not the run's reference
+    paired, fastest = report.targets(report.cells(unpaired, cfg), cfg)
+    assert paired["paired"] is None and paired["holds"] is None
+    assert fastest["best"] == pytest.approx(0.3 / 0.41) and fastest["holds"] is False

@@ -12,9 +12,9 @@ class Fake:
     """An engine that is ready after `polls` looks (never, if None), or dies while starting when `dies`; it wants
     `rounds` rounds, and on its way out ends unless it `lingers`."""
 
-    def __init__(self, name, log, polls=1, dies=False, lingers=False, rounds=1):
+    def __init__(self, name, log, polls=1, dies=False, lingers=False, rounds=1, fails_after=None):
         self.name, self.log, self.polls, self.dies, self.lingers = name, log, polls, dies, lingers
-        self.rounds, self.timed = rounds, 0
+        self.rounds, self.timed, self.passes, self.fails_after = rounds, 0, {}, fails_after
         self.exitcode, self.killed, self.looks, self.ended = None, False, 0, False
         log.append(("start", name))
 
@@ -27,10 +27,18 @@ class Fake:
     def alive(self):
         return not self.dies and not self.killed and not self.ended
 
-    def round(self, timeout):
-        self.timed += 1
-        self.log.append(("round", self.name))
-        return self.timed < self.rounds
+    def round(self, timeout, ask=waves.ROUND):
+        """A plain round; in a paired run a pass at `ask.batch` (the reference's with `keep`), or the close."""
+        if ask == waves.ROUND:
+            self.timed += 1
+            self.log.append(("round", self.name))
+            return [(1, 1)] if self.timed < self.rounds else []
+        self.log.append(("close", self.name) if ask.close else ("pass", self.name, ask.batch))
+        if ask.close or (self.fails_after is not None and len(self.log) > self.fails_after):
+            return [] if ask.close else None
+        if not ask.keep:
+            self.passes[ask.batch] = self.passes.get(ask.batch, 0) + 1
+        return [b for b in BATCHES if ask.keep or self.passes.get(b, 0) < self.rounds]
 
     def join(self, timeout):
         self.ended = not self.lingers
@@ -41,7 +49,10 @@ class Fake:
         self.killed = True
 
 
-def schedule(groups, width, make, timeout_s=5.0):
+BATCHES = [(64, 128), (256, 256)]
+
+
+def schedule(groups, width, make, timeout_s=5.0, reference=None):
     log = []
     tries = {}
 
@@ -50,7 +61,8 @@ def schedule(groups, width, make, timeout_s=5.0):
         return Fake(g, log, **make(g, tries[g]))
 
     done = []
-    waves.run(groups, width, start, lambda g, e: done.append((g, e.ready())), timeout_s, poll_s=0.001)
+    waves.run(groups, width, start, lambda g, e: done.append((g, e.ready())), timeout_s, poll_s=0.001,
+              reference=reference, batches=BATCHES)
     return log, done
 
 
@@ -96,14 +108,44 @@ def test_an_engine_that_is_finished_but_never_ends_is_killed_and_the_next_goes()
     assert [g for g, _ in done] == ["a", "b"]
 
 
+def test_paired_the_reference_times_a_pass_before_and_after_every_other_engines_batch_by_batch():
+    log, done = schedule(list("bcf"), 3, lambda g, n: {"rounds": {"b": 0, "c": 2, "f": 1}[g]},
+                         reference=lambda g: g == "b")
+    small, large = BATCHES
+    one = [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "f", small),
+           ("pass", "b", small), ("pass", "b", large), ("pass", "c", large), ("pass", "b", large),
+           ("pass", "f", large), ("pass", "b", large)]  # f has its one pass at each batch: finished
+    two = [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "b", large),
+           ("pass", "c", large), ("pass", "b", large)]
+    assert [e for e in log if e[0] != "start"] == one + two + [("close", "b")]
+    assert [g for g, _ in done] == ["f", "c", "b"]  # the reference closes once every other is finished
+
+
+def test_paired_without_its_reference_in_the_wave_the_rounds_are_plain():
+    log, done = schedule(list("bcf"), 2, lambda g, n: {"rounds": 1}, reference=lambda g: g == "b")
+    assert [e for e in log if e[0] != "start"][-1] == ("round", "f")  # f's wave has no b: a plain round
+    assert ("pass", "c", BATCHES[0]) in log  # b's wave (b, c) is paired
+
+
+def test_paired_a_reference_that_fails_leaves_the_others_timed_unpaired():
+    log, done = schedule(list("bc"), 2, lambda g, n: {"rounds": 2, "fails_after": 4 if g == "b" else None},
+                         reference=lambda g: g == "b")
+    small, large = BATCHES
+    timed = [e for e in log if e[0] != "start"]
+    # b answers nothing from its second pass on (the fifth entry of the log): finished as failed, c goes on alone
+    assert timed == [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "c", large),
+                     ("pass", "c", small), ("pass", "c", large)]
+    assert [g for g, _ in done] == ["b", "c"]
+
+
 def _child(path, ready, turns):
     """Two rounds, each appending to `path` only when asked for."""
     ready.set()
     for i in range(2):
-        assert turns.wait()
+        assert turns.wait() == waves.ROUND
         with open(path, "a") as f:
             f.write(f"round {i};")
-        turns.answer(i == 0)
+        turns.answer([(64, 128)] if i == 0 else [])
 
 
 def test_a_child_process_times_a_round_only_when_asked(tmp_path):
@@ -114,8 +156,8 @@ def test_a_child_process_times_a_round_only_when_asked(tmp_path):
     while not p.ready() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert p.ready() and p.alive() and not (tmp_path / "out").exists()
-    assert p.round(30) is True and (tmp_path / "out").read_text() == "round 0;"
-    assert p.round(30) is False and (tmp_path / "out").read_text() == "round 0;round 1;"
+    assert p.round(30) == [(64, 128)] and (tmp_path / "out").read_text() == "round 0;"
+    assert p.round(30) == [] and (tmp_path / "out").read_text() == "round 0;round 1;"
     p.join(30)
     assert p.exitcode == 0 and not p.alive() and not p.killed
     assert p.round(1) is None  # nobody there to answer
@@ -131,7 +173,7 @@ def _hangs_on_its_way_out(path, ready, turns):
         f.write(str(grandchild.pid))
     ready.set()
     turns.wait()
-    turns.answer(False)
+    turns.answer([])
     time.sleep(600)
 
 

@@ -69,7 +69,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ("+models.tiny.env.A-B=1", "models.tiny.env"),
                                             ("+models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD=fork",
                                              "models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD"),
-                                            ("+models.tiny.env.VLLM_X=true", "models.tiny.env.VLLM_X")])
+                                            ("+models.tiny.env.VLLM_X=true", "models.tiny.env.VLLM_X"),
+                                            ("models.tiny.paired=c", "models.tiny.paired")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
@@ -77,7 +78,7 @@ def test_bad_bench_config_names_the_field(override, field):
 
 
 @pytest.mark.parametrize("overrides,said", [
-    (["models.smollm2.min_timed_s=50"], "must be null or in 0..its max_timed_s (45), got 50.0"),
+    (["models.smollm2.min_timed_s=50"], "must be null or in 0..its max_timed_s (14), got 50.0"),
     (["models.tiny.min_timed_s=20"], "must be null or in 0..max_timed_s (15), got 20.0"),
     (["models.tiny.max_timed_s=2"], "must be >= min_timed_s (4, the run's), got 2.0")])
 def test_a_model_s_time_window_errors_say_what_bounds_it(overrides, said):

@@ -1,0 +1,46 @@
+"""A paired run's figures: each pass against the reference passes timed just before and after it."""
+
+from statistics import median
+
+import pytest
+
+from steer.bench import pairs
+
+
+def test_each_pass_is_set_against_the_reference_passes_beside_it():
+    # b f b f b: each f pass has b on both sides, 0.1 s apart
+    got = pairs.neighbours([1.1, 3.1], [0.9, 0.9], [0.0, 2.1, 4.1], [1.0, 0.9, 1.2])
+    assert got == [(0.9, [1.0, 0.9]), (0.9, [0.9, 1.2])]
+
+
+def test_a_reference_pass_further_than_the_slack_is_no_neighbour():
+    # the last f pass comes 30 s after any b pass (another wave): it has none and is left out; the first has b
+    # before it only
+    got = pairs.neighbours([1.1, 40.0], [0.9, 0.9], [0.0], [1.0], slack_s=2.0)
+    assert got == [(0.9, [1.0])]
+    assert pairs.neighbours([40.0], [0.9], [0.0], [1.0]) == []
+
+
+def test_the_paired_ratio_follows_the_spells_the_medians_do_not():
+    # The host's spells: b's passes take 1.0 s in a fast one, 1.5 s in a slow one; f costs 2% whatever the spell,
+    # and each f pass between two b passes takes 1.02 times their mean. The medians say 0.78 of b (f drew more of
+    # the slow spells), the passes against their neighbours 0.98
+    b_walls = [1.0, 1.0, 1.5, 1.5, 1.5, 1.0, 1.0]
+    f_walls = [1.02 * (x + y) / 2 for x, y in zip(b_walls, b_walls[1:])]
+    starts_b, starts_f, t = [], [], 0.0
+    for i, w in enumerate(b_walls):
+        starts_b.append(t)
+        t += w + 0.05
+        if i < len(f_walls):
+            starts_f.append(t)
+            t += f_walls[i] + 0.05
+    got = pairs.figures({"walls_s": f_walls, "started_s": starts_f}, {"walls_s": b_walls, "started_s": starts_b})
+    assert median(b_walls) / median(f_walls) == pytest.approx(1.0 / 1.275)
+    assert got["paired"] == pytest.approx(1 / 1.02) and got["pairs"] == 6
+    assert got["paired_interval"] == pytest.approx((1 / 1.02, 1 / 1.02))  # every pair says the same
+    assert got["paired_fastest"] == pytest.approx(1.0 / 1.02)  # the fastest neighbour over the fastest pass
+
+
+def test_no_neighbours_no_figures():
+    got = pairs.figures({"walls_s": [1.0], "started_s": [100.0]}, {"walls_s": [1.0], "started_s": [0.0]})
+    assert got == {"paired": None, "paired_interval": None, "paired_fastest": None, "pairs": 0}
