@@ -162,15 +162,14 @@ class _TapWorkerMixin:
         self.steer_il.clock = clock
 
     def _steer_fill_step(self, scheduler_output) -> None:
-        from interleaver.bank import BatchEdits, RequestEdits
-
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
-        qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il = self.steer_il
         rids = tuple(batch.req_ids[:n])
         if rids != self.steer_batch_key:  # a request joined or left (or the stages changed): look its edits up once
+            from interleaver.bank import BatchEdits, RequestEdits
+
             cache = self.steer_requests
             edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), set()
             for i, rid in enumerate(rids):
@@ -191,8 +190,12 @@ class _TapWorkerMixin:
                     del cache[rid]
             self.steer_batch_key = rids
             self.steer_batch = BatchEdits(edits, prompt_lens, len(self.steer_bank.stages), il.step.order)
+        num_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        if il.step.repeat(self.steer_batch, num_tokens):  # a steady decode step: most steps of a long generation
+            return
+        qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
-                         self.steer_batch, int(scheduler_output.total_num_scheduled_tokens), runner.device)
+                         self.steer_batch, num_tokens, runner.device)
 
     def _steer_finished(self, rids) -> None:
         """Forget finished requests (vLLM may reuse an id for a request resubmitted after an abort) and free their

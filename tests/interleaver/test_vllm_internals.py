@@ -104,9 +104,14 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
     torch.testing.assert_close(out, x + v[0])  # c joined (and took a's slot): both rows are generated tokens
 
 
-def test_steady_decode_steps_reuse_the_device_weights(worker):
+def test_steady_decode_steps_reuse_the_device_weights(worker, monkeypatch):
     """Once every row of a batch is a generated token, a decode step's weights are the last step's: the same
-    device tensor serves, until a row is a prompt token again or the batch changes."""
+    device tensor serves, computed once, until a row is a prompt token again or the batch changes."""
+    import interleaver.bank
+
+    computed = []
+    weights = interleaver.bank._weights
+    monkeypatch.setattr(interleaver.bank, "_weights", lambda *a: computed.append(a) or weights(*a))
     v = torch.randn(1, H)
     bank = EditBank()
     both = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
@@ -123,11 +128,27 @@ def test_steady_decode_steps_reuse_the_device_weights(worker):
     for pos in (5, 6, 7):
         out = step(worker.model_runner, [("a", 1, pos, 4, a), ("b", 1, pos, 4, b)], x)
         torch.testing.assert_close(out, x + torch.stack([v[0], 2 * v[0]]))
-    assert seen[1] is seen[0] and seen[2] is seen[0]
+    assert seen[1] is seen[0] and seen[2] is seen[0] and len(computed) == 1
     assert torch.equal(rows.static[:2], seen[0]) and not rows.static[2:].any()
     out = step(worker.model_runner, [("a", 1, 8, 4, a), ("c", 1, 2, 4, b)], x)  # c is still in its prompt
     torch.testing.assert_close(out[0], x[0] + v[0])
     assert torch.equal(out[1], x[1]) and seen[3] is not seen[0]
+
+
+def test_a_request_that_keeps_its_rows_keeps_each_steady_steps_own(worker):
+    """A steady step repeats the last one's weights, but a request capturing a tap keeps each step's row at that
+    step's position, so its steps are set from their rows."""
+    v = torch.randn(1, H)
+    bank = EditBank()
+    loc = tap_location("layers.0")
+    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, v)])), capture=[loc], key="k")
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    for pos in (5, 6, 7):
+        x = torch.randn(1, H)
+        out = step(worker.model_runner, [("a", 1, pos, 4, {"steer": add.to_args()})], x)
+        torch.testing.assert_close(out, x + v[0])
+        [kept] = worker.steer_take_kept()[loc]["k"]  # this step's row, as the edit left it
+        torch.testing.assert_close(torch.tensor(kept), out)
 
 
 def test_an_in_graph_worker_serves_only_its_declared_stages():
