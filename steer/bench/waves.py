@@ -124,6 +124,9 @@ def _paired(ref: Tuple[G, Engine], engines: List[Tuple[G, Engine]], batches: Lis
     wanted = {id(e): set(batches) for _, e in engines}
     active, paired = list(engines), True
     while active:
+        if not any(wanted[id(e)] & set(batches) for _, e in active):  # wanting no batch of the run: plain rounds
+            _rounds(active, timeout_s, exit_s, finish)
+            break
         for batch in batches:
             turn = [(g, e) for g, e in active if batch in wanted[id(e)]]
             for i, (g, e) in enumerate(turn):

@@ -34,3 +34,12 @@ def test_the_interval_covers_the_true_ratio_about_as_often_as_it_says():
         lo, hi = bootstrap.interval(a, b, resamples=300, seed=i)
         covered += lo <= 1.0 <= hi
     assert 0.80 * 200 <= covered <= 0.98 * 200
+
+
+def test_a_median_s_interval_holds_the_median_and_narrows_with_more_values():
+    few = [0.9, 1.0, 1.1, 0.95, 1.05]
+    lo, hi = bootstrap.median_interval(few)
+    assert lo <= 1.0 <= hi and (lo, hi) == bootstrap.median_interval(few)  # the same values, the same interval
+    lo_many, hi_many = bootstrap.median_interval(few * 8)
+    assert hi_many - lo_many < hi - lo
+    assert bootstrap.median_interval([1.0]) is None

@@ -205,3 +205,15 @@ def test_a_finished_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     assert finished == ["a"] and engines[0].killed and not engines[0].alive()
     assert not _running(grandchild)
     assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
+
+
+def test_paired_an_engine_wanting_no_batch_of_the_run_gets_plain_rounds():
+    class Odd(Fake):
+        def round(self, timeout, ask=waves.ROUND):  # wants a batch the run does not have, until a plain round
+            self.log.append(("asked", self.name, ask))
+            return [(9, 9)] if ask != waves.ROUND else []
+
+    log, finished = [], []
+    waves._paired(("b", Fake("b", log)), [("c", Odd("c", log))], BATCHES, 1.0, 0.0, lambda g, e: finished.append(g))
+    assert [e[2] for e in log if e[0] == "asked"] == [waves.Ask(BATCHES[0]), waves.ROUND]
+    assert finished == ["c", "b"] and log[-1] == ("close", "b")
