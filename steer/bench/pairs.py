@@ -6,9 +6,10 @@ and their medians, or their fastest passes, differ by as much as the cost being 
 (steer/bench/waves.py, a model's `paired`) the reference (b) times a pass of the same batch right before and
 right after each of another engine's, so each of its passes has two reference passes beside it that mostly share
 its spell. The ratio of each pass to its neighbours cancels the spell; their median is the paired figure, and
-resampling the pairs gives its interval. The fastest reference pass among the neighbours (not among all of the
-reference's passes, which outnumber any one engine's several times and so would reach further into the fast
-spells) stands against the engine's fastest pass.
+resampling the pairs gives its interval. Between fastest passes, each pass's first neighbour (the one before it
+where there is one) stands for the reference: as many reference passes as the engine's, drawn beside them, so
+neither side's fastest comes from more draws (all the reference's passes outnumber any one engine's several
+times, and the fastest of more draws reaches further into the fast spells).
 """
 
 import bisect
@@ -43,14 +44,14 @@ def neighbours(of_starts: Sequence[float], of_walls: Sequence[float], over_start
 
 def figures(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
     """`paired`: the median over `of`'s passes of its throughput over its neighbours' (their mean time over its
-    time); `paired_interval`: its central 90% interval, resampling the pairs; `paired_fastest`: the fastest
-    neighbour's time over `of`'s fastest pass. Each None where no pass has a neighbour (or, for the interval,
-    fewer than 2 do). `of` and `over` are rows with `walls_s` and `started_s`."""
+    time); `paired_interval`: its central 90% interval, resampling the pairs; `paired_fastest`: the fastest of
+    the passes' first neighbours over `of`'s fastest pass. Each None where no pass has a neighbour (or, for the
+    interval, fewer than 2 do). `of` and `over` are rows with `walls_s` and `started_s`."""
     pairs = neighbours(of.get("started_s") or [], of.get("walls_s") or [], over.get("started_s") or [],
                        over.get("walls_s") or [])
     if not pairs:
         return {"paired": None, "paired_interval": None, "paired_fastest": None, "pairs": 0}
     ratios = [sum(b) / len(b) / w for w, b in pairs]
-    fastest = min(x for _, b in pairs for x in b) / min(w for w, _ in pairs)
+    fastest = min(b[0] for _, b in pairs) / min(w for w, _ in pairs)
     return {"paired": median(ratios), "paired_interval": bootstrap.median_interval(ratios),
             "paired_fastest": fastest, "pairs": len(pairs)}

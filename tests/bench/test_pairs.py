@@ -38,9 +38,15 @@ def test_the_paired_ratio_follows_the_spells_the_medians_do_not():
     assert median(b_walls) / median(f_walls) == pytest.approx(1.0 / 1.275)
     assert got["paired"] == pytest.approx(1 / 1.02) and got["pairs"] == 6
     assert got["paired_interval"] == pytest.approx((1 / 1.02, 1 / 1.02))  # every pair says the same
-    assert got["paired_fastest"] == pytest.approx(1.0 / 1.02)  # the fastest neighbour over the fastest pass
+    assert got["paired_fastest"] == pytest.approx(1.0 / 1.02)  # the fastest first neighbour over the fastest pass
 
 
 def test_no_neighbours_no_figures():
     got = pairs.figures({"walls_s": [1.0], "started_s": [100.0]}, {"walls_s": [1.0], "started_s": [0.0]})
     assert got == {"paired": None, "paired_interval": None, "paired_fastest": None, "pairs": 0}
+
+
+def test_between_fastest_passes_each_pass_brings_one_neighbour():
+    # one f pass between b's 1.0 s and 0.8 s: its first neighbour stands for b, as many b passes as f's
+    got = pairs.figures({"walls_s": [1.0], "started_s": [1.1]}, {"walls_s": [1.0, 0.8], "started_s": [0.0, 2.2]})
+    assert got["paired_fastest"] == pytest.approx(1.0) and got["paired"] == pytest.approx(0.9)
