@@ -202,6 +202,8 @@ class _TapWorkerMixin:
         own vectors' stages."""
         for rid in rids:
             self.steer_requests.pop(rid, None)
+        if self.steer_batch_key and not set(rids).isdisjoint(self.steer_batch_key):
+            self.steer_batch_key = None  # an id resubmitted into its freed slot is another request: look it up
         changed = self.steer_inline.release(rids)
         if changed:
             self._steer_install(changed)

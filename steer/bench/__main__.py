@@ -103,7 +103,7 @@ def _lane(conf: schema.BenchConf, i: int, work, book: "_Book") -> None:
                 env["CUDA_VISIBLE_DEVICES"] = lane.gpus
             waves.run(groups, m.engines_at_once, lambda g, m=m, w=where, env=env: book.start(g, m, w, env),
                       book.finish, conf.timeout_s, reference=(lambda g, m=m: g.config == m.paired) if m.paired else
-                      None, batches=[tuple(b) for b in conf.batches])
+                      None, cells=lambda g: [(c["scenario"], (c["requests"], c["tokens"])) for c in g.cells])
         book.console.print(f"[bench] lane {i} done", highlight=False, markup=False)
     except BaseException as e:  # handed to the main thread, which raises it once every lane has stopped
         book.failed.append(e)

@@ -133,18 +133,24 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
         ask = turns.wait() if turns is not None else waves.ROUND
         if ask is None:
             return  # the scheduler is gone
+        profiled = getattr(runner, "profile", None) is not None
         for t in cells:
-            if t.record is not None or (ask.batch is not None and (t.cell["requests"], t.cell["tokens"]) !=
-                                        tuple(ask.batch)):
+            if t.record is not None or not _asked(t.cell, ask):
                 continue
             if not ask.close:
                 _pass(cfg, group, runner, t, read, m, keep=ask.keep)
             elif t.walls:  # the pairing reference, closed: the passes it has stand (the report pairs them)
-                _finish(group, t, getattr(runner, "profile", None) is not None)
+                _finish(group, t, profiled)
                 t.record["paired"] = True
-            if t.record is not None:  # after every cell: a process killed later keeps what it finished
+            else:
+                t.record = {**t.cell, "status": "not run", "detail": "the pairing reference: no other engine was "
+                                                                     "timed at this batch"}
+            # after every finished cell, and every pass of the reference (its cells stay open to the end): a process
+            # killed later keeps what it has
+            if t.record is not None or ask.keep:
                 machine = machine or engines.machine()
-                _write(out, [t.record for t in cells if t.record is not None], machine)
+                _write(out, [t.record or {**_record(t, profiled), "paired": True} for t in cells
+                             if t.record is not None or (ask.keep and t.walls)], machine)
         wanted = _wanted(cells)
         if ask.close or not wanted:
             break
@@ -157,10 +163,15 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
             _write(out, [t.record for t in cells if t.record is not None], machine)
 
 
-def _wanted(cells: List["_Timing"]) -> List[waves.Batch]:
-    """The batches of the cells still short of their passes (a pairing reference's stay open until it is
-    closed), in order."""
-    return list(dict.fromkeys((t.cell["requests"], t.cell["tokens"]) for t in cells if t.record is None))
+def _asked(cell: Dict, ask: waves.Ask) -> bool:
+    """Whether `ask` names this cell (its batch and scenario, each where given)."""
+    return ((ask.batch is None or (cell["requests"], cell["tokens"]) == tuple(ask.batch)) and
+            (ask.scenario is None or cell["scenario"] == ask.scenario))
+
+
+def _wanted(cells: List["_Timing"]) -> List[waves.Cell]:
+    """The cells still short of their passes (a pairing reference's stay open until it is closed), in order."""
+    return [(t.cell["scenario"], (t.cell["requests"], t.cell["tokens"])) for t in cells if t.record is None]
 
 
 def _trace(cfg: BenchConf, group: Group, runner, t: _Timing, out: str) -> None:
@@ -217,31 +228,40 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
 
 
 def _finish(group: Group, t: _Timing, profiled: bool) -> None:
+    """The cell's record from its timed passes (`_record`), said on the bench's log."""
+    n, tokens = t.cell["requests"], t.cell["tokens"]
+    t.record = rec = _record(t, profiled)
+    gpu = f", {rec['sm_mhz']:,.0f} MHz, {rec['power_w']:,.0f} W" if "sm_mhz" in rec else ""
+    if "cpu_busy" in rec:
+        gpu += f", {rec['cpu_busy']:.1f} CPUs busy, {rec['cpu_steal']:.1f}% stolen"
+    print(f"[bench] {group.model} {group.config} {t.cell['scenario']} {n}x{tokens}: "
+          f"{rec['tok_s']:,.0f} tok/s (spread {rec['spread']:.1%}{gpu})", flush=True)
+    if profiled:
+        print(f"[bench] host profile: {rec['host_profile']}", flush=True)
+
+
+def _record(t: _Timing, profiled: bool) -> Dict:
     """A cell's record from its timed passes: the median pass, their spread, the GPU's clock and power and the
-    host's busy CPUs and steal (the medians of the passes' readings, and each pass's; absent where not read)."""
+    host's busy CPUs and steal (the medians of the passes' readings, and each pass's; absent where not read), and
+    where `profiled`, the host profile."""
     n, tokens = t.cell["requests"], t.cell["tokens"]
     walls = t.walls
     wall = statistics.median(walls)
-    t.record = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
-                "spread": (max(walls) - min(walls)) / wall, "walls_s": walls, "started_s": t.starts,
-                "pid": os.getpid()}
+    rec = {**t.cell, "status": "ok", "wall_s": wall, "tok_s": n * tokens / wall,
+           "spread": (max(walls) - min(walls)) / wall, "walls_s": list(walls), "started_s": list(t.starts),
+           "pid": os.getpid()}
     for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST,
                 *pauses.READINGS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
-            t.record[f"{key}_passes"] = per_pass
+            rec[f"{key}_passes"] = per_pass
             if key != placement.BUSIEST:  # a CPU's number has no median
-                t.record[key] = statistics.median(per_pass)
-    gpu = f", {t.record['sm_mhz']:,.0f} MHz, {t.record['power_w']:,.0f} W" if "sm_mhz" in t.record else ""
-    if "cpu_busy" in t.record:
-        gpu += f", {t.record['cpu_busy']:.1f} CPUs busy, {t.record['cpu_steal']:.1f}% stolen"
-    print(f"[bench] {group.model} {group.config} {t.cell['scenario']} {n}x{tokens}: "
-          f"{n * tokens / wall:,.0f} tok/s (spread {t.record['spread']:.1%}{gpu})", flush=True)
+                rec[key] = statistics.median(per_pass)
     if profiled:
-        t.record["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
-                                    if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
-                                    for k, v in t.host.items()}
-        print(f"[bench] host profile: {t.record['host_profile']}", flush=True)
+        rec["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
+                               if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
+                               for k, v in t.host.items()}
+    return rec
 
 
 @contextmanager

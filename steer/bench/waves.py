@@ -9,10 +9,11 @@ rounds, every configuration of a wave samples the same stretch of the run, so th
 was timed first (the measurement that showed it: docs/perf-log.md, bench).
 
 Paired (a model's `paired`, e.g. b): where the wave holds that reference configuration, a round goes batch by
-batch, and the reference times a pass of the batch before and after every other engine's, whatever it has: each
-steered pass then sits between two of b's, and the report sets it against them (steer/bench/pairs.py). A
-host-bound model's passes move 20-40% from one to the next in the host's spells; a pair shares the spell far more
-often than passes a round apart. The reference's cells are finished when the others' are.
+batch and cell by cell, and the reference times a pass of the batch before and after every other engine's pass of
+a cell, whatever it has: each steered pass then sits between two of b's, and the report sets it against them
+(steer/bench/pairs.py). A host-bound model's passes move 20-40% from one to the next in the host's spells; a pair
+shares the spell far more often than passes a round apart. The reference's cells are finished when the others'
+are.
 
 A start that fails beside others (memory, a port taken at the same moment) is tried once more alone after its
 wave, so crowding never costs a figure.
@@ -35,14 +36,17 @@ G = TypeVar("G")
 
 EXIT_S = 20.0  # for an engine process to end after its last cell (vLLM's own shutdown takes about a second)
 Batch = Tuple[int, int]  # requests, new tokens
+Cell = Tuple[str, Batch]  # scenario, batch
 
 
 @dataclass(frozen=True)
 class Ask:
-    """The scheduler's message: time a round of your cells (those at `batch`; None: all). `keep`: the pairing
-    reference times a pass of each such cell whether or not it has its passes; `close`: it is done, finish."""
+    """The scheduler's message: time a pass of each of your cells still short of its passes, those at `batch`
+    of `scenario` (None: any). `keep`: the pairing reference times such a pass whether or not the cell has its
+    passes; `close`: it is done, finish."""
 
     batch: Optional[Batch] = None
+    scenario: Optional[str] = None
     keep: bool = False
     close: bool = False
 
@@ -57,8 +61,8 @@ class Engine(Protocol):
 
     def alive(self) -> bool: ...
 
-    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Batch]]: ...  # time one round: the
-    # batches it still wants passes at ([]: finished, every cell timed and traced), None failed (died, or no
+    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Cell]]: ...  # time one round: the
+    # cells still short of their passes ([]: finished, every cell timed and traced), None failed (died, or no
     # answer within `timeout`)
 
     def join(self, timeout: float) -> None: ...
@@ -68,12 +72,12 @@ class Engine(Protocol):
 
 def run(groups: Sequence[G], width: int, start: Callable[[G], Engine], finish: Callable[[G, Engine], None],
         timeout_s: float, poll_s: float = 0.5, exit_s: float = EXIT_S, reference: Optional[Callable[[G], bool]] = None,
-        batches: Sequence[Batch] = ()) -> None:
+        cells: Callable[[G], Sequence[Cell]] = lambda g: ()) -> None:
     """Start `groups` `width` at a time; time the ready ones in rounds, in order within a round; `finish` each once
     it is finished and gone (ended within `exit_s`, or killed) or failed (dead before ready, past `timeout_s` to
-    start, or to time a round). Where `reference` names a group of the wave, its rounds are paired over
-    `batches`, in that order."""
-    time_ = functools.partial(_time, reference=reference, batches=batches)
+    start, or to time a round). Where `reference` names a group of the wave, its rounds are paired, over the
+    `cells` of each group in their order."""
+    time_ = functools.partial(_time, reference=reference, cells=cells)
     for i in range(0, len(groups), width):
         wave = list(groups[i:i + width])
         engines = [start(g) for g in wave]
@@ -102,7 +106,7 @@ def _await(engines: Sequence[Engine], timeout_s: float, poll_s: float) -> None:
 
 def _time(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
           finish: Callable[[G, Engine], None], reference: Optional[Callable[[G], bool]] = None,
-          batches: Sequence[Batch] = ()) -> None:
+          cells: Callable[[G], Sequence[Cell]] = lambda g: ()) -> None:
     """Kill and finish the engines that never got ready; time the rest in rounds (paired where `reference` names
     one of them and there are others)."""
     for g, e in engines:
@@ -111,35 +115,41 @@ def _time(engines: List[Tuple[G, Engine]], timeout_s: float, exit_s: float,
             finish(g, e)
     ready = [(g, e) for g, e in engines if e.ready()]
     ref = next((x for x in ready if reference is not None and reference(x[0])), None)
-    if ref is None or len(ready) < 2 or not batches:
+    others = [x for x in ready if x is not ref]
+    if ref is None or not others:
         return _rounds(ready, timeout_s, exit_s, finish)
-    _paired(ref, [x for x in ready if x is not ref], [tuple(b) for b in batches], timeout_s, exit_s, finish)
+    _paired(ref, [(g, e, [(s, tuple(b)) for s, b in cells(g)]) for g, e in others], timeout_s, exit_s, finish)
 
 
-def _paired(ref: Tuple[G, Engine], engines: List[Tuple[G, Engine]], batches: List[Batch], timeout_s: float,
+def _paired(ref: Tuple[G, Engine], engines: List[Tuple[G, Engine, List[Cell]]], timeout_s: float,
             exit_s: float, finish: Callable[[G, Engine], None]) -> None:
-    """Batch by batch, the reference times a pass before the first engine still wanting that batch and after each
-    one's round; once every other engine is finished, the reference closes (should it fail on the way, the others
-    go on unpaired)."""
-    wanted = {id(e): set(batches) for _, e in engines}
+    """Batch by batch (in the order the engines' cells first name them), each engine in turn times each of its
+    cells still wanted at that batch, one pass each, and the reference a pass before the first and after each;
+    once every other engine is finished, the reference closes (should it fail on the way, the others go on
+    unpaired). An engine that wants no cell it was given is timed in plain rounds."""
+    batches = list(dict.fromkeys(b for _, _, mine in engines for _, b in mine))
+    wanted = {id(e): set(mine) for _, e, mine in engines}
     active, paired = list(engines), True
     while active:
-        if not any(wanted[id(e)] & set(batches) for _, e in active):  # wanting no batch of the run: plain rounds
-            _rounds(active, timeout_s, exit_s, finish)
+        if not any(wanted[id(e)] & set(mine) for _, e, mine in active):
+            _rounds([(g, e) for g, e, _ in active], timeout_s, exit_s, finish)
             break
         for batch in batches:
-            turn = [(g, e) for g, e in active if batch in wanted[id(e)]]
-            for i, (g, e) in enumerate(turn):
-                if paired and i == 0:
-                    paired = _keep(ref, batch, timeout_s, exit_s, finish)
-                left = e.round(timeout_s, Ask(batch))
-                if left:
-                    wanted[id(e)] = {tuple(b) for b in left}
-                else:
-                    active.remove((g, e))
-                    _end(g, e, exit_s, finish)
-                if paired:
-                    paired = _keep(ref, batch, timeout_s, exit_s, finish)
+            first = True
+            for g, e, mine in list(active):
+                for scen, _ in [c for c in mine if c[1] == batch and c in wanted[id(e)]]:
+                    if paired and first:
+                        paired, first = _keep(ref, batch, timeout_s, exit_s, finish), False
+                    left = e.round(timeout_s, Ask(batch, scen))
+                    if not left:  # finished, or failed: its process ends before the reference's pass, not in it
+                        active.remove((g, e, mine))
+                        _end(g, e, exit_s, finish)
+                    else:
+                        wanted[id(e)] = {(s, tuple(b)) for s, b in left}
+                    if paired:
+                        paired = _keep(ref, batch, timeout_s, exit_s, finish)
+                    if not left:
+                        break
     if paired:
         ref[1].round(timeout_s, Ask(close=True))
         _end(*ref, exit_s, finish)
@@ -196,14 +206,14 @@ class Process:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Batch]]:
+    def round(self, timeout: float, ask: Ask = ROUND) -> Optional[List[Cell]]:
         try:
             self._conn.send(ask)
             deadline = time.monotonic() + timeout
             while not self._conn.poll(0.5):
                 if not self.process.is_alive() or time.monotonic() > deadline:
                     return None
-            return [tuple(b) for b in self._conn.recv()]
+            return [(s, tuple(b)) for s, b in self._conn.recv()]
         except (EOFError, OSError):  # the child died (its end of the pipe closed)
             return None
 
@@ -228,8 +238,8 @@ class Process:
 
 
 class Turns:
-    """The engine's side of the rounds: wait for the scheduler's next round, then say which batches it still
-    wants passes at."""
+    """The engine's side of the rounds: wait for the scheduler's next round, then say which cells are still short
+    of their passes."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -242,10 +252,10 @@ class Turns:
             return None
         return ask if isinstance(ask, Ask) else None
 
-    def answer(self, wanted: Sequence[Batch]) -> None:
-        """The batches this engine still wants passes at (none: finished)."""
+    def answer(self, wanted: Sequence[Cell]) -> None:
+        """The cells still short of their passes (none: finished), as plain lists."""
         try:
-            self.conn.send([list(b) for b in wanted])
+            self.conn.send([[s, list(b)] for s, b in wanted])
         except (BrokenPipeError, OSError):  # the scheduler is gone: nothing to tell
             pass
 

@@ -140,6 +140,12 @@ def _check_cells(cfg: BenchConf) -> None:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
         if t.between not in ("medians", "fastest", "paired"):
             raise ConfigError(f"targets[{i}].between", f"expected medians, fastest or paired, got {t.between!r}")
+        unpaired = [name for name in ([t.model] if t.model else cfg.run)
+                    if t.between == "paired" and name in cfg.models and cfg.models[name].paired != t.over]
+        if unpaired:  # its passes would have no neighbours: never decided
+            raise ConfigError(f"targets[{i}].between", f"paired over {t.over}, but {unpaired[0]}'s runs are not "
+                                                       f"paired over it (models.{unpaired[0]}.paired: "
+                                                       f"{cfg.models[unpaired[0]].paired})")
 
 
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:

@@ -219,7 +219,7 @@ def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in,
         child.join(0.2)
         assert child.is_alive() and stand_in == [] and not scheduler.poll()  # started, waiting: no pass run
         scheduler.send(waves.ROUND)
-        assert scheduler.recv() == [[4, 6]]  # more rounds wanted: each cell has had one of its two passes
+        assert scheduler.recv() == [["add", [4, 6]], ["k1", [4, 6]]]  # each cell has had one of its two passes
         assert [s for _, s, _ in stand_in] == ["add", "add", "k1", "k1"]
         child.join(0.2)
         assert child.is_alive() and len(stand_in) == 4
@@ -242,7 +242,7 @@ def test_a_paired_rounds_engine_times_only_the_batch_asked_and_the_reference_unt
 
     cfg = bench_conf("batches=[[4,6],[8,6]]", "repeats=1", "min_timed_s=0")
     group = one_tap(cfg)
-    group.cells = [c for c in group.cells if c["scenario"] == "add"]  # at both batches
+    group.cells = [c for c in group.cells if c["scenario"] == "add" or c["requests"] == 8][:3]  # add, add, k1 at 8
     ready, (scheduler, child_end) = threading.Event(), Pipe()
     child = threading.Thread(target=runs.run_group, args=(cfg, cfg.models["tiny"], bench_model, group,
                                                           str(tmp_path / "out.json"), None, ready,
@@ -250,18 +250,21 @@ def test_a_paired_rounds_engine_times_only_the_batch_asked_and_the_reference_unt
     child.start()
     try:
         assert ready.wait(30)
-        for _ in range(3):  # as the reference: past its one pass (repeats=1), still open
+        for i in range(3):  # as the reference: past its one pass (repeats=1), still open
             scheduler.send(waves.Ask((4, 6), keep=True))
-            assert scheduler.recv() == [[4, 6], [8, 6]]
+            assert scheduler.recv() == [["add", [4, 6]], ["add", [8, 6]], ["k1", [8, 6]]]
+            # what it has so far is written after every pass: should the process die, those passes stand
+            assert [(r["requests"], len(r["walls_s"]), r["paired"]) for r in records(tmp_path / "out.json")] == [
+                (4, i + 1, True)]
         assert [n for n, _, _ in stand_in] == [4] * 4  # a warm-up and three timed passes, all of 4 requests
-        assert not (tmp_path / "out.json").exists()  # nothing finished
-        scheduler.send(waves.Ask((8, 6)))  # a plain pass at the other batch: its one pass finishes it
-        assert scheduler.recv() == [[4, 6]]
+        scheduler.send(waves.Ask((8, 6), "add"))  # a plain pass of that cell alone: its one pass finishes it
+        assert scheduler.recv() == [["add", [4, 6]], ["k1", [8, 6]]]
         scheduler.send(waves.Ask(close=True))
         assert scheduler.recv() == []
-        got = {r["requests"]: r for r in records(tmp_path / "out.json")}
-        assert len(got[4]["walls_s"]) == 3 and got[4]["paired"] is True
-        assert len(got[8]["walls_s"]) == 1 and "paired" not in got[8]
+        got = {(r["scenario"], r["requests"]): r for r in records(tmp_path / "out.json")}
+        assert len(got["add", 4]["walls_s"]) == 3 and got["add", 4]["paired"] is True
+        assert len(got["add", 8]["walls_s"]) == 1 and "paired" not in got["add", 8]
+        assert got["k1", 8]["status"] == "not run" and "no other engine" in got["k1", 8]["detail"]  # never asked
     finally:
         faulthandler.cancel_dump_traceback_later()
         child.join(30)

@@ -33,12 +33,12 @@ class Fake:
             self.timed += 1
             self.log.append(("round", self.name))
             return [(1, 1)] if self.timed < self.rounds else []
-        self.log.append(("close", self.name) if ask.close else ("pass", self.name, ask.batch))
+        self.log.append(("close", self.name) if ask.close else ("pass", self.name, ask.batch, ask.scenario))
         if ask.close or (self.fails_after is not None and len(self.log) > self.fails_after):
             return [] if ask.close else None
         if not ask.keep:
-            self.passes[ask.batch] = self.passes.get(ask.batch, 0) + 1
-        return [b for b in BATCHES if ask.keep or self.passes.get(b, 0) < self.rounds]
+            self.passes[ask.scenario, ask.batch] = self.passes.get((ask.scenario, ask.batch), 0) + 1
+        return [c for c in CELLS.get(self.name, []) if ask.keep or self.passes.get(c, 0) < self.rounds]
 
     def join(self, timeout):
         self.ended = not self.lingers
@@ -50,6 +50,11 @@ class Fake:
 
 
 BATCHES = [(64, 128), (256, 256)]
+SMALL, LARGE = BATCHES
+# each engine's cells (scenario, batch), in order: b is the pairing reference, c has two scenarios, f one
+CELLS = {"b": [("unsteered", SMALL), ("unsteered", LARGE)],
+         "c": [("add", SMALL), ("k1", SMALL), ("add", LARGE), ("k1", LARGE)],
+         "f": [("add", SMALL), ("add", LARGE)]}
 
 
 def schedule(groups, width, make, timeout_s=5.0, reference=None):
@@ -62,7 +67,7 @@ def schedule(groups, width, make, timeout_s=5.0, reference=None):
 
     done = []
     waves.run(groups, width, start, lambda g, e: done.append((g, e.ready())), timeout_s, poll_s=0.001,
-              reference=reference, batches=BATCHES)
+              reference=reference, cells=lambda g: CELLS.get(g, []))
     return log, done
 
 
@@ -108,15 +113,17 @@ def test_an_engine_that_is_finished_but_never_ends_is_killed_and_the_next_goes()
     assert [g for g, _ in done] == ["a", "b"]
 
 
-def test_paired_the_reference_times_a_pass_before_and_after_every_other_engines_batch_by_batch():
+def test_paired_the_reference_times_a_pass_before_and_after_every_other_engines_cell_batch_by_batch():
     log, done = schedule(list("bcf"), 3, lambda g, n: {"rounds": {"b": 0, "c": 2, "f": 1}[g]},
                          reference=lambda g: g == "b")
-    small, large = BATCHES
-    one = [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "f", small),
-           ("pass", "b", small), ("pass", "b", large), ("pass", "c", large), ("pass", "b", large),
-           ("pass", "f", large), ("pass", "b", large)]  # f has its one pass at each batch: finished
-    two = [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "b", large),
-           ("pass", "c", large), ("pass", "b", large)]
+
+    def around(batch, *passes):  # b, then each engine's pass followed by b's
+        return [("pass", "b", batch, None)] + [x for p in passes for x in (("pass", *p), ("pass", "b", batch, None))]
+
+    one = around(SMALL, ("c", SMALL, "add"), ("c", SMALL, "k1"), ("f", SMALL, "add")) + \
+        around(LARGE, ("c", LARGE, "add"), ("c", LARGE, "k1"), ("f", LARGE, "add"))  # f has its one pass at each
+    two = around(SMALL, ("c", SMALL, "add"), ("c", SMALL, "k1")) + around(LARGE, ("c", LARGE, "add"),
+                                                                          ("c", LARGE, "k1"))
     assert [e for e in log if e[0] != "start"] == one + two + [("close", "b")]
     assert [g for g, _ in done] == ["f", "c", "b"]  # the reference closes once every other is finished
 
@@ -124,18 +131,30 @@ def test_paired_the_reference_times_a_pass_before_and_after_every_other_engines_
 def test_paired_without_its_reference_in_the_wave_the_rounds_are_plain():
     log, done = schedule(list("bcf"), 2, lambda g, n: {"rounds": 1}, reference=lambda g: g == "b")
     assert [e for e in log if e[0] != "start"][-1] == ("round", "f")  # f's wave has no b: a plain round
-    assert ("pass", "c", BATCHES[0]) in log  # b's wave (b, c) is paired
+    assert ("pass", "c", SMALL, "add") in log  # b's wave (b, c) is paired
 
 
 def test_paired_a_reference_that_fails_leaves_the_others_timed_unpaired():
-    log, done = schedule(list("bc"), 2, lambda g, n: {"rounds": 2, "fails_after": 4 if g == "b" else None},
+    log, done = schedule(list("bf"), 2, lambda g, n: {"rounds": 2, "fails_after": 4 if g == "b" else None},
                          reference=lambda g: g == "b")
-    small, large = BATCHES
     timed = [e for e in log if e[0] != "start"]
-    # b answers nothing from its second pass on (the fifth entry of the log): finished as failed, c goes on alone
-    assert timed == [("pass", "b", small), ("pass", "c", small), ("pass", "b", small), ("pass", "c", large),
-                     ("pass", "c", small), ("pass", "c", large)]
-    assert [g for g, _ in done] == ["b", "c"]
+    # b answers nothing from its second pass on (the fifth entry of the log): finished as failed, f goes on alone
+    assert timed == [("pass", "b", SMALL, None), ("pass", "f", SMALL, "add"), ("pass", "b", SMALL, None),
+                     ("pass", "f", LARGE, "add"), ("pass", "f", SMALL, "add"), ("pass", "f", LARGE, "add")]
+    assert [g for g, _ in done] == ["b", "f"]
+
+
+def test_paired_an_engine_wanting_no_cell_it_was_given_gets_plain_rounds():
+    class Odd(Fake):
+        def round(self, timeout, ask=waves.ROUND):  # wants a cell nobody named, until a plain round
+            self.log.append(("asked", self.name, ask))
+            return [("add", (9, 9))] if ask != waves.ROUND else []
+
+    log, finished = [], []
+    waves._paired(("b", Fake("b", log)), [("c", Odd("c", log), [("add", SMALL)])], 1.0, 0.0,
+                  lambda g, e: finished.append(g))
+    assert [e[2] for e in log if e[0] == "asked"] == [waves.Ask(SMALL, "add"), waves.ROUND]
+    assert finished == ["c", "b"] and log[-1] == ("close", "b")
 
 
 def _child(path, ready, turns):
@@ -145,7 +164,7 @@ def _child(path, ready, turns):
         assert turns.wait() == waves.ROUND
         with open(path, "a") as f:
             f.write(f"round {i};")
-        turns.answer([(64, 128)] if i == 0 else [])
+        turns.answer([("add", (64, 128))] if i == 0 else [])
 
 
 def test_a_child_process_times_a_round_only_when_asked(tmp_path):
@@ -156,7 +175,7 @@ def test_a_child_process_times_a_round_only_when_asked(tmp_path):
     while not p.ready() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert p.ready() and p.alive() and not (tmp_path / "out").exists()
-    assert p.round(30) == [(64, 128)] and (tmp_path / "out").read_text() == "round 0;"
+    assert p.round(30) == [("add", (64, 128))] and (tmp_path / "out").read_text() == "round 0;"
     assert p.round(30) == [] and (tmp_path / "out").read_text() == "round 0;round 1;"
     p.join(30)
     assert p.exitcode == 0 and not p.alive() and not p.killed
@@ -205,15 +224,3 @@ def test_a_finished_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     assert finished == ["a"] and engines[0].killed and not engines[0].alive()
     assert not _running(grandchild)
     assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
-
-
-def test_paired_an_engine_wanting_no_batch_of_the_run_gets_plain_rounds():
-    class Odd(Fake):
-        def round(self, timeout, ask=waves.ROUND):  # wants a batch the run does not have, until a plain round
-            self.log.append(("asked", self.name, ask))
-            return [(9, 9)] if ask != waves.ROUND else []
-
-    log, finished = [], []
-    waves._paired(("b", Fake("b", log)), [("c", Odd("c", log))], BATCHES, 1.0, 0.0, lambda g, e: finished.append(g))
-    assert [e[2] for e in log if e[0] == "asked"] == [waves.Ask(BATCHES[0]), waves.ROUND]
-    assert finished == ["c", "b"] and log[-1] == ("close", "b")

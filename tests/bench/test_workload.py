@@ -70,7 +70,9 @@ def test_committed_bench_config_composes_and_checks():
                                             ("+models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD=fork",
                                              "models.tiny.env.VLLM_WORKER_MULTIPROC_METHOD"),
                                             ("+models.tiny.env.VLLM_X=true", "models.tiny.env.VLLM_X"),
-                                            ("models.tiny.paired=c", "models.tiny.paired")])
+                                            ("models.tiny.paired=c", "models.tiny.paired"),
+                                            ("targets=[{scenario:add,model:tiny,of:f,at_least:1,between:paired}]",
+                                             "targets[0].between")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
@@ -163,3 +165,10 @@ def test_the_kv_cache_of_a_model_whose_config_has_no_head_dim(tmp_path):
     cfg = bench_conf("batches=[[64,128],[256,256]]")
     per_token = 2 * 30 * 3 * 64 * 2  # K and V, bf16
     assert workload.kv_cache_bytes(cfg, tmp_path, "bfloat16") == per_token * 256 * (32 + 256) * 5 // 4
+
+
+def test_a_target_between_paired_passes_needs_its_model_paired_over_its_baseline():
+    target = "targets=[{scenario:add,model:smollm2,of:f,at_least:0.95,between:paired}]"
+    workload.check(bench_conf(target))  # SmolLM2 is paired over b
+    with pytest.raises(ConfigError, match="smollm2's runs are not paired over it"):
+        workload.check(bench_conf(target, "models.smollm2.paired=null"))

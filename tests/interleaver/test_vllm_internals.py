@@ -151,6 +151,19 @@ def test_a_request_that_keeps_its_rows_keeps_each_steady_steps_own(worker):
         torch.testing.assert_close(torch.tensor(kept), out)
 
 
+def test_an_id_resubmitted_into_its_freed_slot_is_looked_up_again(worker):
+    """vLLM may reuse a finished or aborted request's id for a new request in the same slot: the batch's ids are
+    the same, its edits are not."""
+    v = torch.randn(1, H)
+    bank = EditBank()
+    add = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    x = torch.randn(1, H)
+    torch.testing.assert_close(step(worker.model_runner, [("a", 1, 5, 4, {"steer": add.to_args()})], x), x + v[0])
+    out = step(worker.model_runner, [("a", 1, 6, 4, None)], x, finished={"a"})  # a new "a", unsteered
+    assert torch.equal(out, x)
+
+
 def test_an_in_graph_worker_serves_only_its_declared_stages():
     from interleaver.vllm_internals import IN_GRAPH_KEY
 
