@@ -13,6 +13,7 @@
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
 # Reports land under ${OUT:-gpu-report}; PACK_REPORT=1 tars them into one file (the device tool brings back 8).
+# tests/gpu/detach.sh starts it in the background from a copy of the tree (for the device tool; poll.sh holds it).
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
 export STEER_CACHE=${STEER_CACHE:-/tmp/steer-cache} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
