@@ -74,7 +74,7 @@ def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
                 out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
                             "ratio": ratio, "required": t.at_least, "best": best, "between": t.between,
                             "interval": span, "paired": pair.get("paired"),
-                            "paired_interval": pair.get("paired_interval"),
+                            "paired_interval": pair.get("paired_interval"), "decided": decides,
                             "holds": None if decides is None else decides >= t.at_least})
     return out
 
@@ -261,10 +261,9 @@ def _targets_table(goals: List[Dict]) -> List[str]:
              "| target | scenario | model | batch | measured | fastest passes | paired | interval | holds |",
              "|---|---|---|---|---:|---:|---:|---:|---|"]
     for g in goals:
-        decided = {"fastest": g["best"], "paired": g["paired"]}.get(g["between"], g["ratio"])
         span = g["paired_interval"] if g["between"] == "paired" else g.get("interval")
         verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
-            f"**no** ({decided - g['required']:+.3f})"
+            f"**no** ({g['decided'] - g['required']:+.3f})"
         if g["holds"] is not None and g["between"] != "fastest" and span and span[0] < g["required"] <= span[1]:
             verdict += ", undecided"
         paired = "-" if g["paired"] is None else f"{_fmt(g['paired'])} ({_span(g['paired_interval'])})"

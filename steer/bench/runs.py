@@ -129,11 +129,11 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
     cells = [_Timing(c, _inputs(cfg, spec, c)) for c in group.cells]
     read, _ = nvml.reader()  # without NVML the cells go without clocks (the bench said so once, at its start)
     machine: Dict = {}
+    profiled = getattr(runner, "profile", None) is not None
     while True:
         ask = turns.wait() if turns is not None else waves.ROUND
         if ask is None:
             return  # the scheduler is gone
-        profiled = getattr(runner, "profile", None) is not None
         for t in cells:
             if t.record is not None or not _asked(t.cell, ask):
                 continue

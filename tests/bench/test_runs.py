@@ -3,11 +3,14 @@
 import faulthandler
 import json
 import os
+import threading
+from contextlib import contextmanager
+from multiprocessing import Pipe
 
 import pytest
 
 from bench_common import COMMAND, bench_conf, ended, first_cell, one_tap, records, stand_in_runner
-from steer.bench import engines, report, runs
+from steer.bench import engines, report, runs, waves
 from test_timeline import synthetic_trace
 
 
@@ -200,22 +203,27 @@ def test_a_model_may_time_past_the_runs_cap():
     assert runs._more([9.5], cfg, tiny) is True and runs._more([10.0], cfg, tiny) is False
 
 
-def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, bench_model):
-    import threading
-    from multiprocessing import Pipe
-
-    from steer.bench import waves
-
-    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0")
-    group = one_tap(cfg)
-    group.cells = group.cells[:2]  # add, k1
+@contextmanager
+def beside_a_scheduler(cfg, group, where, out):
+    """`group`'s engine process as the scheduler starts it beside others (run_group in a thread, on `where`,
+    recording into `out`), once it is ready: the scheduler's end of its pipe, and the thread."""
     ready, (scheduler, child_end) = threading.Event(), Pipe()
-    child = threading.Thread(target=runs.run_group, args=(cfg, cfg.models["tiny"], bench_model, group,
-                                                          str(tmp_path / "out.json"), None, ready,
-                                                          waves.Turns(child_end)))
+    child = threading.Thread(target=runs.run_group, args=(cfg, cfg.models["tiny"], where, group, str(out), None,
+                                                          ready, waves.Turns(child_end)))
     child.start()
     try:
         assert ready.wait(30)
+        yield scheduler, child
+    finally:
+        faulthandler.cancel_dump_traceback_later()  # armed for a process on its way out; this one goes on
+        child.join(30)
+
+
+def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in, tmp_path, bench_model):
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0")
+    group = one_tap(cfg)
+    group.cells = group.cells[:2]  # add, k1
+    with beside_a_scheduler(cfg, group, bench_model, tmp_path / "out.json") as (scheduler, child):
         child.join(0.2)
         assert child.is_alive() and stand_in == [] and not scheduler.poll()  # started, waiting: no pass run
         scheduler.send(waves.ROUND)
@@ -228,28 +236,14 @@ def test_a_process_started_beside_others_times_a_round_only_when_asked(stand_in,
         assert [s for _, s, _ in stand_in[4:]] == ["add", "k1"]
         assert [(r["scenario"], r["status"], len(r["walls_s"])) for r in records(tmp_path / "out.json")] == [
             ("add", "ok", 2), ("k1", "ok", 2)]
-    finally:
-        faulthandler.cancel_dump_traceback_later()  # armed for a process on its way out; this one goes on
-        child.join(30)
 
 
 def test_a_paired_rounds_engine_times_only_the_batch_asked_and_the_reference_until_closed(stand_in, tmp_path,
                                                                                           bench_model):
-    import threading
-    from multiprocessing import Pipe
-
-    from steer.bench import waves
-
     cfg = bench_conf("batches=[[4,6],[8,6]]", "repeats=1", "min_timed_s=0")
     group = one_tap(cfg)
     group.cells = [c for c in group.cells if c["scenario"] == "add" or c["requests"] == 8][:3]  # add, add, k1 at 8
-    ready, (scheduler, child_end) = threading.Event(), Pipe()
-    child = threading.Thread(target=runs.run_group, args=(cfg, cfg.models["tiny"], bench_model, group,
-                                                          str(tmp_path / "out.json"), None, ready,
-                                                          waves.Turns(child_end)))
-    child.start()
-    try:
-        assert ready.wait(30)
+    with beside_a_scheduler(cfg, group, bench_model, tmp_path / "out.json") as (scheduler, _):
         for i in range(3):  # as the reference: past its one pass (repeats=1), still open
             scheduler.send(waves.Ask((4, 6), keep=True))
             assert scheduler.recv() == [["add", [4, 6]], ["add", [8, 6]], ["k1", [8, 6]]]
@@ -265,9 +259,6 @@ def test_a_paired_rounds_engine_times_only_the_batch_asked_and_the_reference_unt
         assert len(got["add", 4]["walls_s"]) == 3 and got["add", 4]["paired"] is True
         assert len(got["add", 8]["walls_s"]) == 1 and "paired" not in got["add", 8]
         assert got["k1", 8]["status"] == "not run" and "no other engine" in got["k1", 8]["detail"]  # never asked
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        child.join(30)
 
 
 def test_every_engine_gets_the_same_kv_cache_and_the_batches_graph_sizes(cache_dir, bench_model):
@@ -375,8 +366,6 @@ def _stand_in_group(*args):
 def test_engine_processes_take_their_rounds_and_end_on_their_own(new_book, bench_model):
     import multiprocessing
 
-    from steer.bench import waves
-
     cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0")
     groups = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "c"]
     book = new_book(cfg)
@@ -395,8 +384,6 @@ def test_engine_processes_take_their_rounds_and_end_on_their_own(new_book, bench
 
 
 def test_lanes_run_side_by_side_each_on_its_own_gpus(monkeypatch, tmp_path, cache_dir, bench_model, console):
-    import threading
-
     import steer.engine.vllm
     from steer.bench import __main__ as bench_main
 
