@@ -50,7 +50,8 @@ class _Runner:
 
 
 def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
-    """Microseconds per decode step of fill_step and of one tap's replay, `n` requests steered by `scen_name`."""
+    """Microseconds of fill_step in the step `n` requests steered by `scen_name` join (32 prompt rows each), then
+    per decode step of fill_step and of one tap's replay."""
     runner = _Runner(n, hidden)
     worker = HostWorker(runner, [(_TAP, True)])
     bank, loc = EditBank(), tap_location(_TAP)
@@ -60,6 +61,12 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
     for i, rid in enumerate(runner.input_batch.req_ids):
         args = {"steer": per_request[i].to_args()}
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
+    # The step they join in: each request's 32 prompt rows, its edits looked up and every row's weights built
+    runner.max_num_tokens = 32 * n
+    runner.query_start_loc.np[:] = np.arange(n + 1) * 32
+    t0 = time.perf_counter()
+    worker.fill_step(32 * n)
+    join = time.perf_counter() - t0
     runner.query_start_loc.np[:] = np.arange(n + 1)
     il = worker.interleaver
     fill = replay = 0.0
@@ -71,7 +78,8 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
         il.replay(loc, (runner.x.clone(), runner.x))
         t2 = time.perf_counter()
         fill, replay = fill + t1 - t0, replay + t2 - t1
-    return {"requests": n, "scenario": scen_name, "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps}
+    return {"requests": n, "scenario": scen_name, "join_us": 1e6 * join, "fill_step_us": 1e6 * fill / steps,
+            "replay_us": 1e6 * replay / steps}
 
 
 def main(argv=None) -> None:
@@ -80,11 +88,11 @@ def main(argv=None) -> None:
     p.add_argument("--scenarios", nargs="+", default=["add", "k8", "k64"])
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'requests':>8} {'scenario':>8} {'fill_step us':>13} {'replay us':>10}")
+    print(f"{'requests':>8} {'scenario':>8} {'join step us':>13} {'fill_step us':>13} {'replay us':>10}")
     for n in a.requests:
         for s in a.scenarios:
             r = measure(n, s)
-            print(f"{n:>8} {s:>8} {r['fill_step_us']:>13.1f} {r['replay_us']:>10.1f}")
+            print(f"{n:>8} {s:>8} {r['join_us']:>13.1f} {r['fill_step_us']:>13.1f} {r['replay_us']:>10.1f}")
 
 
 if __name__ == "__main__":
