@@ -97,6 +97,31 @@ def test_step_weights_follow_prompt_and_generated_rows():
     np.testing.assert_array_equal(w, [0, 0, 0, 2, 3] + [0] * 6 + [2, 2])
 
 
+
+def test_step_weights_of_many_requests_equal_each_rows_own():
+    """Requests with distinct edits on mixed prefill and decode spans, padding rows between: each row's weight per
+    stage is its request's strength there, on every row, prompt rows or generated rows (a loop over rows)."""
+    rng = np.random.default_rng(0)
+    bank, requests, spans, start = EditBank(), [], [], 0
+    for i in range(40):
+        tokens = [Tokens.both, Tokens.prompt, Tokens.generated][i % 3]
+        v = torch.randn(1, H)
+        entries = bank.register(TAP, stage_edits([compile_edit(EditKind.add, float(i + 1), v, tokens=tokens)]))
+        requests.append(RequestEdits(entries) if i % 5 else None)  # every fifth unsteered
+        count, plen = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        spans.append(Span(start, count, int(rng.integers(0, 14)), plen, requests[-1]))
+        start += count + int(rng.integers(0, 2))
+    step = StepRows()
+    step.set(spans, start + 3, len(bank.stages), "cpu")
+    expected = np.zeros((start + 3, len(bank.stages)), dtype=np.float32)
+    for s in spans:
+        for row in range(s.count):
+            for stage, strength, rows in (s.edits.entries if s.edits else []):
+                prompt = s.position + row < s.prompt_len
+                if rows == "both" or (rows == "prompt") == prompt:
+                    expected[s.start + row, stage] += strength
+    np.testing.assert_array_equal(step.weights.numpy(), expected)
+
 def test_a_bank_forgets_refused_stages():
     bank = EditBank()
     v = torch.ones(1, H)
