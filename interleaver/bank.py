@@ -350,7 +350,7 @@ def _weights(starts, counts, positions, batch: BatchEdits, num_tokens, decode: b
     offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
     rows = starts[owner] + offset
     # Each row takes its request's prompt or generated weights: one gather from those 2n rows, not arithmetic on a
-    # [rows, 3, columns] copy (a prefill of 256 requests x 32 tokens at 64 columns took 15-33 ms that way)
+    # [rows, 3, columns] copy (a prefill of 256 requests x 32 tokens at 64 columns: 12-17 ms that way, 7 ms this)
     table = np.concatenate([dense[:, 0] + dense[:, 1], dense[:, 0] + dense[:, 2]])
     src = np.where(positions[owner] + offset < plen[owner], owner, owner + n)
     w = np.zeros((num_tokens, dense.shape[2]), dtype=np.float32)
