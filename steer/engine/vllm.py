@@ -183,8 +183,8 @@ class VLLMEngine(Engine):
         self._pushed = len(self.bank.stages)
 
     def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:
-        """One vLLM SamplingParams per plan (None: unsteered), its edits riding in extra_args; `kw` are
-        SamplingParams fields shared by all."""
+        """A vLLM SamplingParams for each plan (None: unsteered), its edits riding in extra_args, one object for
+        the requests of one plan and seed; `kw` are SamplingParams fields shared by all."""
         # Requests that share a plan object share its entries: registering a plan hashes each edit's vectors (about
         # 18 us a tap on a CPU), and done per request that was 38 ms of host work before a 64-request batch that
         # ablates at 32 layers could start, 155 ms before 256 (docs/perf-log.md, 2026-12-02). They share its
@@ -196,7 +196,14 @@ class VLLMEngine(Engine):
                 shared[id(plan)] = self._wire(self._edits(plan))
         self._push()
         seeds = seeds if seeds is not None else [None] * len(plans)
-        out = [self._params(shared[id(plan)] if plan else None, seed=seed, **kw) for plan, seed in zip(plans, seeds)]
+        # One SamplingParams per (plan, seed), as vLLM's own generate shares one among a batch: its input processor
+        # clones each request's, and building one is about 16 us (1-4 ms before a 64-256 request batch started)
+        made = {}
+        for plan, seed in zip(plans, seeds):
+            key = (id(plan) if plan else None, seed)
+            if key not in made:
+                made[key] = self._params(shared[id(plan)] if plan else None, seed=seed, **kw)
+        out = [made[(id(plan) if plan else None, seed)] for plan, seed in zip(plans, seeds)]
         self._clock.add("params", time.perf_counter() - t0)
         return out
 

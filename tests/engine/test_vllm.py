@@ -70,6 +70,11 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     assert params[0]["extra_args"]["steer"] is params[3]["extra_args"]["steer"] is params[5]["extra_args"]["steer"]
     assert engine._clock.calls == {"params": 1} and engine._clock.seconds["params"] > 0
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
+    # requests of one plan and seed share one SamplingParams (vLLM clones each request's), others have their own
+    assert params[0] is params[3] is params[5] and params[2] is not params[4] and params[1] is not params[0]
+    seeded = engine.sampling_params([every, every, None, None], [1, 2, 1, 1], max_tokens=4)
+    assert seeded[0] is not seeded[1] and seeded[2] is seeded[3]
+    assert (seeded[0]["seed"], seeded[1]["seed"], seeded[2]["extra_args"]) == (1, 2, None)
 
 
 def test_each_engine_has_vllm_read_its_environment_afresh(monkeypatch):
