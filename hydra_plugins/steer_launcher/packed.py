@@ -46,6 +46,21 @@ def complete(job_dir: Path) -> bool:
     return (job_dir / "metrics.json").is_file()
 
 
+def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional[str]:
+    """None where the job is done (complete, made with the same config) and is skipped; else what its (re)run says
+    of the job dir it finds: "" for a first run (or a forced one)."""
+    if complete(job_dir):
+        if force:
+            return ""
+        changed = config_changes(job_dir, cfg)
+        return None if changed is None else f" (config changed: {changed}, rerunning)"
+    if (job_dir / "error.txt").is_file():
+        return " (failed before, rerunning)"
+    if (job_dir / ".hydra" / "config.yaml").is_file():  # set up before, stopped (Ctrl-C, a kill) before its metrics
+        return " (unfinished before, rerunning)"
+    return ""
+
+
 # Config keys that do not change a job's results: a finished job made with other values of these is still done.
 IGNORED = ("progress", "cache_dir")
 STALE = ("metrics.json", "results.jsonl", "error.txt")  # what a job that is run again must not keep meanwhile
@@ -149,15 +164,10 @@ class PackedLauncher(Launcher):
         job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
         shown = " ".join(filter_overrides(overrides))
         # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
-        note = ""
-        if complete(job_dir) and not self.force:
-            changed = config_changes(job_dir, cfg)
-            if changed is None:
-                log.info(f"\t#{idx} : {shown} (complete, skipped)")
-                return _done(cfg, overrides, job_dir), job_dir, shown
-            note = f" (config changed: {changed}, rerunning)"
-        elif (job_dir / "error.txt").is_file():
-            note = " (failed before, rerunning)"
+        note = resume_note(job_dir, cfg, self.force)
+        if note is None:
+            log.info(f"\t#{idx} : {shown} (complete, skipped)")
+            return _done(cfg, overrides, job_dir), job_dir, shown
         for name in STALE:  # a rerun that stops part way must not leave the old results beside the new config
             if (job_dir / name).is_file():
                 (job_dir / name).unlink()

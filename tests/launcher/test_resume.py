@@ -34,6 +34,21 @@ def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
     assert packed.config_changes(tmp_path / "nope", _cfg()) == "no saved config"
 
 
+def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
+    from omegaconf import OmegaConf
+
+    cfg = _cfg("tap.layer=1")
+    assert packed.resume_note(tmp_path / "new", cfg) == ""  # a first run says nothing
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
+    assert packed.resume_note(tmp_path, cfg) == " (unfinished before, rerunning)"  # set up, stopped before metrics
+    (tmp_path / "error.txt").write_text("boom")
+    assert packed.resume_note(tmp_path, cfg) == " (failed before, rerunning)"
+    (tmp_path / "metrics.json").write_text("{}")
+    assert packed.resume_note(tmp_path, cfg) is None  # complete, the same config: skipped
+    assert packed.resume_note(tmp_path, _cfg("tap.layer=2")) == " (config changed: tap.layer 1 -> 2, rerunning)"
+    assert packed.resume_note(tmp_path, cfg, force=True) == ""
+
 def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"
     args = ["-m", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"]
