@@ -23,11 +23,15 @@ LEFT_OUT = ("...", "model=llama")
 def commands(text: str) -> list:
     """The `python -m steer` commands of the README's shell blocks (less their comments) and of its inline code (a
     span may wrap over lines), each once, in order."""
-    found = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
-        found += [line.split("  #")[0].strip() for line in block.splitlines()
-                  if re.match(r"\s*python -m steer(\s|$)", line)]
-    found += [" ".join(m.split()) for m in re.findall(r"`(python -m steer(?:\s[^`]*)?)`", text, re.S)]
+    found, fenced, prose = [], False, []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):  # a fence of any language opens or closes a block
+            fenced = not fenced
+        elif fenced and re.match(r"\s*python -m steer(\s|$)", line):
+            found.append(line.split("  #")[0].strip())
+        elif not fenced:
+            prose.append(line)
+    found += [" ".join(m.split()) for m in re.findall(r"`(python -m steer(?:\s[^`]*)?)`", "\n".join(prose), re.S)]
     return [c for c in dict.fromkeys(found) if not any(x in c for x in LEFT_OUT)]
 
 
@@ -36,9 +40,13 @@ def overrides(command: str) -> list:
     args = [a for a in shlex.split(command)[3:] if a not in ("-m", "--multirun")]
     out = []
     for o in OverridesParser.create().parse_overrides(args):
-        value = next(iter(o.sweep_iterator())) if o.is_sweep_override() else o.value()
         key = o.get_key_element()
-        out.append("engine=hf" if key == "engine" else f"{key}={value}")
+        if key == "engine":
+            out.append("engine=hf")
+        elif o.is_sweep_override():
+            out.append(f"{key}={next(iter(o.sweep_iterator()))}")
+        else:
+            out.append(o.input_line)  # as written: quoting and null stay the command's
     return out
 
 
@@ -48,8 +56,9 @@ COMMANDS = commands(README.read_text())
 def test_the_readme_shows_the_commands_this_test_reads():
     assert "python -m steer" in COMMANDS and "python -m steer model=tiny tap=layer1 edit=ablate" in COMMANDS
     assert len(COMMANDS) >= 10
-    assert commands("`python -m steer model=tiny\n  tap=layer1` and\n```bash\npython -m steer -m a=1,2  # c\n```") \
-        == ["python -m steer -m a=1,2", "python -m steer model=tiny tap=layer1"]
+    assert commands("`python -m steer model=tiny\n  tap=layer1` and\n```yaml\na: 1\n```\n```bash\npython -m steer "
+                    "-m a=1,2  # c\n```") == ["python -m steer -m a=1,2", "python -m steer model=tiny tap=layer1"]
+    assert "python -m steer -m +experiment=clamp_sweep" in COMMANDS  # a block after a yaml one
     assert overrides("python -m steer -m engine=vllm 'edit.scale=range(0,16)' tap=layer1") \
         == ["engine=hf", "edit.scale=0", "tap=layer1"]
 
