@@ -9,6 +9,7 @@
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
 #   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 20 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
+#   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
@@ -111,6 +112,10 @@ lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
 
 kernel() {
   python -m steer.bench.kernel > "$OUT/kernel.txt" 2>&1; echo "kernel rc=$?"; tail -12 "$OUT/kernel.txt"
+}
+
+host() {  # the tap worker's host work per step on this machine's CPU (seconds; no GPU): to set beside the profile
+  python -m steer.bench.host > "$OUT/host.txt" 2>&1; echo "host rc=$?"; cat "$OUT/host.txt"
 }
 
 lanes() {
