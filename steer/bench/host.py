@@ -62,7 +62,6 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
         args = {"steer": per_request[i].to_args()}
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
     # The step they join in: each request's 32 prompt rows, its edits looked up and every row's weights built
-    runner.max_num_tokens = 32 * n
     runner.query_start_loc.np[:] = np.arange(n + 1) * 32
     t0 = time.perf_counter()
     worker.fill_step(32 * n)
