@@ -252,12 +252,12 @@ def _targets_table(goals: List[Dict]) -> List[str]:
     # ratio and the paired one beside it tell a cost from noise; a target marked (fastest) or (paired) is decided
     # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
     # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
-    lines = ["Targets (holds: measured, the medians' ratio, or for a target marked (fastest) or (paired) that "
-             "ratio; fastest passes: the same ratio between each cell's fastest pass (in a paired run, among the "
-             "reference passes beside the cell's); paired: the median of each pass's ratio to the reference passes "
-             f"beside it, and its {bootstrap.LEVEL:.0%} interval (steer/bench/pairs.py); interval: the medians' "
-             "ratio's, resampling each cell's passes; undecided: a target between medians or paired passes whose "
-             "interval reaches past its threshold):", "",
+    lines = ["Targets (measured: the medians' ratio; holds: decided on it, or for a target marked (fastest) or "
+             "(paired) on that column's ratio; fastest passes: the same ratio between each cell's fastest pass (in"
+             " a paired run, among the reference passes beside the cell's); paired: the median of each pass's "
+             f"ratio to the reference passes beside it, and its {bootstrap.LEVEL:.0%} interval "
+             "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; undecided: a "
+             "target between medians or paired passes whose interval reaches past its threshold):", "",
              "| target | scenario | model | batch | measured | fastest passes | paired | interval | holds |",
              "|---|---|---|---|---:|---:|---:|---:|---|"]
     for g in goals:
