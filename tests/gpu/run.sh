@@ -7,7 +7,7 @@
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
-#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 17 minutes)
+#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 19 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
@@ -88,10 +88,10 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, most of a session's device time (about 17 minutes: the 8B shape 8,
-  # SmolLM2 paired 9): without i and the 8B shape's add@eps (issue 19's targets do not read them: configs=[h,i]
-  # measures h over i), SmolLM2 without a, h, the faint twins and c's k1 and k8 (no target reads them, and in a
-  # paired run each engine costs b's passes beside its own); every engine pinned to the
+  # Issue 19's table in one run, both models, most of a session's device time (about 19 minutes: the 8B shape 9,
+  # SmolLM2 paired 9): without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them;
+  # configs=[h,i] measures conf/bench.yaml's h over i), SmolLM2 without a, h, the faint twins and c's k1 and k8
+  # (no target reads them, and in a paired run each engine costs b's passes beside its own); every engine pinned to the
   # CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of each physical
   # core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells are the host's, pinned
   # or not (DEVELOPERS.md)
