@@ -16,6 +16,7 @@ import sys
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import List
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -33,12 +34,27 @@ schema.register()
 def app(cfg: DictConfig) -> None:
     console = Console(stderr=True, soft_wrap=True)
     conf = OmegaConf.to_object(cfg)
-    command = " ".join(["python -m steer.bench", *HydraConfig.get().overrides.task])
+    command = " ".join(["python -m steer.bench", *effective(HydraConfig.get().overrides.task)])
     try:
         run(conf, Path(HydraConfig.get().runtime.output_dir), console, command)
     except ConfigError as e:
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
+
+
+def effective(overrides: List[str]) -> List[str]:
+    """The overrides as they took effect, for the report's command: a key given twice (tests/gpu/run.sh's table
+    stage appends BENCH_ARGS to its own) keeps its last value, Hydra's rule, in its first place."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    last = {o.key_or_group: o.input_line for o in parsed}
+    seen, out = set(), []
+    for o in parsed:
+        if o.key_or_group not in seen:
+            seen.add(o.key_or_group)
+            out.append(last[o.key_or_group])
+    return out
 
 
 def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -> None:
