@@ -37,6 +37,8 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     if s.chat_max_tokens < 1:
         raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
+    if s.keep_alive_s < 1:
+        raise ConfigError("serve.keep_alive_s", f"must be at least 1 (seconds), got {s.keep_alive_s}")
     if conf.vllm.tensor_parallel_size < 1:
         raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {conf.vllm.tensor_parallel_size}")
     mode = conf.vllm.in_graph_field() or ("tap_graphs" if conf.vllm.tap_graphs else None)
@@ -119,7 +121,8 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
                           conf.serve.chat_max_tokens, inline)
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
             f"http://{conf.serve.host}:{conf.serve.port}/v1")
-        uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level)
+        uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level,
+                    timeout_keep_alive=conf.serve.keep_alive_s)
         return
     # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
     # every preset's stages go to the workers at start.

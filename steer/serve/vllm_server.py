@@ -75,6 +75,7 @@ def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], inline_
     path = Path(out_dir) / "steer_presets.json"
     stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden).dump(str(path))
     os.environ[TABLE_ENV] = str(path)
+    os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(conf.serve.keep_alive_s)  # vLLM's api_server reads it at start
     from steer.engine.vllm import set_environment
 
     set_environment(conf.vllm, rpc_tensors=False)  # as VLLMEngine, but every message to the workers is plain data

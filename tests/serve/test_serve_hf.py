@@ -91,3 +91,25 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(hf_url, hf_client):
 
 def test_concurrent_requests_each_equal_their_answer_alone(hf_client):
     check_concurrent(hf_client, 32)
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(hf_url):
+    """The server keeps an idle connection open past httpx's (and the openai client's) 5 s keep-alive, so the
+    client, not the server, closes it: both at 5 s, a client reusing it as the server closes it was reset."""
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    u = urlparse(hf_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        ends = []
+        for wait in (6, 0):
+            conn.request("GET", "/health")
+            r = conn.getresponse()  # on a connection the server closed: RemoteDisconnected
+            assert r.status == 200 and r.read() == b'{"status":"ok"}'
+            ends.append(conn.sock.getsockname())
+            time.sleep(wait)  # past the client's keep-alive; a server at uvicorn's default of 5 s has closed it
+        assert ends[0] == ends[1]  # one connection served both
+    finally:
+        conn.close()

@@ -197,6 +197,21 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     assert e.value.field == field and says in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override, field, says", [
+    ("serve.port=70000", "serve.port", "must be in 1..65535, got 70000"),
+    ("serve.max_steer_scale=0", "serve.max_steer_scale", "must be positive, got 0"),
+    ("serve.chat_max_tokens=0", "serve.chat_max_tokens", "must be at least 1, got 0"),
+    ("serve.keep_alive_s=0", "serve.keep_alive_s", "must be at least 1 (seconds), got 0"),
+])
+def test_bad_server_settings_stop_the_start(override, field, says, cache_dir):
+    from steer.serve.start import prepare
+
+    conf = compose_serve("engine=hf", f"cache_dir={cache_dir}", override)
+    with pytest.raises(ConfigError) as e:
+        prepare(conf)
+    assert e.value.field == field and says in str(e.value), str(e.value)
+
+
 def test_a_port_in_use_stops_the_start_before_any_model_loads(cache_dir):
     import socket
 
