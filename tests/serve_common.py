@@ -208,6 +208,30 @@ def check_bad_requests(url: str, c, params_everywhere_only: bool) -> None:
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
+def check_idle_connection_kept(url: str) -> None:
+    """One connection serves a request, stays idle 6 s, and serves another: the server keeps an idle connection
+    open past httpx's (and the openai client's) 5 s keep-alive, so the client, not the server, closes it (both at
+    5 s, a client reusing it as the server closed it was reset)."""
+    import http.client
+    import time
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        ends = []
+        for wait in (6, 0):
+            conn.request("GET", "/health")
+            r = conn.getresponse()  # on a connection the server closed: RemoteDisconnected
+            r.read()  # the whole response, so the connection is free for the next request
+            assert r.status == 200
+            ends.append(conn.sock.getsockname())
+            time.sleep(wait)  # past the client's keep-alive; a server at uvicorn's default of 5 s has closed it
+        assert ends[0] == ends[1]  # one connection served both
+    finally:
+        conn.close()
+
+
 def check_concurrent(c, n: int = 32) -> None:
     """`n` requests at once, presets mixed, each equal to its answer alone."""
     jobs = [(PROMPTS[i % len(PROMPTS)], *CASES[i % len(CASES)], i % 3 == 2) for i in range(n)]

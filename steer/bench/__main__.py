@@ -43,18 +43,15 @@ def app(cfg: DictConfig) -> None:
 
 
 def effective(overrides: List[str]) -> List[str]:
-    """The overrides as they took effect, for the report's command: a key given twice (tests/gpu/run.sh's table
-    stage appends BENCH_ARGS to its own) keeps its last value, Hydra's rule, in its first place."""
+    """The overrides as they took effect, for the report's command: an override that a later one of the same key
+    (and package) replaces is left out (tests/gpu/run.sh's table stage appends BENCH_ARGS to its own). Hydra applies
+    them in order and merges a dict into a dict, so one whose value is a dict stays."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    last = {o.key_or_group: o.input_line for o in parsed}
-    seen, out = set(), []
-    for o in parsed:
-        if o.key_or_group not in seen:
-            seen.add(o.key_or_group)
-            out.append(last[o.key_or_group])
-    return out
+    last = {(o.key_or_group, o.package): i for i, o in enumerate(parsed)}
+    return [o.input_line for i, o in enumerate(parsed)
+            if last[(o.key_or_group, o.package)] == i or isinstance(o.value(), dict)]
 
 
 def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -> None:

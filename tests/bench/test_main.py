@@ -2,11 +2,19 @@
 from steer.bench.__main__ import effective
 
 
-def test_a_key_given_twice_keeps_its_last_value_in_its_first_place():
+def test_an_override_a_later_one_replaces_is_left_out():
     table = ["configs=[a,b,c,f,h,i]", "trace=[]", "skip=['*/[de]/*@eps/*']", "lanes=[{runs:['*'],cpus:'2-9'}]"]
     mine = ["run=[llama3_8b]", "configs=[a,b,c,f,h]", "skip=['*/*/add@eps/*']"]
-    assert effective(table + mine) == ["configs=[a,b,c,f,h]", "trace=[]", "skip=['*/*/add@eps/*']",
-                                       "lanes=[{runs:['*'],cpus:'2-9'}]", "run=[llama3_8b]"]
+    assert effective(table + mine) == ["trace=[]", "lanes=[{runs:['*'],cpus:'2-9'}]", "run=[llama3_8b]",
+                                       "configs=[a,b,c,f,h]", "skip=['*/*/add@eps/*']"]
+
+
+def test_order_dicts_packages_and_deletions_keep_their_effect():
+    # a.x=5 then a={x:2}: Hydra ends at x=2, so the later dict stays after it
+    assert effective(["a={x:1}", "a.x=5", "a={x:2}"]) == ["a={x:1}", "a.x=5", "a={x:2}"]
+    assert effective(["a.x=5", "a.x=6", "~b"]) == ["a.x=6", "~b"]
+    assert effective(["++m={q:1}", "++m={r:2}"]) == ["++m={q:1}", "++m={r:2}"]  # merged by Hydra: both matter
+    assert effective(["db=x", "db@pkg=y", "db=z"]) == ["db@pkg=y", "db=z"]  # another package, another key
 
 
 def test_distinct_keys_and_prefixed_overrides_pass_unchanged():

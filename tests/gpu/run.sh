@@ -107,7 +107,7 @@ PY
 )
   echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null))"
   BENCH_ARGS="configs=[a,b,c,f,h] trace=[] \
-skip=['llama3_8b/*/add@eps/*','smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
+skip=['*/[de]/*@eps/*','llama3_8b/*/add@eps/*','smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
 lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
 }
 

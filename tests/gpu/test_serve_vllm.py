@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent,
-                          check_concurrent_own_vectors, check_listing, check_own_tokens, check_own_vectors,
-                          check_sse_done, check_streaming, client, own_reference, server, token_logprobs)
+                          check_concurrent_own_vectors, check_idle_connection_kept, check_listing, check_own_tokens,
+                          check_own_vectors, check_sse_done, check_streaming, client, own_reference, server,
+                          token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -68,6 +69,10 @@ def test_streaming(vllm_client, vllm_url):
 def test_presets_listing(vllm_url):
     check_listing(vllm_url)
     assert httpx.get(f"{vllm_url}/health").status_code == 200
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(vllm_url):
+    check_idle_connection_kept(vllm_url)  # serve.keep_alive_s reaches vLLM's api_server
 
 
 def test_bad_requests_are_400_and_the_server_keeps_serving(vllm_url, vllm_client):

@@ -5,7 +5,7 @@ import httpx
 
 from serve_cli import cli_edits, cli_run
 from serve_common import (MAX_TOKENS, MODEL, PROMPTS, chat, check_against, check_bad_requests, check_concurrent,
-                          check_listing, check_sse_done, check_streaming, complete)
+                          check_idle_connection_kept, check_listing, check_sse_done, check_streaming, complete)
 
 
 def test_answers_equal_the_cli(hf_client, cli_text):
@@ -94,22 +94,4 @@ def test_concurrent_requests_each_equal_their_answer_alone(hf_client):
 
 
 def test_an_idle_connection_outlives_the_clients_keep_alive(hf_url):
-    """The server keeps an idle connection open past httpx's (and the openai client's) 5 s keep-alive, so the
-    client, not the server, closes it: both at 5 s, a client reusing it as the server closes it was reset."""
-    import http.client
-    import time
-    from urllib.parse import urlparse
-
-    u = urlparse(hf_url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    try:
-        ends = []
-        for wait in (6, 0):
-            conn.request("GET", "/health")
-            r = conn.getresponse()  # on a connection the server closed: RemoteDisconnected
-            assert r.status == 200 and r.read() == b'{"status":"ok"}'
-            ends.append(conn.sock.getsockname())
-            time.sleep(wait)  # past the client's keep-alive; a server at uvicorn's default of 5 s has closed it
-        assert ends[0] == ends[1]  # one connection served both
-    finally:
-        conn.close()
+    check_idle_connection_kept(hf_url)
