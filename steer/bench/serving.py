@@ -179,8 +179,9 @@ def environment(name: str) -> Dict[str, str]:
     """A stock server's environment: the caller's, with BASELINES' settings for `name`, and steer's server's
     keep-alive (serve.keep_alive_s; vLLM's own default is 5 s)."""
     from steer.serve.schema import ServeOptions
+    from steer.serve.vllm_server import KEEP_ALIVE_ENV
 
-    env = dict(os.environ, VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(ServeOptions().keep_alive_s))
+    env = dict(os.environ, **{KEEP_ALIVE_ENV: str(ServeOptions().keep_alive_s)})
     for k, v in BASELINES[name].items():
         if v is None:
             env.pop(k, None)

@@ -27,6 +27,8 @@ from steer.serve.schema import ServeConf
 from steer.serve.stages import StageTable
 from steer.tap import Tap
 
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's api_server reads its idle-connection timeout from it at start
+
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
     """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
@@ -75,7 +77,7 @@ def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], inline_
     path = Path(out_dir) / "steer_presets.json"
     stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden).dump(str(path))
     os.environ[TABLE_ENV] = str(path)
-    os.environ["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(conf.serve.keep_alive_s)  # vLLM's api_server reads it at start
+    os.environ[KEEP_ALIVE_ENV] = str(conf.serve.keep_alive_s)
     from steer.engine.vllm import set_environment
 
     set_environment(conf.vllm, rpc_tensors=False)  # as VLLMEngine, but every message to the workers is plain data
