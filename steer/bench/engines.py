@@ -18,7 +18,7 @@ from steer.bench import workload
 from steer.bench.schema import BenchConf, BenchModelConf
 
 # the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
-TRACEABLE = ("a", "b", "c", "f", "g", "h", "i", "j")
+TRACEABLE = ("a", "b", "b2", "c", "f", "g", "h", "i", "j")
 
 
 def traceable(run, profiled, trace_dir: Optional[str]):
@@ -175,6 +175,7 @@ def _nnsight(cfg, m, where, group, taps: bool):
 RUNNERS = {
     "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
     "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
+    "b2": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
     "i": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False, v1=True),
     "c": _steer,
     "d": lambda cfg, m, w, group: _nnsight(cfg, m, w, group, taps=True),

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from steer import results
-from steer.bench import bootstrap, cpu, pairs, plot, spells
+from steer.bench import cpu, plot, spells
+from steer.bench.fmt import num, ratio
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
+from steer.bench.targets import control_lines, controls, targets
+from steer.bench.targets import table as targets_table
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
            "passes", "best_tok_s", "best_vs_b", "vs_eps", "best_vs_eps", "sm_mhz", "power_w", "cpu_busy", "cpu_steal",
@@ -44,39 +47,13 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
     """A cell's columns: its figure, its ratios to a and b (and to its faint twin), its GPU's clock and power."""
     r = r or {"status": "not run", "detail": ""}
     t, best = _tok(r), _best(r)
-    return {"tok_s": t, "vs_a": _ratio(t, _tok(a)), "vs_b": _ratio(t, _tok(b)), "wall_s": r.get("wall_s"),
+    return {"tok_s": t, "vs_a": ratio(t, _tok(a)), "vs_b": ratio(t, _tok(b)), "wall_s": r.get("wall_s"),
             "spread": r.get("spread"), "passes": len(r.get("walls_s") or ()) or None, "best_tok_s": best,
-            "best_vs_b": _ratio(best, _best(b)), "vs_eps": _ratio(t, _tok(faint)),
-            "best_vs_eps": _ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
+            "best_vs_b": ratio(best, _best(b)), "vs_eps": ratio(t, _tok(faint)),
+            "best_vs_eps": ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
             "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
             "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or [],
             "started_s": r.get("started_s") or [], "paired": bool(r.get("paired"))}
-
-
-def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
-    """Each target at each model and batch it covers: the measured ratios (between medians, fastest passes, and
-    where `over` was the run's pairing reference, paired passes) and whether the one it is `between` holds."""
-    by = {(r["model"], r["requests"], r["new_tokens"], r["scenario"], r["config"]): r for r in rows}
-    out = []
-    for t in cfg.targets:
-        for model in ([t.model] if t.model else cfg.run):
-            if model not in cfg.run or t.scenario not in cfg.scenarios:
-                continue
-            for req, new in cfg.batches:
-                of, over = (by.get((model, req, new, t.scenario, c)) or {} for c in (t.of, t.over))
-                ratio = _ratio(of.get("tok_s"), over.get("tok_s"))
-                # paired, the fastest passes are of and its neighbours (pairs.py)
-                pair = pairs.figures(of, over) if over.get("paired") and of.get("status") == "ok" else {}
-                best = pair.get("paired_fastest") or _ratio(of.get("best_tok_s"), over.get("best_tok_s"))
-                decides = {"fastest": best, "paired": pair.get("paired")}.get(t.between, ratio)
-                span = bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])
-                label = f"{t.of}/{t.over} >= {t.at_least:g}" + ("" if t.between == "medians" else f" ({t.between})")
-                out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
-                            "ratio": ratio, "required": t.at_least, "best": best, "between": t.between,
-                            "interval": span, "paired": pair.get("paired"),
-                            "paired_interval": pair.get("paired_interval"), "decided": decides,
-                            "holds": None if decides is None else decides >= t.at_least})
-    return out
 
 
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str,
@@ -84,8 +61,9 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
     """bench.md: how it was measured, a table per model and batch, how pass times followed the host (from the
     cells' `records`), the targets, and the cells without a figure."""
     lines = _preamble(cfg, machine, when, command) + _tables(rows, cfg) + _host_lines(records, cfg)
+    lines += control_lines(controls(rows, cfg))
     if goals:
-        lines += _targets_table(goals)
+        lines += targets_table(goals)
     lines += _missing(rows)
     return "\n".join(lines)
 
@@ -161,6 +139,7 @@ def _speed_table(mine: Dict, cfg: BenchConf) -> List[str]:
     ratios = [(c, base) for c in steered for base in ("a", "b") if base in configs]
     ratios += [("h", "i")] if "h" in configs and "i" in configs else []
     ratios += [("j", "f")] if "j" in configs and "f" in configs else []  # the fold alone
+    ratios += [("b2", "b")] if "b2" in configs and "b" in configs else []  # the A/A control: the run's noise
     c_over_d = "c" in configs and "d" in configs
     head = ["scenario"] + [f"{c} tok/s" for c in configs] + [f"{c}/{base}" for c, base in ratios]
     if c_over_d:
@@ -168,9 +147,9 @@ def _speed_table(mine: Dict, cfg: BenchConf) -> List[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
     for scen in cfg.scenarios:
         vals = [scen] + [_fmt_tok(mine[scen, c]) for c in configs]
-        vals += [_fmt(_ratio(mine[scen, c]["tok_s"], mine[scen, base]["tok_s"])) for c, base in ratios]
+        vals += [num(ratio(mine[scen, c]["tok_s"], mine[scen, base]["tok_s"])) for c, base in ratios]
         if c_over_d:
-            vals.append(_fmt(_ratio(mine[scen, "c"]["tok_s"], mine[scen, "d"]["tok_s"])))
+            vals.append(num(ratio(mine[scen, "c"]["tok_s"], mine[scen, "d"]["tok_s"])))
         lines.append("| " + " | ".join(vals) + " |")
     return lines + [""]
 
@@ -191,7 +170,7 @@ def _split_table(mine: Dict, cfg: BenchConf) -> List[str]:
         vals = [scen]
         for c in steered:
             faint, full, b = mine[scen + FAINT, c], mine[scen, c], mine[scen, base[c]]
-            vals += [_pair(_ratio(faint["tok_s"], b["tok_s"]), _ratio(faint["best_tok_s"], b["best_tok_s"])),
+            vals += [_pair(ratio(faint["tok_s"], b["tok_s"]), ratio(faint["best_tok_s"], b["best_tok_s"])),
                      _pair(full["vs_eps"], full["best_vs_eps"])]
         lines.append("| " + " | ".join(vals) + " |")
     return lines + [""]
@@ -247,31 +226,6 @@ def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:
             "mean; steer/bench/spells.py for the next pass and the CPU):", ""] + lines + [""]
 
 
-def _targets_table(goals: List[Dict]) -> List[str]:
-    # By default the verdict is the medians'. A host-bound model's passes spread by half, so the fastest passes'
-    # ratio and the paired one beside it tell a cost from noise; a target marked (fastest) or (paired) is decided
-    # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
-    # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
-    lines = ["Targets (measured: the medians' ratio; holds: decided on it, or for a target marked (fastest) or "
-             "(paired) on that column's ratio; fastest passes: the same ratio between each cell's fastest pass (in"
-             " a paired run, among the reference passes beside the cell's); paired: the median of each pass's "
-             f"ratio to the reference passes beside it, and its {bootstrap.LEVEL:.0%} interval "
-             "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; undecided: a "
-             "target between medians or paired passes whose interval reaches past its threshold):", "",
-             "| target | scenario | model | batch | measured | fastest passes | paired | interval | holds |",
-             "|---|---|---|---|---:|---:|---:|---:|---|"]
-    for g in goals:
-        span = g["paired_interval"] if g["between"] == "paired" else g.get("interval")
-        verdict = "not run" if g["holds"] is None else "yes" if g["holds"] else \
-            f"**no** ({g['decided'] - g['required']:+.3f})"
-        if g["holds"] is not None and g["between"] != "fastest" and span and span[0] < g["required"] <= span[1]:
-            verdict += ", undecided"
-        paired = "-" if g["paired"] is None else f"{_fmt(g['paired'])} ({_span(g['paired_interval'])})"
-        lines.append(f"| {g['target']} | {g['scenario']} | {g['model']} | {g['batch']} | {_fmt(g['ratio'])} | "
-                     f"{_fmt(g['best'])} | {paired} | {_span(g.get('interval'))} | {verdict} |")
-    return lines + [""]
-
-
 def _missing(rows: List[Dict]) -> List[str]:
     """Why cells have no figure, once per model, configuration and reason."""
     errors = [r for r in rows if r["status"] not in ("ok",)]
@@ -308,20 +262,8 @@ def _best(r: Optional[Dict]) -> Optional[float]:
     return r["requests"] * r["tokens"] / min(r["walls_s"])
 
 
-def _ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
-    return None if x is None or not y else x / y
-
-
-def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def _span(span) -> str:
-    return "-" if not span else f"{span[0]:.2f}-{span[1]:.2f}"
-
-
 def _pair(median: Optional[float], fastest: Optional[float]) -> str:
-    return f"{_fmt(median)} ({_fmt(fastest)})"
+    return f"{num(median)} ({num(fastest)})"
 
 
 def _fmt_tok(r: Dict) -> str:

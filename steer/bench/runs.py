@@ -44,7 +44,8 @@ class Group:
 
 
 def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
-    """The engine processes one model needs: a, b and i once (unsteered), c, d, f, g and h once per tap set, e once."""
+    """The engine processes one model needs: a, b, b2 and i once (unsteered), c, d, f, g and h once per tap set, e
+    once."""
     groups: Dict[tuple, Group] = {}
     for config in cfg.configs:
         for scen in cfg.scenarios:

@@ -11,6 +11,7 @@ from steer.schema import GgufConf, TinyConf
 CONFIGS = {
     "a": "vLLM default (torch.compile + CUDA graphs), unsteered",
     "b": "vLLM breakable CUDA graphs, unsteered",
+    "b2": "b again in an engine process of its own, unsteered: the A/A control (b2/b is the run's own noise)",
     "c": "steer: replay callables at the taps",
     "d": "nnsight 0.8.1 taps, edit as a trace (tracer.all, in place)",
     "e": "vLLM eager, edit through nnsight",
@@ -22,8 +23,9 @@ CONFIGS = {
 }
 # The unsteered configurations: they run one unsteered batch that stands for every scenario. a is what a user runs
 # without steer (vLLM 0.26 serves Llama-family models with its V2 model runner); b is c's and f's baseline (breakable
-# graphs, V1 runner); i is h's (a's compile and graphs on the V1 runner), so h over i is steering alone.
-UNSTEERED = ("a", "b", "i")
+# graphs, V1 runner); i is h's (a's compile and graphs on the V1 runner), so h over i is steering alone. b2 is b in
+# a second engine process, the run's A/A control (steer/bench/targets.py).
+UNSTEERED = ("a", "b", "b2", "i")
 
 # A scenario's name with this suffix runs its edits at `epsilon` of their strength: the same stages, rows and
 # kernels, and data that stays the unsteered run's (steer/bench/workload.py, `faint`).

@@ -10,22 +10,32 @@ from multiprocessing import Pipe
 import pytest
 
 from bench_common import COMMAND, bench_conf, ended, first_cell, one_tap, records, stand_in_runner
-from steer.bench import engines, report, runs, waves
+from steer.bench import engines, report, runs, schema, waves
 from test_timeline import synthetic_trace
 
 
 def test_groups_start_each_engine_once():
-    cfg = bench_conf("configs=[a,b,c,d,e]")
+    cfg = bench_conf("configs=[a,b,b2,c,d,e]")
     groups = {(g.config, tuple(g.layers)): g for g in runs.plan_groups(cfg, "tiny", 4)}
-    assert set(groups) == {("a", ()), ("b", ()), ("c", (2,)), ("c", (0, 1, 2, 3)), ("d", (2,)),
+    assert set(groups) == {("a", ()), ("b", ()), ("b2", ()), ("c", (2,)), ("c", (0, 1, 2, 3)), ("d", (2,)),
                            ("d", (0, 1, 2, 3)), ("e", ())}
     assert [c["scenario"] for c in groups[("a", ())].cells] == ["unsteered", "unsteered"]
+    assert groups[("b2", ())].cells == groups[("b", ())].cells  # the control: b's work, an engine of its own
     # a faint twin runs on its scenario's engine: the same taps, the same stages
     assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64", "add@eps"}
     assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all", "ablate_all@eps"}
     assert len(groups[("e", ())].cells) == 7 * 2
     graphed = {(g.config, tuple(g.layers)) for g in runs.plan_groups(bench_conf("configs=[g]"), "tiny", 4)}
     assert graphed == {("g", (2,)), ("g", (0, 1, 2, 3))}  # tap graphs: engines as c's
+
+
+def test_the_control_starts_b_s_pipeline(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(engines, "_plain", lambda cfg, m, w, group, **how: seen.setdefault(group, how))
+    for config in ("b", "b2", "a"):
+        engines.RUNNERS[config](None, None, None, config)
+    assert seen["b2"] == seen["b"] == {"breakable": True} != seen["a"]
+    assert set(engines.RUNNERS) == set(schema.CONFIGS)  # every configuration the bench accepts can start
 
 
 @pytest.fixture

@@ -88,13 +88,14 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, most of a session's device time (about 19 minutes: the 8B shape 9,
-  # SmolLM2 paired 9): without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them;
+  # Issue 19's table in one run, both models, most of a session's device time (about 20 minutes: the 8B shape 9,
+  # SmolLM2 paired 10): without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them;
   # configs=[h,i] measures conf/bench.yaml's h over i), SmolLM2 without a, h, the faint twins and c's k1 and k8
-  # (no target reads them, and in a paired run each engine costs b's passes beside its own); every engine pinned to the
-  # CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of each physical
-  # core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells are the host's, pinned
-  # or not (DEVELOPERS.md)
+  # (no target reads them, and in a paired run each engine costs b's passes beside its own); the A/A control b2 on
+  # SmolLM2 only (the 8B shape's passes spread by 1-5%, and b2 there would be a third wave of engines); every
+  # engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one
+  # thread of each physical core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells
+  # are the host's, pinned or not (DEVELOPERS.md)
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
@@ -106,8 +107,9 @@ print(",".join(map(str, (placement.one_per_core(cpus) or placement.one_per_core(
 PY
 )
   echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null))"
-  BENCH_ARGS="configs=[a,b,c,f,h] trace=[] \
-skip=['*/[de]/*@eps/*','llama3_8b/*/add@eps/*','smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
+  BENCH_ARGS="configs=[a,b,b2,c,f,h] trace=[] \
+skip=['*/[de]/*@eps/*','llama3_8b/*/add@eps/*','llama3_8b/b2/*',\
+'smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
 lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
 }
 
