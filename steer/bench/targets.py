@@ -3,8 +3,10 @@
 The control is configuration b2: b's pipeline doing b's work in an engine process of its own. Nothing steer does
 differs between b2 and b, so b2/b sits away from 1 only by the run's noise: the host's spells and each engine
 process's own speed, which no resampling of one cell's passes sees (a process that runs 10% slow for its
-lifetime slows every one of its passes). A target whose margin, either way, is within the control's distance
-from 1 in the same column at the same model and batch is marked so: the run could not tell it from noise.
+lifetime slows every one of its passes). A target whose margin, either way and as a share of its threshold, is
+within the control's distance from 1 in the same column at the same model and batch is marked so: the run could
+not tell it from noise. One control is one draw of that noise: a control at 1.00 by chance marks nothing, and it
+shares its wave of engines with b, so it does not see what moves between waves.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -58,10 +60,11 @@ def controls(rows: List[Dict], cfg: BenchConf) -> Dict[Tuple[str, int, int], Dic
 
 
 def within_noise(goal: Dict) -> bool:
-    """Whether a target's margin, either way, is no larger than its control's distance from 1."""
-    if goal.get("control") is None or goal.get("decided") is None:
+    """Whether a target's margin, either way and as a share of its threshold, is no larger than its control's
+    distance from 1 (a share too: noise moves a ratio by a fraction of itself, whatever the threshold)."""
+    if goal.get("control") is None or goal.get("decided") is None or not goal.get("required"):
         return False
-    return abs(goal["decided"] - goal["required"]) <= abs(goal["control"] - 1.0)
+    return abs(goal["decided"] / goal["required"] - 1.0) <= abs(goal["control"] - 1.0)
 
 
 def control_lines(found: Dict[Tuple[str, int, int], Dict]) -> List[str]:

@@ -21,16 +21,30 @@ def conf(*goals):
 
 
 def test_the_control_is_b2_over_b_in_every_column():
-    cfg = conf()
+    cfg = conf("{scenario:add,of:f,at_least:0.9}")
     b, b2 = [0.40, 0.50, 0.52], [0.44, 0.47, 0.60]
-    found = targets.controls(report.cells([cell("b", b), cell("b2", b2), cell("f", b, "add")], cfg), cfg)
-    got = found[("tiny", 64, 128)]
+    # passes a second apart, but b not the run's pairing reference: nothing is paired
+    rows = report.cells([cell("b", b, started_s=[0.0, 2.0, 4.0]), cell("b2", b2, started_s=[1.0, 3.0, 5.0]),
+                         cell("f", b, "add")], cfg)
+    got = targets.controls(rows, cfg)[("tiny", 64, 128)]
     assert got["ratio"] == pytest.approx(median(b) / median(b2))  # throughput over b's: b's time over b2's
     assert got["best"] == pytest.approx(min(b) / min(b2))
     assert got["interval"] == bootstrap.interval(b2, b)
-    assert got["paired"] is None  # b was not the run's pairing reference
+    assert got["paired"] is None and got["paired_interval"] is None
+    assert report.targets(rows, cfg)[0]["control"] == pytest.approx(median(b) / median(b2))  # a medians target's
+    md = report.markdown(rows, [], cfg, {}, "now", "cmd")
+    assert "| scenario | b tok/s | b2 tok/s | f tok/s | f/b | b2/b |" in md and "| 1.00 | 1.06 |" in md
     without = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[b,f]", "scenarios=[add]")
     assert targets.controls(report.cells([cell("b", b), cell("f", b, "add")], without), without) == {}
+
+
+def test_a_control_that_failed_or_was_skipped_controls_nothing():
+    cfg = conf("{scenario:add,of:f,at_least:0.95,between:fastest}")
+    for status in ("error", "skipped"):
+        b2 = {**cell("b2", [0.4, 0.4]), "status": status, "tok_s": None}
+        rows = report.cells([cell("b", [0.4, 0.5]), b2, cell("f", [0.41, 0.5], "add")], cfg)
+        assert targets.controls(rows, cfg) == {} and report.targets(rows, cfg)[0]["control"] is None
+        assert "The A/A control" not in report.markdown(rows, [], cfg, {}, "now", "cmd")
 
 
 def test_a_margin_the_control_reaches_is_within_noise_either_way():
@@ -50,21 +64,36 @@ def test_a_margin_the_control_reaches_is_within_noise_either_way():
     miss = report.targets(report.cells([cell("b", b), cell("b2", b2), cell("f", [0.428, 0.5, 0.5], "add")], cfg),
                           cfg)[0]
     assert not miss["holds"] and targets.within_noise(miss)  # 0.935 misses 0.95 by less than the control's 0.06
+    assert "| 0.94 | **no** (-0.015), within noise |" in report.markdown(rows, [miss], cfg, {}, "now", "cmd")
+
+
+def test_noise_is_a_share_of_the_threshold():
+    # 4% of noise moves a ratio near 3 by about 0.12, a ratio near 1 by 0.04
+    near_three = {"decided": 3.1, "required": 3.0, "control": 0.96}
+    assert targets.within_noise(near_three) and not targets.within_noise({**near_three, "decided": 3.2})
+    assert not targets.within_noise({"decided": 1.1, "required": 1.0, "control": 0.96})
 
 
 def test_a_paired_control_is_paired_with_b_like_any_engine():
-    cfg = conf("{scenario:add,of:f,at_least:0.95,between:paired}")
-    b = cell("b", [0.5, 0.4, 0.6, 0.5], started_s=[0.0, 1.0, 2.0, 3.0], paired=True)
-    b2 = cell("b2", [0.45, 0.55], started_s=[0.6, 2.7])
+    cfg = conf("{scenario:add,of:f,at_least:0.95,between:paired}", "{scenario:add,of:f,at_least:0.95,between:fastest}")
+    # b b2 b b2 b b2 b, a second apart, and a fast b pass (0.3 s) a minute later, beside none of b2's
+    b = cell("b", [0.5, 0.4, 0.6, 0.5, 0.3], started_s=[0.0, 1.0, 2.0, 3.0, 60.0], paired=True)
+    b2 = cell("b2", [0.5, 0.48, 0.6], started_s=[0.6, 1.6, 2.6])
     f = cell("f", [0.5], "add", started_s=[1.5])
     rows = report.cells([b, b2, f], cfg)
     got = targets.controls(rows, cfg)[("tiny", 64, 128)]
+    # each b2 pass over the mean of the b passes on its either side: 0.45/0.5, 0.5/0.48, 0.55/0.6
+    assert got["paired"] == pytest.approx(median([0.45 / 0.5, 0.5 / 0.48, 0.55 / 0.6]))
     expect = pairs.figures({"walls_s": b2["walls_s"], "started_s": b2["started_s"]},
                            {"walls_s": b["walls_s"], "started_s": b["started_s"]})
-    assert got["paired"] == pytest.approx(expect["paired"]) and got["paired_interval"] == expect["paired_interval"]
-    assert got["paired"] == pytest.approx(median([0.45 / 0.45, 0.55 / 0.55]))  # each pass over its neighbours' mean
-    goal = report.targets(rows, cfg)[0]
-    assert goal["control"] == pytest.approx(got["paired"])  # the column that decides the target: paired
+    assert got["paired_interval"] == expect["paired_interval"] is not None
+    assert got["best"] == pytest.approx(0.4 / 0.48)  # b's fastest first neighbour, not its 0.3 s a minute away
+    assert got["ratio"] == pytest.approx(0.5 / 0.5)  # three columns, three different figures
+    paired, fastest = report.targets(rows, cfg)
+    assert paired["control"] == pytest.approx(got["paired"]) and fastest["control"] == pytest.approx(got["best"])
+    md = report.markdown(rows, [], cfg, {}, "now", "cmd")
+    lo, hi = got["paired_interval"]
+    assert f"| tiny | 64x128 | 1.00 | 0.83 | 0.92 ({lo:.2f}-{hi:.2f}) | " in md
 
 
 def test_a_target_without_a_control_has_no_control_column():

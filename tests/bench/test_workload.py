@@ -1,12 +1,14 @@
 """The bench's config and workload, on CPU: what every configuration runs, and bad config caught early."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench_common import bench_conf
-from steer.bench import schema, workload
+from steer.bench import runs, schema, workload
 from steer.errors import ConfigError
 from steer.schema import EditKind
 
@@ -93,6 +95,25 @@ def test_an_engine_goes_to_the_first_lane_that_names_it():
     cfg = bench_conf('lanes=[{gpus:"0",runs:["*/[abcf]"]},{gpus:"1",runs:["*"]}]')
     workload.check(cfg)
     assert [workload.lane(cfg, "llama3_8b", c) for c in "abcfde"] == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_small_model_s_default_engines_start_in_one_wave():
+    # in a paired run b times a pass beside the others' only within its wave; an engine left to a wave of its own
+    # would be timed unpaired, after another start
+    cfg = bench_conf()
+    for name, layers in (("smollm2", 30), ("tiny", 4)):
+        assert len(runs.plan_groups(cfg, name, layers)) <= cfg.models[name].engines_at_once
+
+
+def test_the_documented_two_gpu_lanes_run_every_default_engine():
+    # README's and conf/bench.yaml's examples: an engine no lane names fails the check, so a configuration added to
+    # the defaults (b2) must be one the examples' patterns still match
+    root = Path(__file__).parents[2]
+    found = [m.group(1) for doc in ("README.md", "conf/bench.yaml")
+             for m in re.finditer(r"lanes='?(\[\{gpus:\"0\"[^']*)'", (root / doc).read_text())]
+    assert len(found) == 2
+    for lanes in found:
+        workload.check(bench_conf(f"lanes={lanes}"))
 
 
 def test_skip_patterns_match_cells():

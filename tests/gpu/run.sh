@@ -129,7 +129,7 @@ lanes() {
   # the host profile does not show (DEVELOPERS.md); as long as a timed pass at 64 x 128, since the 8B shape's f on
   # ablate_all lost more in its timed passes than its 16-token trace showed
   STEER_PROFILE=1 python -m steer.bench 'run=[llama3_8b,smollm2]' \
-    'lanes=[{gpus:"0",runs:["smollm2/*","*/[abcfgh]"]},{gpus:"1",runs:["*/[de]"]}]' \
+    'lanes=[{gpus:"0",runs:["smollm2/*","*/[abcfghij]*"]},{gpus:"1",runs:["*/[de]"]}]' \
     'trace=[llama3_8b/b/*/64x128,"llama3_8b/[cfh]/ablate_all/64x128",smollm2/b/*/256x256,'\
 'smollm2/c/ablate_all/256x256,smollm2/f/add/256x256]' trace_tokens=128 \
     ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1 &
