@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench_common import bench_conf
-from steer.bench import runs, schema, workload
+from steer.bench import placement, runs, schema, workload
 from steer.errors import ConfigError
 from steer.schema import EditKind
 
@@ -114,6 +114,22 @@ def test_the_documented_two_gpu_lanes_run_every_default_engine():
     assert len(found) == 2
     for lanes in found:
         workload.check(bench_conf(f"lanes={lanes}"))
+
+
+def test_the_gpu_table_stage_s_bench_arguments_pass_the_checks():
+    # tests/gpu/run.sh's `table` is what a GPU session runs, with minutes of device time at stake: its arguments
+    # must compose and check here, every skip and trace pattern naming cells of the run
+    text = (Path(__file__).parents[1] / "gpu" / "run.sh").read_text()
+    body = text[text.index("\ntable() {"):]
+    args = body[body.index('BENCH_ARGS="') + len('BENCH_ARGS="'):body.index('" bench\n')]
+    cpus = str(placement.available()[0])  # the stage picks the GPU machine's; the check wants this one's
+    args = args.replace("\\\n", "").replace("$CPUS", cpus).replace("${BENCH_ARGS:-}", "")
+    cfg = bench_conf(*args.split())  # bench() expands BENCH_ARGS unquoted: split on blanks, quotes kept
+    workload.check(cfg)
+    assert "b2" in cfg.configs and cfg.trace and cfg.lanes[0].cpus == cpus
+    for pattern in cfg.skip:
+        assert any(workload.skipped(cfg, m, c, s, b) == pattern for m in cfg.run for c in cfg.configs
+                   for s in [*cfg.scenarios, "unsteered"] for b in cfg.batches), pattern
 
 
 def test_skip_patterns_match_cells():
