@@ -5,8 +5,8 @@ vLLM's table sums each kernel's device time; it cannot say whether a step's GPU 
 between them (graph segments launched one after another, a host that falls behind). The trace can: vLLM marks
 each step on the GPU stream (`execute_context_<n>(<tokens>)_generation_<n>(<tokens>)`), so for every decode step
 this gives the marked span (first kernel to last), how much of it some kernel was running, the gaps, the time
-from one step's last kernel to the next step's first, and the host calls inside the step's host span (inclusive
-times, by name).
+from one step's last kernel to the next step's first, the device ops inside the step by name (the table beside it
+counts the prefill too), and the host calls inside the step's host span (inclusive times, by name).
 """
 
 import bisect
@@ -85,25 +85,46 @@ def summary(events: List[dict], top: int = 12) -> str:
     between = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
     if between:  # the GPU waiting on the host from one step to the next (a host-bound model's time goes here)
         lines.append(f"  between consecutive steps: {sum(between) / len(between) / 1e3:.3f} ms a step")
-    host = cpu_steps.get(n, [])
-    if host:
-        totals: Counter = Counter()
-        calls: Counter = Counter()
-        starts = [a for a, _ in host]
-        for e in events:
-            if e.get("cat") not in _HOST:
-                continue
-            t = float(e["ts"])
-            i = bisect.bisect_right(starts, t)  # the last step starting at or before t
-            if i and t < host[i - 1][1]:
-                totals[e["name"]] += float(e["dur"])
-                calls[e["name"]] += 1
-        h = len(host)
-        lines.append(f"  host: {h} decode steps marked, {sum(b - a for a, b in host) / h / 1e3:.3f} ms a step; "
-                     "calls inside them, inclusive us a step (calls a step):")
-        for name, t in totals.most_common(top):
-            lines.append(f"    {t / h:10.1f} us ({calls[name] / h:6.1f})  {name[:90]}")
+    lines += _kernel_lines(events, steps, top)
+    lines += _host_lines(events, cpu_steps.get(n, []), top)
     return "\n".join(lines) + "\n"
+
+
+def _inside(events: List[dict], cats: Tuple[str, ...], spans: List[Tuple[float, float]]):
+    """The events of categories `cats` that start inside one of `spans` (sorted, not overlapping)."""
+    starts = [a for a, _ in spans]
+    for e in events:
+        if e.get("cat") in cats:
+            t = float(e["ts"])
+            i = bisect.bisect_right(starts, t)  # the last span starting at or before t
+            if i and t < spans[i - 1][1]:
+                yield e
+
+
+def _by_name(events, per: int, top: int) -> List[str]:
+    """Lines of total duration a step and count a step by event name, the largest first."""
+    totals: Counter = Counter()
+    calls: Counter = Counter()
+    for e in events:
+        totals[e["name"]] += float(e["dur"])
+        calls[e["name"]] += 1
+    return [f"    {t / per:10.1f} us ({calls[name] / per:6.1f})  {name[:90]}" for name, t in totals.most_common(top)]
+
+
+def _kernel_lines(events: List[dict], steps: List[Tuple[float, float]], top: int) -> List[str]:
+    # vLLM's table above sums a kernel over the whole trace, prefill included; a decode step's own share is what a
+    # steering edit adds to the step (f's tap_edit launches beside b's kernels)
+    lines = ["  device ops inside them, us a step (ops a step):"]
+    return lines + _by_name(_inside(events, _DEVICE, steps), len(steps), top)
+
+
+def _host_lines(events: List[dict], host: List[Tuple[float, float]], top: int) -> List[str]:
+    if not host:
+        return []
+    h = len(host)
+    lines = [f"  host: {h} decode steps marked, {sum(b - a for a, b in host) / h / 1e3:.3f} ms a step; "
+             "calls inside them, inclusive us a step (calls a step):"]
+    return lines + _by_name(_inside(events, _HOST, host), h, top)
 
 
 def latest(directory: Path) -> Optional[Path]:

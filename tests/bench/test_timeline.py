@@ -57,6 +57,9 @@ def test_summary_splits_a_step_into_kernels_and_gaps_and_counts_host_calls(tmp_p
     assert "idle gaps a step: 2" in text and "over 5 us: 1.5 (15 us)" in text
     assert "between consecutive steps: 0.100 ms a step" in text
     assert "3.5 us (   1.0)  cudaGraphLaunch" in text and "aten::copy_" not in text
+    # device ops of the decode steps alone, a step: gemm 40 + 80, tap_edit 30 once, the copy 30 once
+    assert "      60.0 us (   1.0)  gemm" in text and "      15.0 us (   0.5)  tap_edit" in text
+    assert "      15.0 us (   0.5)  Memcpy HtoD" in text and "prefill_gemm" not in text
 
 
 def test_a_real_profiler_trace_without_gpu_marks_says_so(tmp_path):
