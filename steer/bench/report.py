@@ -272,8 +272,6 @@ def _fmt_tok(r: Dict) -> str:
     return {"not run": "-", "skipped": "skipped"}.get(r["status"], r["status"])
 
 
-
-
 def rewrite(run_dir: Path) -> str:
     """Rewrite a bench run's report from what the run left: records.jsonl, .hydra/config.yaml and run.json (the
     machine, the time and the command), e.g. after the report's layout changed."""

@@ -118,7 +118,6 @@ def table(goals: List[Dict]) -> List[str]:
     return lines + [""]
 
 
-
 def _by_cell(rows: List[Dict]) -> Dict[tuple, Dict]:
     return {(r["model"], r["requests"], r["new_tokens"], r["scenario"], r["config"]): r for r in rows}
 
@@ -134,4 +133,3 @@ def _controls(by: Dict[tuple, Dict], cfg: BenchConf) -> Dict[Tuple[str, int, int
             if of.get("status") == "ok" and over.get("status") == "ok":
                 found[(model, req, new)] = measure(of, over)
     return found
-

@@ -93,8 +93,8 @@ table() {
   # configs=[h,i] measures conf/bench.yaml's h over i), SmolLM2 without a, h, the faint twins and c's k1 and k8
   # (no target reads them, and in a paired run each engine costs b's passes beside its own); the A/A control b2 on
   # SmolLM2 only (the 8B shape's passes spread by 1-5%, and b2 there would be a third wave of engines); a 16-token
-  # trace of SmolLM2's b and of f's ablate_all at 64 x 128 after their timed passes (the one miss that is low in
-  # every column at 17:48: kernels, gaps and host calls per step, steer/bench/timeline.py); every
+  # trace of SmolLM2's b and of f's ablate_all at 64 x 128 after their timed passes (the furthest miss at 17:48, low
+  # in every column: kernels, gaps and host calls per step, steer/bench/timeline.py); every
   # engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one
   # thread of each physical core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells
   # are the host's, pinned or not (DEVELOPERS.md)
