@@ -69,8 +69,10 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
 
 
 def _own_times(cfg: BenchConf, which: str = "min_timed_s") -> str:
-    """The models of the run with a `min_timed_s` (or `max_timed_s`) of their own, as the preamble names them."""
-    own = [f"{name} {getattr(m, which):g} s" for name, m in cfg.models.items()
+    """The models of the run with a `min_timed_s` (or `max_timed_s`, `repeats`) of their own, as the preamble names
+    them."""
+    unit = "" if which == "repeats" else " s"
+    own = [f"{name} {getattr(m, which):g}{unit}" for name, m in cfg.models.items()
            if name in cfg.run and getattr(m, which) is not None]
     return f" ({', '.join(own)})" if own else ""
 
@@ -79,8 +81,9 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
     warm = "a whole pass" if cfg.warmup_tokens is None else f"{cfg.warmup_tokens} new tokens"
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
-             f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}, and at least "
-             f"{cfg.min_timed_s:g} s of them{_own_times(cfg)}, at most {cfg.max_repeats}, and none once "
+             f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}"
+             f"{_own_times(cfg, 'repeats')}, and at least {cfg.min_timed_s:g} s of them{_own_times(cfg)}, at most "
+             f"{cfg.max_repeats}, and none once "
              f"{cfg.max_timed_s:g} s{_own_times(cfg, 'max_timed_s')} are "
              f"timed) after a warm-up pass ({warm}), timed in rounds: a model's engines that start together take "
              "turns, one pass of each cell an engine still needs per turn, so they sample the same stretch of the "

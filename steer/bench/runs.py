@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
-from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, timed_window
+from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, least_passes, timed_window
 from steer.results import write_json, write_text
 
 
@@ -295,14 +295,14 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
 
 def _more(walls: List[float], cfg: BenchConf, m: Optional[BenchModelConf] = None) -> bool:
     """Whether a cell needs another timed pass: fewer than `repeats`, or less than `min_timed_s` timed in all (up
-    to `max_repeats` passes); never once `max_timed_s` are timed, always when none is. The model's `min_timed_s`
-    and `max_timed_s` (`m`; None or null: the run's) stand in for the run's."""
+    to `max_repeats` passes); never once `max_timed_s` are timed, always when none is. The model's `repeats`,
+    `min_timed_s` and `max_timed_s` (`m`; None or null: the run's) stand in for the run's."""
     least, most = timed_window(cfg, m)
     if not walls:
         return True
     if sum(walls) >= most:
         return False
-    if len(walls) < cfg.repeats:
+    if len(walls) < least_passes(cfg, m):
         return True
     return len(walls) < cfg.max_repeats and sum(walls) < least
 

@@ -43,6 +43,9 @@ class BenchModelConf:
     # Engines of this model started at once (each then waits, holding its GPU memory, to be timed alone): as many
     # as fit in GPU and host memory side by side.
     engines_at_once: int = 1
+    # The run's repeats for this model's cells (null: the run's): between fastest passes, each cell needs as many
+    # draws at its larger batch, whose passes take 4 times as long, as the time floor gives the smaller one
+    repeats: Optional[int] = None
     # The run's min_timed_s for this model's cells (null: the run's): a host-bound model's passes spread so
     # widely that its fastest pass needs many more passes to show up
     min_timed_s: Optional[float] = None
@@ -136,6 +139,11 @@ class BenchConf:
 
 def register() -> None:
     ConfigStore.instance().store(name="bench_schema", node=BenchConf)
+
+
+def least_passes(cfg: BenchConf, m: Optional[BenchModelConf] = None) -> int:
+    """A model's `repeats`: its own where set, else the run's."""
+    return cfg.repeats if m is None or m.repeats is None else m.repeats
 
 
 def timed_window(cfg: BenchConf, m: Optional[BenchModelConf] = None) -> Tuple[float, float]:

@@ -92,7 +92,11 @@ OWN_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", "VLLM_USE_BREAKABLE_CUDAGR
 
 
 def _check_timed(cfg: BenchConf, name: str, m: BenchModelConf) -> None:
-    """A model's own time floor and cap: null, or a floor in 0..its cap and a cap above 0."""
+    """A model's own passes, time floor and cap: null, or passes in 1..max_repeats, a floor in 0..its cap and a
+    cap above 0."""
+    if m.repeats is not None and not 1 <= m.repeats <= cfg.max_repeats:
+        raise ConfigError(f"models.{name}.repeats", f"must be null or in 1..max_repeats ({cfg.max_repeats}), got "
+                                                   f"{m.repeats}")
     if m.max_timed_s is not None and m.max_timed_s <= 0:
         raise ConfigError(f"models.{name}.max_timed_s", f"must be null or > 0 (one pass is always timed), got "
                                                        f"{m.max_timed_s}")

@@ -124,12 +124,13 @@ def test_report_says_which_lanes_ran_side_by_side():
 
 def test_report_names_a_model_s_own_time_floor_and_cap():
     cfg = bench_conf("run=[tiny,smollm2]", "min_timed_s=4", "max_timed_s=15", "models.smollm2.min_timed_s=10",
-                     "models.smollm2.max_timed_s=40")
+                     "models.smollm2.max_timed_s=40", "repeats=3", "models.smollm2.repeats=10")
     md = report.markdown(report.cells([], cfg), [], cfg, {}, "now", "c")
     assert "at least 4 s of them (smollm2 10 s)," in md and "none once 15 s (smollm2 40 s) are timed" in md
+    assert "(at least 3 (smollm2 10), and" in md
     plain = bench_conf("run=[tiny]", "min_timed_s=4", "max_timed_s=15")  # a model out of the run is not named
     md = report.markdown(report.cells([], plain), [], plain, {}, "now", "c")
-    assert "at least 4 s of them, at most" in md and "none once 15 s are timed" in md
+    assert "at least 4 s of them, at most" in md and "none once 15 s are timed" in md and "(at least 3, and" in md
 
 
 def test_machinery_and_data_are_reported_apart():

@@ -213,6 +213,16 @@ def test_a_model_may_time_past_the_runs_cap():
     assert runs._more([9.5], cfg, tiny) is True and runs._more([10.0], cfg, tiny) is False
 
 
+def test_a_model_may_take_more_passes_than_the_run():
+    # SmolLM2's larger batch: a pass takes seconds, so its time floor alone would leave a handful of draws
+    cfg = bench_conf("repeats=3", "min_timed_s=4", "max_timed_s=40", "max_repeats=30", "models.tiny.repeats=10")
+    tiny = cfg.models["tiny"]
+    assert runs._more([2.5] * 3, cfg) is False and runs._more([2.5] * 3, cfg, tiny) is True
+    assert runs._more([2.5] * 9, cfg, tiny) is True and runs._more([2.5] * 10, cfg, tiny) is False
+    assert runs._more([0.25] * 10, cfg, tiny) is True  # 2.5 s: the floor still wants more
+    assert runs._more([5.0] * 8, cfg, tiny) is False  # the cap still stops it
+
+
 @contextmanager
 def beside_a_scheduler(cfg, group, where, out):
     """`group`'s engine process as the scheduler starts it beside others (run_group in a thread, on `where`,

@@ -46,6 +46,8 @@ def test_committed_bench_config_composes_and_checks():
                                             ("min_timed_s=-1", "min_timed_s"), ("max_timed_s=0", "max_timed_s"),
                                             ("models.tiny.engines_at_once=0", "models.tiny.engines_at_once"),
                                             ("models.tiny.min_timed_s=-2", "models.tiny.min_timed_s"),
+                                            ("models.tiny.repeats=0", "models.tiny.repeats"),
+                                            ("models.smollm2.repeats=31", "models.smollm2.repeats"),
                                             ("models.smollm2.min_timed_s=50", "models.smollm2.min_timed_s"),
                                             ("models.tiny.min_timed_s=20", "models.tiny.min_timed_s"),
                                             ("models.smollm2.max_timed_s=0", "models.smollm2.max_timed_s"),
@@ -82,9 +84,10 @@ def test_bad_bench_config_names_the_field(override, field):
 
 
 @pytest.mark.parametrize("overrides,said", [
-    (["models.smollm2.min_timed_s=50"], "must be null or in 0..its max_timed_s (14), got 50.0"),
+    (["models.smollm2.min_timed_s=50"], "must be null or in 0..its max_timed_s (40), got 50.0"),
     (["models.tiny.min_timed_s=20"], "must be null or in 0..max_timed_s (15), got 20.0"),
-    (["models.tiny.max_timed_s=2"], "must be >= min_timed_s (4, the run's), got 2.0")])
+    (["models.tiny.max_timed_s=2"], "must be >= min_timed_s (4, the run's), got 2.0"),
+    (["models.tiny.repeats=40"], "must be null or in 1..max_repeats (30), got 40")])
 def test_a_model_s_time_window_errors_say_what_bounds_it(overrides, said):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf("run=[tiny,smollm2]", "min_timed_s=4", "max_timed_s=15", *overrides))

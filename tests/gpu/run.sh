@@ -7,7 +7,7 @@
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
-#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 19 minutes)
+#   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 22 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
@@ -88,8 +88,8 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, most of a session's device time (about 20 minutes: the 8B shape 9,
-  # SmolLM2 paired 10): without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them;
+  # Issue 19's table in one run, both models, most of a session's device time (about 22 minutes: the 8B shape 9,
+  # SmolLM2 paired 12-13): without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them;
   # configs=[h,i] measures conf/bench.yaml's h over i), SmolLM2 without a, h, the faint twins and c's k1 and k8
   # (no target reads them, and in a paired run each engine costs b's passes beside its own); the A/A control b2 on
   # SmolLM2 only (the 8B shape's passes spread by 1-5%, and b2 there would be a third wave of engines); a 16-token
