@@ -68,10 +68,9 @@ def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict,
     return "\n".join(lines)
 
 
-def _own_times(cfg: BenchConf, which: str = "min_timed_s") -> str:
-    """The models of the run with a `min_timed_s` (or `max_timed_s`, `repeats`) of their own, as the preamble names
-    them."""
-    unit = "" if which == "repeats" else " s"
+def _own(cfg: BenchConf, which: str = "min_timed_s", unit: str = " s") -> str:
+    """The models of the run with a `min_timed_s` (or another setting, `which`, in `unit`) of their own, as the
+    preamble names them."""
     own = [f"{name} {getattr(m, which):g}{unit}" for name, m in cfg.models.items()
            if name in cfg.run and getattr(m, which) is not None]
     return f" ({', '.join(own)})" if own else ""
@@ -82,9 +81,9 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
              f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}"
-             f"{_own_times(cfg, 'repeats')}, and at least {cfg.min_timed_s:g} s of them{_own_times(cfg)}, at most "
+             f"{_own(cfg, 'repeats', '')}, and at least {cfg.min_timed_s:g} s of them{_own(cfg)}, at most "
              f"{cfg.max_repeats}, and none once "
-             f"{cfg.max_timed_s:g} s{_own_times(cfg, 'max_timed_s')} are "
+             f"{cfg.max_timed_s:g} s{_own(cfg, 'max_timed_s')} are "
              f"timed) after a warm-up pass ({warm}), timed in rounds: a model's engines that start together take "
              "turns, one pass of each cell an engine still needs per turn, so they sample the same stretch of the "
              "run; `x/a`, `x/b`: ratio to configuration a, b; bench.csv has each cell's passes and spread "
