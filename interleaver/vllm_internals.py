@@ -309,6 +309,22 @@ def shutdown(llm: Any) -> None:
         core.shutdown()
 
 
+def step_stamps(llm: Any):
+    """`take()`: the engine core's stamps (monotonic s, its clock) of a vllm.LLM's steps that made tokens since the
+    last call. vLLM's scheduler stamps a step's outputs as it turns them out, so consecutive stamps are a step apart."""
+    core, stamps = llm.llm_engine.engine_core, []
+    get = core.get_output
+
+    def get_output(*args, **kwargs):
+        out = get(*args, **kwargs)
+        if out.outputs:
+            stamps.append(out.timestamp)
+        return out
+
+    core.get_output = get_output
+    return lambda: [stamps.pop(0) for _ in range(len(stamps))]
+
+
 def fold_norms(il, modules: Dict[str, Any], taps) -> Dict[str, str]:
     """Route each residual tap on a decoder layer (`<stack>.<i>`) to the norm that reads its value next, the
     `input_layernorm` of layer i + 1 (after the last layer, the stack owner's `norm`), where that norm is vLLM's

@@ -2,7 +2,8 @@
 
 A configuration's runner, `RUNNERS[config](cfg, m, where, group)`, starts the engine and returns
 `run(prompts, scenario, tokens)`: one `generate` of the whole batch, every request exactly `tokens` new tokens
-(ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say). The
+(ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say); a vLLM
+LLM's runner has `run.steps()`, the engine core's stamps of the steps since the last call (step_stamps). The
 engines of a, b, d, e and i get the settings steer's engine gets in c, f, g and h (`vllm_conf`); beyond steering,
 a differs from the others in its model runner (vLLM's default, V2; steer's worker hooks V1), which i does not.
 steer/bench/runs.py times the passes.
@@ -14,6 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
+from interleaver.vllm_internals import step_stamps
 from steer.bench import workload
 from steer.bench.schema import BenchConf, BenchModelConf
 
@@ -105,6 +107,7 @@ def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
+    run.steps = step_stamps(llm)
     return traceable(run, llm, group.trace_dir)
 
 
@@ -137,6 +140,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
         return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
 
     run.profile = engine.host_profile
+    run.steps = step_stamps(engine.llm)
     return traceable(run, engine, group.trace_dir)
 
 

@@ -18,27 +18,30 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from steer.bench import bootstrap
 
+STEP = "step_ms"  # a pass's median decode step, the engine core's (steer/bench/runs.py)
 # A reference pass is a neighbour when no more than this many seconds lie between it and the pass (the scheduler's
 # round trip and a cell's warm-up fit; a pass from another round or wave does not)
 SLACK_S = 2.0
 
 
 def neighbours(of_starts: Sequence[float], of_walls: Sequence[float], over_starts: Sequence[float],
-               over_walls: Sequence[float], slack_s: float = SLACK_S) -> List[Tuple[float, List[float]]]:
+               over_walls: Sequence[float], slack_s: float = SLACK_S, of_values: Optional[Sequence[float]] = None,
+               over_values: Optional[Sequence[float]] = None) -> List[Tuple[float, List[float]]]:
     """For each pass of `of` (its start and wall time), its wall and the walls of the `over` passes just before
-    and just after it, those within `slack_s` of it; a pass with neither is left out."""
-    order = sorted(zip(over_starts, over_walls))
-    starts = [s for s, _ in order]
+    and just after it, those within `slack_s` of it; a pass with neither is left out. With `of_values` and
+    `over_values` (one a pass), those stand for the walls in what is handed back (the passes' median steps)."""
+    order = sorted(zip(over_starts, over_walls, over_walls if over_values is None else over_values))
+    starts = [s for s, _, _ in order]
     out = []
-    for s, w in zip(of_starts, of_walls):
+    for s, w, v in zip(of_starts, of_walls, of_walls if of_values is None else of_values):
         i = bisect.bisect_left(starts, s)
         beside = []
         if i > 0 and s - (order[i - 1][0] + order[i - 1][1]) <= slack_s:
-            beside.append(order[i - 1][1])
+            beside.append(order[i - 1][2])
         if i < len(order) and order[i][0] - (s + w) <= slack_s:
-            beside.append(order[i][1])
+            beside.append(order[i][2])
         if beside:
-            out.append((w, beside))
+            out.append((v, beside))
     return out
 
 
@@ -55,3 +58,21 @@ def figures(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
     fastest = min(b[0] for _, b in pairs) / min(w for w, _ in pairs)
     return {"paired": median(ratios), "paired_interval": bootstrap.median_interval(ratios),
             "paired_fastest": fastest, "pairs": len(pairs)}
+
+
+def steps(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
+    """The same work's throughput ratio from the passes' median decode steps (`STEP`, runs.step_reading) rather than
+    their walls: `steps`, over's step over of's, each pass against the neighbours' in a paired run (the median of
+    those ratios) and between the cells' medians otherwise; `steps_interval`, its 90% interval (resampling the pairs,
+    or each cell's passes). None where a cell lacks a pass's step."""
+    mine, theirs = of.get(f"{STEP}_passes") or [], over.get(f"{STEP}_passes") or []
+    if not mine or not theirs or len(mine) != len(of.get("walls_s") or ()) or \
+            len(theirs) != len(over.get("walls_s") or ()):
+        return {"steps": None, "steps_interval": None}
+    if over.get("paired"):
+        ratios = [sum(b) / len(b) / v for v, b in neighbours(of["started_s"], of["walls_s"], over["started_s"],
+                                                             over["walls_s"], of_values=mine, over_values=theirs)]
+        if not ratios:
+            return {"steps": None, "steps_interval": None}
+        return {"steps": median(ratios), "steps_interval": bootstrap.median_interval(ratios)}
+    return {"steps": median(theirs) / median(mine), "steps_interval": bootstrap.interval(mine, theirs)}

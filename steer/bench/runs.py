@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
+from steer.bench.pairs import STEP
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, least_passes, timed_window
 from steer.results import write_json, write_text
 
@@ -203,6 +204,9 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
             runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
         if profile:
             profile()  # what ran before this pass is not the cell's
+        steps = getattr(runner, "steps", None)
+        if steps:
+            steps()
         _sync()
         # Where the processes ran is read first and last, so the GPU and host readings do not count its reads
         with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host, \
@@ -212,7 +216,8 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
             produced = runner(*t.inputs, tokens)
             _sync()
             t.walls.append(time.perf_counter() - t0)
-        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary(), **at.summary(), **collected.summary()})
+        t.readings.append({**(gpu.summary() if gpu else {}), **host.summary(), **at.summary(), **collected.summary(),
+                           **(step_reading(steps()) if steps else {})})
         if profile:
             for k, v in profile().items():
                 acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
@@ -252,7 +257,7 @@ def _record(t: _Timing, profiled: bool) -> Dict:
            "spread": (max(walls) - min(walls)) / wall, "walls_s": list(walls), "started_s": list(t.starts),
            "pid": os.getpid()}
     for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST,
-                *pauses.READINGS):
+                *pauses.READINGS, STEP):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             rec[f"{key}_passes"] = per_pass
@@ -263,6 +268,14 @@ def _record(t: _Timing, profiled: bool) -> Dict:
                                if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
                                for k, v in t.host.items()}
     return rec
+
+
+def step_reading(stamps: List[float]) -> Dict[str, float]:
+    """A pass's median decode step in ms (`STEP`), from the engine core's stamps of its steps (the gap after the
+    prefill's stamp is the first decode step's); {} with fewer than two stamps. A pass's wall time moves with the
+    host's stalls and spells wherever they fall; its median step moves only with those that last half the pass."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {STEP: 1e3 * statistics.median(gaps)} if gaps else {}
 
 
 @contextmanager

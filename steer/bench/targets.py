@@ -51,9 +51,10 @@ def measure(of: Optional[Dict], over: Optional[Dict]) -> Dict:
     medians = ratio(of.get("tok_s"), over.get("tok_s"))
     pair = pairs.figures(of, over) if over.get("paired") and of.get("status") == "ok" else {}
     best = pair.get("paired_fastest") or ratio(of.get("best_tok_s"), over.get("best_tok_s"))
-    return {"ratio": medians, "best": best, "paired": pair.get("paired"),
-            "paired_interval": pair.get("paired_interval"),
-            "interval": bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])}
+    got = {"ratio": medians, "best": best, "paired": pair.get("paired"),
+           "paired_interval": pair.get("paired_interval"),
+           "interval": bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])}
+    return {**got, **(pairs.steps(of, over) if of.get("status") == "ok" else {"steps": None, "steps_interval": None})}
 
 
 def controls(rows: List[Dict], cfg: BenchConf) -> Dict[Tuple[str, int, int], Dict]:
@@ -76,12 +77,12 @@ def control_lines(found: Dict[Tuple[str, int, int], Dict]) -> List[str]:
     lines = [f"The A/A control ({CONTROL}: {REFERENCE}'s pipeline and work in an engine process of its own, so "
              f"{CONTROL}/{REFERENCE} differs from 1 only by this run's noise, the host's and each process's own; a "
              "target whose margin is within it in its column is marked `within noise`):", "",
-             f"| model | batch | {CONTROL}/{REFERENCE}: medians | fastest passes | paired | interval |",
-             "|---|---|---:|---:|---:|---:|"]
+             f"| model | batch | {CONTROL}/{REFERENCE}: medians | fastest passes | paired | interval | steps |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for (model, req, new), got in found.items():
         paired = "-" if got["paired"] is None else f"{num(got['paired'])} ({span(got['paired_interval'])})"
         lines.append(f"| {model} | {req}x{new} | {num(got['ratio'])} | {num(got['best'])} | {paired} | "
-                     f"{span(got['interval'])} |")
+                     f"{span(got['interval'])} | {_steps(got)} |")
     return lines + [""]
 
 
@@ -92,13 +93,15 @@ def table(goals: List[Dict]) -> List[str]:
     # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
     # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
     controlled = any(g.get("control") is not None for g in goals)
-    head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval"]
+    head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval", "steps"]
     head += [f"control ({CONTROL}/{REFERENCE})"] if controlled else []
     lines = ["Targets (measured: the medians' ratio; holds: decided on it, or for a target marked (fastest) or "
              "(paired) on that column's ratio; fastest passes: the same ratio between each cell's fastest pass (in"
              " a paired run, among the reference passes beside the cell's); paired: the median of each pass's "
              f"ratio to the reference passes beside it, and its {bootstrap.LEVEL:.0%} interval "
-             "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; undecided: a "
+             "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; steps: the "
+             "ratio from the passes' median decode steps (the engine core's), paired where the run was, with its "
+             "interval, shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + "):", "", "| " + " | ".join(head + ["holds"]) + " |",
@@ -113,9 +116,13 @@ def table(goals: List[Dict]) -> List[str]:
             verdict += ", within noise"
         paired = "-" if g["paired"] is None else f"{num(g['paired'])} ({span(g['paired_interval'])})"
         cols = [g["target"], g["scenario"], g["model"], g["batch"], num(g["ratio"]), num(g["best"]), paired,
-                span(g.get("interval"))] + ([num(g.get("control"))] if controlled else [])
+                span(g.get("interval")), _steps(g)] + ([num(g.get("control"))] if controlled else [])
         lines.append("| " + " | ".join(cols + [verdict]) + " |")
     return lines + [""]
+
+
+def _steps(got: Dict) -> str:
+    return "-" if got.get("steps") is None else f"{num(got['steps'])} ({span(got.get('steps_interval'))})"
 
 
 def _by_cell(rows: List[Dict]) -> Dict[tuple, Dict]:

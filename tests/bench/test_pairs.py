@@ -50,3 +50,26 @@ def test_between_fastest_passes_each_pass_brings_one_neighbour():
     # one f pass between b's 1.0 s and 0.8 s: its first neighbour stands for b, as many b passes as f's
     got = pairs.figures({"walls_s": [1.0], "started_s": [1.1]}, {"walls_s": [1.0, 0.8], "started_s": [0.0, 2.2]})
     assert got["paired_fastest"] == pytest.approx(1.0) and got["paired"] == pytest.approx(0.9)
+
+
+def _stepped(walls, starts, steps, paired=False):
+    return {"walls_s": walls, "started_s": starts, "step_ms_passes": steps, "paired": paired}
+
+
+def test_steps_set_each_pass_against_its_neighbours_median_steps():
+    # b f b f b: f's steps are 5% longer than the mean of the b passes beside it, whatever its wall
+    b = _stepped([1.0, 1.0, 1.0], [0.0, 2.1, 4.1], [3.0, 4.0, 3.0], paired=True)
+    f = _stepped([0.9, 1.5], [1.1, 3.2], [3.5 * 1.05, 3.5 * 1.05])
+    got = pairs.steps(f, b)
+    assert got["steps"] == pytest.approx(1 / 1.05) and got["steps_interval"] == pytest.approx((1 / 1.05, 1 / 1.05))
+
+
+def test_unpaired_steps_are_the_ratio_of_the_cells_median_steps():
+    got = pairs.steps(_stepped([1.0, 1.0], [0.0, 1.0], [4.0, 4.4]), _stepped([1.0, 1.0], [5.0, 6.0], [4.0, 4.0]))
+    assert got["steps"] == pytest.approx(4.0 / 4.2) and got["steps_interval"] is not None
+
+
+@pytest.mark.parametrize("mine", [[], [4.0]])  # none, or fewer than the passes (a pass without its step)
+def test_steps_need_every_pass_step(mine):
+    got = pairs.steps(_stepped([1.0, 1.0], [0.0, 1.0], mine), _stepped([1.0, 1.0], [0.0, 1.0], [4.0, 4.0]))
+    assert got == {"steps": None, "steps_interval": None}

@@ -452,3 +452,30 @@ def test_an_engine_process_sets_its_models_environment_before_its_engine_starts(
     md = report.markdown(report.cells([], cfg), [], cfg, {}, "now", "cmd")
     assert "Engine processes' own environment (`models.<name>.env`): tiny's with " \
            "STEER_BENCH_TEST_ENV=0." in md
+
+
+def test_a_pass_records_its_median_decode_step_from_the_engine_cores_stamps(engine_c, tmp_path, bench_model):
+    # The engine core stamps each step: a warm-up pass's stamps are dropped; each timed pass of 6 tokens makes a
+    # prefill and 5 decode steps, 10 ms each but one that a 200 ms stall holds: the median step stays 10 ms while
+    # the stall lands in the pass's wall
+    stamps, t = [], [100.0]
+
+    def run(prompts, scen, tokens):
+        for gap in [0.0, 0.01, 0.01, 0.2, 0.01, 0.01][:tokens]:
+            t[0] += gap
+            stamps.append(t[0])
+        return len(prompts) * tokens
+
+    run.steps = lambda: [stamps.pop(0) for _ in range(len(stamps))]
+    engine_c(lambda cfg, m, where, group: run, {"gpu": "stand-in"})
+    cfg = bench_conf("batches=[[4,6]]", "repeats=2", "min_timed_s=0", "warmup_tokens=3")
+    group = one_tap(cfg)
+    group.cells = [c for c in group.cells if c["scenario"] == "add"]
+    [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
+    assert rec["step_ms_passes"] == pytest.approx([10.0, 10.0]) and rec["step_ms"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("stamps,got", [([], {}), ([1.0], {}), ([1.0, 1.004], {"step_ms": 4.0}),
+                                        ([0.0, 0.003, 0.006, 0.1], {"step_ms": 3.0})])
+def test_a_pass_step_is_the_median_gap_between_stamps(stamps, got):
+    assert runs.step_reading(stamps) == pytest.approx(got)

@@ -103,4 +103,19 @@ def test_a_target_without_a_control_has_no_control_column():
     goal = report.targets(rows, cfg)[0]
     assert goal["control"] is None and not targets.within_noise(goal)
     md = report.markdown(rows, [goal], cfg, {}, "now", "cmd")
-    assert "control" not in md and "| interval | holds |" in md
+    assert "control" not in md and "| interval | steps | holds |" in md
+
+
+def test_the_steps_column_sits_beside_the_verdict_and_never_decides_it():
+    # f's passes take 20% longer than b's, but its median steps only 2% longer: the wall ratio decides (no), the
+    # steps column shows 0.98 in both tables
+    cfg = conf("{scenario:add,of:f,at_least:0.9}")
+    b = cell("b", [0.40, 0.40, 0.40], started_s=[0.0, 2.0, 4.0], step_ms_passes=[3.0, 3.0, 3.0])
+    b2 = cell("b2", [0.40, 0.40, 0.40], started_s=[1.0, 3.0, 5.0], step_ms_passes=[3.0, 3.0, 3.0])
+    f = cell("f", [0.48, 0.48, 0.48], "add", started_s=[6.0, 8.0, 10.0], step_ms_passes=[3.06, 3.06, 3.06])
+    rows = report.cells([b, b2, f], cfg)
+    [goal] = report.targets(rows, cfg)
+    assert goal["steps"] == pytest.approx(3.0 / 3.06) and goal["holds"] is False
+    md = report.markdown(rows, [goal], cfg, {}, "now", "cmd")
+    assert "| 0.83 | 0.83 | - | 0.83-0.83 | 0.98 (0.98-0.98) | 1.00 | **no** (-0.067) |" in md
+    assert "| tiny | 64x128 | 1.00 | 1.00 | - | 1.00-1.00 | 1.00 (1.00-1.00) |" in md  # the control's

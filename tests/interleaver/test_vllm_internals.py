@@ -182,3 +182,20 @@ def test_an_in_graph_worker_serves_only_its_declared_stages():
     with pytest.raises(ValueError, match="cannot serve others"):
         w.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages])
 
+
+
+def test_step_stamps_hand_back_each_token_making_steps_stamp_once():
+    from types import SimpleNamespace
+
+    from interleaver.vllm_internals import step_stamps
+
+    outs = iter([SimpleNamespace(outputs=["tok"], timestamp=1.0), SimpleNamespace(outputs=[], timestamp=1.5),
+                 SimpleNamespace(outputs=["tok"], timestamp=2.0), SimpleNamespace(outputs=["tok"], timestamp=3.0)])
+    core = SimpleNamespace(get_output=lambda: next(outs))
+    take = step_stamps(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core)))
+    assert take() == []
+    assert core.get_output().timestamp == 1.0 and core.get_output().outputs == []  # outputs pass through unchanged
+    core.get_output()
+    assert take() == [1.0, 2.0] and take() == []  # a step with no token (a utility answer) has no stamp
+    core.get_output()
+    assert take() == [3.0]
