@@ -25,7 +25,7 @@ def interval(of: Sequence[float], over: Sequence[float], resamples: int = RESAMP
     if len(of) < 2 or len(over) < 2:
         return None
     rng = random.Random(seed)  # the same run gives the same report
-    return _central([median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
+    return central([median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
                      for _ in range(resamples)])
 
 
@@ -36,10 +36,11 @@ def median_interval(values: Sequence[float], resamples: int = RESAMPLES,
     if len(values) < 2:
         return None
     rng = random.Random(seed)
-    return _central([median(rng.choices(values, k=len(values))) for _ in range(resamples)])
+    return central([median(rng.choices(values, k=len(values))) for _ in range(resamples)])
 
 
-def _central(draws: List[float]) -> Tuple[float, float]:
+def central(draws: List[float]) -> Tuple[float, float]:
+    """The central `LEVEL` interval of `draws`."""
     draws = sorted(draws)
     tail = round((1 - LEVEL) / 2 * len(draws))
     return draws[tail], draws[-1 - tail]

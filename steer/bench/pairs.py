@@ -13,12 +13,20 @@ times, and the fastest of more draws reaches further into the fast spells).
 """
 
 import bisect
+import random
 from statistics import median
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from steer.bench import bootstrap
 
 STEP = "step_ms"  # a pass's median decode step, the engine core's (steer/bench/runs.py)
+STEP_GAPS = "step_gaps_ms"  # each of a pass's decode steps, in ms, in order
+# The fastest steps: this quantile of a cell's decode steps. A host-bound model's steps run in a fast mode and in
+# slow spells 1.5-2x longer (SmolLM2 at 64 x 128 on the H200: pass medians 2.5-5 ms); the quantile sits in the fast
+# mode while a tenth of the cell's steps run there, and rests on thousands of steps where a fastest pass rests on one
+FAST_Q = 0.10
 # A reference pass is a neighbour when no more than this many seconds lie between it and the pass (the scheduler's
 # round trip and a cell's warm-up fit; a pass from another round or wave does not)
 SLACK_S = 2.0
@@ -76,3 +84,31 @@ def steps(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
             return {"steps": None, "steps_interval": None}
         return {"steps": median(ratios), "steps_interval": bootstrap.median_interval(ratios)}
     return {"steps": median(theirs) / median(mine), "steps_interval": bootstrap.interval(mine, theirs)}
+
+
+def fast_steps(of: Dict, over: Dict, resamples: int = bootstrap.RESAMPLES,
+               seed: int = 0) -> Dict[str, Optional[object]]:
+    """The same work's throughput ratio between the cells' fastest decode steps: `fast_steps`, over's `FAST_Q`
+    quantile of its timed passes' steps (`STEP_GAPS`) over of's; in a paired run, over's steps are those of each of
+    of's passes' first neighbour (as many passes as of's, beside them). `fast_steps_interval`: its 90% interval,
+    resampling each side's passes. None where a cell lacks its passes' steps."""
+    mine, theirs = of.get(f"{STEP_GAPS}_passes") or [], over.get(f"{STEP_GAPS}_passes") or []
+    if not mine or not theirs or len(mine) != len(of.get("walls_s") or ()) or \
+            len(theirs) != len(over.get("walls_s") or ()):
+        return {"fast_steps": None, "fast_steps_interval": None}
+    if over.get("paired"):
+        pairs = neighbours(of["started_s"], of["walls_s"], over["started_s"], over["walls_s"], of_values=mine,
+                           over_values=theirs)
+        mine, theirs = [v for v, _ in pairs], [b[0] for _, b in pairs]
+    if not mine:
+        return {"fast_steps": None, "fast_steps_interval": None}
+    mine, theirs = [np.asarray(p, dtype=float) for p in mine], [np.asarray(p, dtype=float) for p in theirs]
+    rng = random.Random(seed)  # the same run gives the same report
+    draws = [_fast(rng.choices(theirs, k=len(theirs))) / _fast(rng.choices(mine, k=len(mine)))
+             for _ in range(resamples)] if len(mine) > 1 and len(theirs) > 1 else []
+    return {"fast_steps": _fast(theirs) / _fast(mine),
+            "fast_steps_interval": bootstrap.central(draws) if draws else None}
+
+
+def _fast(passes: Sequence[np.ndarray]) -> float:
+    return float(np.quantile(np.concatenate(passes), FAST_Q))

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 from steer import results
 from steer.bench import cpu, plot, spells
 from steer.bench.fmt import num, ratio
-from steer.bench.pairs import STEP
+from steer.bench.pairs import STEP, STEP_GAPS
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
 from steer.bench.targets import control_lines, controls, targets
 from steer.bench.targets import table as targets_table
@@ -55,7 +55,7 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
             "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
             "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or [],
             "started_s": r.get("started_s") or [], "paired": bool(r.get("paired")),
-            f"{STEP}_passes": r.get(f"{STEP}_passes") or []}
+            f"{STEP}_passes": r.get(f"{STEP}_passes") or [], f"{STEP_GAPS}_passes": r.get(f"{STEP_GAPS}_passes") or []}
 
 
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str,

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
-from steer.bench.pairs import STEP
+from steer.bench.pairs import STEP, STEP_GAPS
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, least_passes, timed_window
 from steer.results import write_json, write_text
 
@@ -257,11 +257,11 @@ def _record(t: _Timing, profiled: bool) -> Dict:
            "spread": (max(walls) - min(walls)) / wall, "walls_s": list(walls), "started_s": list(t.starts),
            "pid": os.getpid()}
     for key in ("sm_mhz", "power_w", "cpu_busy", "cpu_steal", *placement.READINGS, placement.BUSIEST,
-                *pauses.READINGS, STEP):
+                *pauses.READINGS, STEP, STEP_GAPS):
         per_pass = [g[key] for g in t.readings if key in g]
         if per_pass:
             rec[f"{key}_passes"] = per_pass
-            if key != placement.BUSIEST:  # a CPU's number has no median
+            if key not in (placement.BUSIEST, STEP_GAPS):  # a CPU's number, or a pass's steps, has no median
                 rec[key] = statistics.median(per_pass)
     if profiled:
         rec["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
@@ -270,12 +270,13 @@ def _record(t: _Timing, profiled: bool) -> Dict:
     return rec
 
 
-def step_reading(stamps: List[float]) -> Dict[str, float]:
-    """A pass's median decode step in ms (`STEP`), from the engine core's stamps of its steps (the gap after the
-    prefill's stamp is the first decode step's); {} with fewer than two stamps. A pass's wall time moves with the
-    host's stalls and spells wherever they fall; its median step moves only with those that last half the pass."""
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {STEP: 1e3 * statistics.median(gaps)} if gaps else {}
+def step_reading(stamps: List[float]) -> Dict[str, object]:
+    """A pass's median decode step in ms (`STEP`) and each of its decode steps (`STEP_GAPS`, ms to the microsecond),
+    from the engine core's stamps of its steps (the gap after the prefill's stamp is the first decode step's); {}
+    with fewer than two stamps. A pass's wall time moves with the host's stalls and spells wherever they fall; its
+    median step moves only with those that last half the pass."""
+    gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    return {STEP: statistics.median(gaps), STEP_GAPS: [round(g, 3) for g in gaps]} if gaps else {}
 
 
 @contextmanager

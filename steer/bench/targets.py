@@ -54,7 +54,9 @@ def measure(of: Optional[Dict], over: Optional[Dict]) -> Dict:
     got = {"ratio": medians, "best": best, "paired": pair.get("paired"),
            "paired_interval": pair.get("paired_interval"),
            "interval": bootstrap.interval(of.get("walls_s") or [], over.get("walls_s") or [])}
-    return {**got, **(pairs.steps(of, over) if of.get("status") == "ok" else {"steps": None, "steps_interval": None})}
+    if of.get("status") != "ok":
+        return {**got, "steps": None, "steps_interval": None, "fast_steps": None, "fast_steps_interval": None}
+    return {**got, **pairs.steps(of, over), **pairs.fast_steps(of, over)}
 
 
 def controls(rows: List[Dict], cfg: BenchConf) -> Dict[Tuple[str, int, int], Dict]:
@@ -77,12 +79,12 @@ def control_lines(found: Dict[Tuple[str, int, int], Dict]) -> List[str]:
     lines = [f"The A/A control ({CONTROL}: {REFERENCE}'s pipeline and work in an engine process of its own, so "
              f"{CONTROL}/{REFERENCE} differs from 1 only by this run's noise, the host's and each process's own; a "
              "target whose margin is within it in its column is marked `within noise`):", "",
-             f"| model | batch | {CONTROL}/{REFERENCE}: medians | fastest passes | paired | interval | steps |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"| model | batch | {CONTROL}/{REFERENCE}: medians | fastest passes | paired | interval | steps | "
+             "fastest steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for (model, req, new), got in found.items():
         paired = "-" if got["paired"] is None else f"{num(got['paired'])} ({span(got['paired_interval'])})"
         lines.append(f"| {model} | {req}x{new} | {num(got['ratio'])} | {num(got['best'])} | {paired} | "
-                     f"{span(got['interval'])} | {_steps(got)} |")
+                     f"{span(got['interval'])} | {_steps(got)} | {_steps(got, 'fast_steps')} |")
     return lines + [""]
 
 
@@ -93,7 +95,8 @@ def table(goals: List[Dict]) -> List[str]:
     # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
     # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
     controlled = any(g.get("control") is not None for g in goals)
-    head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval", "steps"]
+    head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval", "steps",
+            "fastest steps"]
     head += [f"control ({CONTROL}/{REFERENCE})"] if controlled else []
     lines = ["Targets (measured: the medians' ratio; holds: decided on it, or for a target marked (fastest) or "
              "(paired) on that column's ratio; fastest passes: the same ratio between each cell's fastest pass (in"
@@ -101,7 +104,9 @@ def table(goals: List[Dict]) -> List[str]:
              f"ratio to the reference passes beside it, and its {bootstrap.LEVEL:.0%} interval "
              "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; steps: the "
              "ratio from the passes' median decode steps (the engine core's), paired where the run was, with its "
-             "interval, shown beside the verdict and never deciding it; undecided: a "
+             f"interval; fastest steps: the ratio between the cells' fastest decode steps (the {pairs.FAST_Q:.0%} "
+             "quantile of all their timed passes' steps; in a paired run, the reference's passes beside the cell's), "
+             "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + "):", "", "| " + " | ".join(head + ["holds"]) + " |",
@@ -116,13 +121,14 @@ def table(goals: List[Dict]) -> List[str]:
             verdict += ", within noise"
         paired = "-" if g["paired"] is None else f"{num(g['paired'])} ({span(g['paired_interval'])})"
         cols = [g["target"], g["scenario"], g["model"], g["batch"], num(g["ratio"]), num(g["best"]), paired,
-                span(g.get("interval")), _steps(g)] + ([num(g.get("control"))] if controlled else [])
+                span(g.get("interval")), _steps(g), _steps(g, "fast_steps")] + \
+            ([num(g.get("control"))] if controlled else [])
         lines.append("| " + " | ".join(cols + [verdict]) + " |")
     return lines + [""]
 
 
-def _steps(got: Dict) -> str:
-    return "-" if got.get("steps") is None else f"{num(got['steps'])} ({span(got.get('steps_interval'))})"
+def _steps(got: Dict, key: str = "steps") -> str:
+    return "-" if got.get(key) is None else f"{num(got[key])} ({span(got.get(f'{key}_interval'))})"
 
 
 def _by_cell(rows: List[Dict]) -> Dict[tuple, Dict]:

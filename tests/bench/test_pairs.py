@@ -73,3 +73,42 @@ def test_unpaired_steps_are_the_ratio_of_the_cells_median_steps():
 def test_steps_need_every_pass_step(mine):
     got = pairs.steps(_stepped([1.0, 1.0], [0.0, 1.0], mine), _stepped([1.0, 1.0], [0.0, 1.0], [4.0, 4.0]))
     assert got == {"steps": None, "steps_interval": None}
+
+
+def _gapped(walls, starts, gaps, paired=False):
+    return {"walls_s": walls, "started_s": starts, "step_gaps_ms_passes": gaps, "paired": paired}
+
+
+def test_fastest_steps_sit_in_the_fast_mode_that_a_slow_spell_leaves():
+    # b's two passes run 3 ms steps; f's first runs 3.06 ms steps, its second a slow spell of 6 ms steps with a
+    # few fast ones: the median step of f's passes says 0.67, its fastest steps 0.98
+    b = _gapped([0.3, 0.3], [0.0, 1.0], [[3.0] * 100, [3.0] * 100])
+    f = _gapped([0.3, 0.6], [2.0, 3.0], [[3.06] * 100, [6.0] * 70 + [3.06] * 30])
+    got = pairs.fast_steps(f, b)
+    assert got["fast_steps"] == pytest.approx(3.0 / 3.06)
+    assert got["fast_steps_interval"][0] == pytest.approx(3.0 / 3.06)
+    assert got["fast_steps_interval"][1] == pytest.approx(3.0 / 3.06)
+
+
+def test_fastest_steps_of_a_paired_run_take_the_reference_pass_before_each():
+    # b f b f b: the b passes beside f's run 2.0 ms steps, the one far from any f pass 1.0 ms (another stretch of
+    # the run): only the first neighbours count, so f at 2.1 ms is 2.0 / 2.1
+    b = _gapped([1.0] * 4, [0.0, 2.1, 4.1, 50.0], [[2.0] * 50, [2.0] * 50, [2.0] * 50, [1.0] * 50], paired=True)
+    f = _gapped([0.9, 0.9], [1.1, 3.2], [[2.1] * 50, [2.1] * 50])
+    assert pairs.fast_steps(f, b)["fast_steps"] == pytest.approx(2.0 / 2.1)
+
+
+def test_fastest_steps_are_the_quantile_of_every_step_pooled():
+    mine = [[1.0 + i / 100 for i in range(100)], [2.0 + i / 100 for i in range(100)]]
+    theirs = [[1.0] * 10, [1.5] * 10]
+    got = pairs.fast_steps(_gapped([1.0, 1.0], [0.0, 1.0], mine), _gapped([1.0, 1.0], [5.0, 6.0], theirs))
+    pooled = sorted(mine[0] + mine[1])
+    assert got["fast_steps"] == pytest.approx(1.0 / (pooled[19] + 0.9 * (pooled[20] - pooled[19])))
+    lo, hi = got["fast_steps_interval"]
+    assert lo < got["fast_steps"] <= hi
+
+
+@pytest.mark.parametrize("mine", [[], [[4.0]]])  # none, or fewer than the passes (a pass without its steps)
+def test_fastest_steps_need_every_pass_steps(mine):
+    got = pairs.fast_steps(_gapped([1.0, 1.0], [0.0, 1.0], mine), _gapped([1.0, 1.0], [0.0, 1.0], [[4.0], [4.0]]))
+    assert got == {"fast_steps": None, "fast_steps_interval": None}

@@ -43,8 +43,8 @@ def test_fastest_passes_give_a_second_ratio_beside_the_medians():
     md = report.markdown(rows, report.targets(rows, cfg), cfg, {}, "now", "cmd")
     lo, hi = bootstrap.interval([0.5, 0.55, 0.6], [0.4, 0.5, 0.7])  # the medians' ratio on the passes' noise
     assert lo < 0.9 <= hi  # the noise reaches past the threshold
-    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | - | {lo:.2f}-{hi:.2f} | - | yes, undecided |" in md
-    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | - | - | yes |" in md  # d has one pass: no interval
+    assert f"| c/b >= 0.9 | add | tiny | 64x128 | 0.91 | 0.80 | - | {lo:.2f}-{hi:.2f} | - | - | yes, undecided |" in md
+    assert "| c/d >= 3 | add | tiny | 64x128 | 3.64 | 4.00 | - | - | - | - | yes |" in md  # d has one pass: no interval
 
 
 def test_a_target_whose_interval_clears_its_threshold_is_decided():
@@ -59,8 +59,8 @@ def test_a_target_whose_interval_clears_its_threshold_is_decided():
     assert [g["holds"] for g in goals] == [True, False]
     assert 0.95 < goals[0]["interval"][0] < goals[0]["interval"][1] < 0.97
     md = report.markdown(report.cells(recs, cfg), goals, cfg, {}, "now", "cmd")
-    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | - | yes |" in md
-    assert "| c/b >= 0.99 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | - | **no** (-0.028) |" in md
+    assert "| c/b >= 0.9 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | - | - | yes |" in md
+    assert "| c/b >= 0.99 | add | tiny | 64x128 | 0.96 | 0.96 | - | 0.96-0.96 | - | - | **no** (-0.028) |" in md
 
 
 def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
@@ -211,8 +211,9 @@ def test_a_target_between_fastest_passes_is_decided_there():
     md = report.markdown(report.cells(recs, cfg), [fastest, medians], cfg, {}, "now", "cmd")
     span = "{:.2f}-{:.2f}".format(*bootstrap.interval([0.41, 0.6, 0.7], [0.4, 0.5, 0.5]))
     # the same interval beside both; only the target between medians can be left undecided by it
-    assert f"| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | - | yes |" in md
-    assert f"| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | - | **no** (-0.117), undecided |" in md
+    assert f"| f/b >= 0.95 (fastest) | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | - | - | yes |" in md
+    assert f"| f/b >= 0.95 | add | tiny | 64x128 | 0.83 | 0.98 | - | {span} | - | - | **no** (-0.117), undecided |" \
+        in md
 
 
 def test_a_target_between_paired_passes_is_decided_by_each_pass_against_its_neighbours():

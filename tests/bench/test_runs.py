@@ -473,9 +473,14 @@ def test_a_pass_records_its_median_decode_step_from_the_engine_cores_stamps(engi
     group.cells = [c for c in group.cells if c["scenario"] == "add"]
     [rec] = run_group(cfg, bench_model, group, tmp_path / "out.json")
     assert rec["step_ms_passes"] == pytest.approx([10.0, 10.0]) and rec["step_ms"] == pytest.approx(10.0)
+    assert rec["step_gaps_ms_passes"] == [[10.0, 10.0, 200.0, 10.0, 10.0]] * 2 and "step_gaps_ms" not in rec
 
 
-@pytest.mark.parametrize("stamps,got", [([], {}), ([1.0], {}), ([1.0, 1.004], {"step_ms": 4.0}),
-                                        ([0.0, 0.003, 0.006, 0.1], {"step_ms": 3.0})])
-def test_a_pass_step_is_the_median_gap_between_stamps(stamps, got):
-    assert runs.step_reading(stamps) == pytest.approx(got)
+@pytest.mark.parametrize("stamps,median,gaps", [([], None, None), ([1.0], None, None), ([1.0, 1.004], 4.0, [4.0]),
+                                                 ([0.0, 0.003, 0.006, 0.1], 3.0, [3.0, 3.0, 94.0])])
+def test_a_pass_step_is_the_median_gap_between_stamps(stamps, median, gaps):
+    got = runs.step_reading(stamps)
+    if median is None:
+        assert got == {}
+    else:
+        assert got["step_ms"] == pytest.approx(median) and got["step_gaps_ms"] == pytest.approx(gaps)
