@@ -91,7 +91,9 @@ def _count(outs) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
+def plain_env(breakable: bool, v1: bool = False) -> None:
+    """Set this (engine) process's vLLM pipeline for a plain engine: breakable CUDA graphs (b) or vLLM's default
+    (a), on the V1 model runner where `breakable` or `v1` (i)."""
     # Each engine runs in a process of its own: these settings are its alone. Set both ways, so that a variable
     # exported in the shell cannot turn a into b.
     os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if breakable else "0"
@@ -99,6 +101,10 @@ def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner steer's worker hooks: b is c's baseline, i is h's
     else:
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own choice
+
+
+def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
+    plain_env(breakable, v1)
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(where), **llm_kwargs(cfg, m, where, group.trace_dir))

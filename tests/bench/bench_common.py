@@ -51,3 +51,21 @@ def ended(killed=False, ready=True):
     """An engine process as the scheduler hands it to the book once it is gone: ended with code -9, `killed` by the
     scheduler (after it got `ready`, or while still starting)."""
     return SimpleNamespace(exitcode=-9, killed=killed, ready=lambda: ready)
+
+
+def _stat(pid, command, ppid, cpu, utime, stime):
+    # proc(5): pid (comm) state ppid ... utime(14) stime(15) ... processor(39)
+    fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 23 + [str(cpu)] + ["0"] * 13
+    return f"{pid} ({command}) " + " ".join(fields) + "\n"
+
+
+def fake_proc(root, procs, threads=None):
+    """A /proc under `root` holding `procs` ({pid: (command, parent pid, CPU, CPU ticks)}) and, where `threads`
+    names them ({pid: [thread ids]}), their threads."""
+    for pid, (command, ppid, cpu, ticks) in procs.items():
+        (root / str(pid)).mkdir(parents=True, exist_ok=True)
+        (root / str(pid) / "stat").write_text(_stat(pid, command, ppid, cpu, ticks, 0))
+        for tid in (threads or {}).get(pid, ()):
+            (root / str(pid) / "task" / str(tid)).mkdir(parents=True, exist_ok=True)
+    (root / "self").mkdir(exist_ok=True)  # not a process directory
+    (root / "stat").write_text("cpu 1 2 3\n")

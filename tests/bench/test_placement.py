@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench_common import bench_conf, first_cell, stand_in_runner
+from bench_common import bench_conf, fake_proc, first_cell, stand_in_runner
 from steer.bench import placement, report
 
 LINUX = sys.platform.startswith("linux")
@@ -47,22 +47,8 @@ def test_each_cpu_is_named_by_its_core_and_one_thread_of_each_core_is_chosen(tmp
     assert placement.one_per_core([3, 2], tmp_path / "absent") == [2, 3]  # no topology: every CPU its own core
 
 
-def _stat(pid, command, ppid, cpu, utime, stime):
-    # proc(5): pid (comm) state ppid ... utime(14) stime(15) ... processor(39)
-    fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 23 + [str(cpu)] + ["0"] * 13
-    return f"{pid} ({command}) " + " ".join(fields) + "\n"
-
-
-def _proc(root, procs):
-    for pid, (command, ppid, cpu, ticks) in procs.items():
-        (root / str(pid)).mkdir(parents=True, exist_ok=True)
-        (root / str(pid) / "stat").write_text(_stat(pid, command, ppid, cpu, ticks, 0))
-    (root / "self").mkdir(exist_ok=True)  # not a process directory
-    (root / "stat").write_text("cpu 1 2 3\n")
-
-
 def test_a_snapshot_holds_the_process_and_its_children(tmp_path):
-    _proc(tmp_path, {10: ("python (engine) x", 1, 3, 50), 11: ("VLLM::EngineCore", 10, 7, 80),
+    fake_proc(tmp_path, {10: ("python (engine) x", 1, 3, 50), 11: ("VLLM::EngineCore", 10, 7, 80),
                      12: ("other", 1, 0, 5), 13: ("grandchild", 11, 2, 1)})
     assert placement.family(10, tmp_path) == [10, 11]
     assert placement.snapshot([10, 11, 99], tmp_path) == {10: (3, 50), 11: (7, 80)}  # 99 has ended

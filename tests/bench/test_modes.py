@@ -1,0 +1,70 @@
+"""One engine's passes with its threads laid out in turn (steer/bench/modes.py): the layouts, the engine core's
+process and threads, the summary, and bad input said before an engine starts."""
+
+import pytest
+
+from bench_common import fake_proc
+from steer.bench import modes
+
+CPUS = [2, 3, 4, 5, 6]
+THREADS = {100: [100, 101, 102], 200: [200, 201, 202]}  # the frontend 100, its engine core 200
+
+
+def test_shared_lets_every_thread_run_on_every_cpu():
+    got = modes.layout("shared", 100, 200, THREADS, CPUS)
+    assert set(got) == {100, 101, 102, 200, 201, 202} and all(c == CPUS for c in got.values())
+
+
+def test_apart_gives_the_busy_loop_a_cpu_of_its_own():
+    got = modes.layout("apart", 100, 200, THREADS, CPUS)
+    assert got[200] == [2] and got[201] == got[202] == [3]  # the engine core's busy loop, then its I/O threads
+    assert got[100] == [4] and got[101] == got[102] == [5, 6]  # the frontend's main thread, then the rest
+    assert all(got[t] != [2] for t in got if t != 200)
+
+
+def test_together_puts_the_engine_core_on_one_cpu():
+    got = modes.layout("together", 100, 200, THREADS, CPUS)
+    assert {got[t][0] for t in THREADS[200]} == {2} and {got[t][0] for t in THREADS[100]} == {3}
+
+
+@pytest.mark.parametrize("name,cpus,match", [("apart", [2, 3, 4], "at least 4 CPUs"),
+                                             ("together", [2], "at least 2 CPUs"), ("spread", CPUS, "one of")])
+def test_a_layout_says_what_it_needs(name, cpus, match):
+    with pytest.raises(ValueError, match=match):
+        modes.layout(name, 100, 200, THREADS, cpus)
+
+
+def test_the_engine_core_is_the_busiest_child_and_its_threads_are_read(tmp_path):
+    fake_proc(tmp_path, {100: ("python", 1, 2, 500), 150: ("resource_tracker", 100, 3, 2),
+                         200: ("VLLM::EngineCore", 100, 4, 900), 300: ("other", 1, 5, 5000)},
+              threads={200: [200, 201, 202]})
+    assert modes.engine_core(100, tmp_path) == 200
+    assert modes.threads_of(200, tmp_path) == [200, 201, 202] and modes.threads_of(999, tmp_path) == []
+
+
+def test_no_child_means_no_engine_core_process(tmp_path):
+    fake_proc(tmp_path, {100: ("python", 1, 2, 500)})
+    with pytest.raises(RuntimeError, match="no child process"):
+        modes.engine_core(100, tmp_path)
+
+
+def test_the_summary_is_per_layout_in_order_of_first_pass():
+    passes = [{"layout": "shared", "wall_s": 0.5, "steps_ms": [2.0] * 10 + [4.0] * 10},
+              {"layout": "apart", "wall_s": 0.3, "steps_ms": [2.0] * 20},
+              {"layout": "shared", "wall_s": 0.7, "steps_ms": [4.0] * 20}]
+    got = modes.summary(passes)
+    assert list(got) == ["shared", "apart"]
+    assert got["shared"] == {"passes": 2, "wall_s": pytest.approx(0.6), "pass_step_ms": pytest.approx(3.5),
+                             "fast_step_ms": 2.0, "step_ms": 4.0}
+    assert got["apart"]["step_ms"] == 2.0 and got["apart"]["passes"] == 1
+
+
+@pytest.mark.parametrize("args,match", [(["--cpus", "2-4"], "at least 4 CPUs"), (["--cpus", "2-"], "CPU list")])
+def test_bad_cpus_are_refused_before_an_engine_starts(args, match):
+    with pytest.raises(ValueError, match=match):
+        modes.main(args)
+
+
+def test_an_unknown_model_is_refused_before_an_engine_starts(tmp_path):
+    with pytest.raises(SystemExit, match="--model: expected one of"):
+        modes.main(["--model", "nope", f"cache_dir={tmp_path}"])
