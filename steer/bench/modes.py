@@ -11,7 +11,9 @@ off with `--sync`) and times its passes in rounds, each round one pass in each l
   I/O) on the second, the frontend's main thread on the third, the frontend's other threads on the rest
 - together: every thread of the engine core on the first CPU, the frontend's on the second
 
-Each pass's wall time and decode steps (the engine core's stamps) are written to `--out` as they come.
+Each pass's wall time and decode steps (the engine core's stamps) are written to `--out` as they come. `--pause`
+leaves the engine idle that long before each pass, as the bench's turns do (an engine waits 0.4-4 s while the others
+of its wave time theirs).
 
     python -m steer.bench.modes --cpus 2-9 --out modes.json
     python -m steer.bench.modes --cpus 2-9 --sync --out modes-sync.json
@@ -103,8 +105,10 @@ def _engine(cfg, model: str, sync: bool):
     return llm, step_stamps(llm)
 
 
-def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int], sync: bool, out: Path) -> Dict:
-    """Time `rounds` rounds of one pass in each layout; write the passes and their summary to `out` after each."""
+def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int], sync: bool, out: Path,
+        pause_s: float = 0.05) -> Dict:
+    """Time `rounds` rounds of one pass in each layout, each after `pause_s` idle; write the passes and their
+    summary to `out` after each."""
     from vllm import SamplingParams
 
     from steer.bench import workload
@@ -120,7 +124,7 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     for r in range(rounds):
         for name in LAYOUTS:
             place(layout(name, frontend, core, {frontend: threads_of(frontend), core: threads_of(core)}, cpus))
-            time.sleep(0.05)  # the scheduler moves the threads at their next wake-up
+            time.sleep(pause_s)  # the scheduler moves the threads at their next wake-up
             steps()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -128,7 +132,7 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
             stamps = steps()
             passes.append({"round": r, "layout": name, "wall_s": wall,
                            "steps_ms": [round(1e3 * (b - a), 3) for a, b in zip(stamps, stamps[1:])]})
-            report = {"model": model, "batch": [requests, tokens], "sync": sync, "cpus": cpus,
+            report = {"model": model, "batch": [requests, tokens], "sync": sync, "cpus": cpus, "pause_s": pause_s,
                       "summary": summary(passes), "passes": passes}
             write_json(out, report)
     return report
@@ -142,11 +146,14 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=8, help="rounds of one pass in each layout (default 8)")
     p.add_argument("--cpus", default="2-9", help="a Linux CPU list, at least 4 CPUs (default 2-9)")
     p.add_argument("--sync", action="store_true", help="vLLM's async scheduling off")
+    p.add_argument("--pause", type=float, default=0.05, help="seconds idle before each pass (default 0.05)")
     p.add_argument("--out", type=Path, default=Path("modes.json"))
     p.add_argument("overrides", nargs="*", help="conf/bench.yaml overrides, e.g. cache_dir=/tmp/c")
     a = p.parse_args(argv)
     cpus = placement.cpu_list(a.cpus)
     layout("apart", 0, 1, {}, cpus)  # too few CPUs is said before an engine starts
+    if not a.pause >= 0.0:
+        raise SystemExit(f"--pause: expected seconds >= 0, got {a.pause}")
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -157,7 +164,7 @@ def main(argv=None) -> None:
         cfg = OmegaConf.to_object(compose(config_name="bench", overrides=a.overrides))
     if a.model not in cfg.models:
         raise SystemExit(f"--model: expected one of {', '.join(cfg.models)}, got {a.model!r}")
-    got = run(cfg, a.model, a.requests, a.tokens, a.rounds, cpus, a.sync, a.out)
+    got = run(cfg, a.model, a.requests, a.tokens, a.rounds, cpus, a.sync, a.out, a.pause)
     for name, s in got["summary"].items():
         print(f"{name:9s} {s['passes']:3d} passes  wall {s['wall_s']:.3f} s  pass step {s['pass_step_ms']:.2f} ms  "
               f"fast step {s['fast_step_ms']:.2f} ms  step {s['step_ms']:.2f} ms", flush=True)

@@ -68,3 +68,9 @@ def test_bad_cpus_are_refused_before_an_engine_starts(args, match):
 def test_an_unknown_model_is_refused_before_an_engine_starts(tmp_path):
     with pytest.raises(SystemExit, match="--model: expected one of"):
         modes.main(["--model", "nope", f"cache_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("pause", ["-1", "nan"])
+def test_a_negative_pause_is_refused_before_an_engine_starts(pause):
+    with pytest.raises(SystemExit, match="--pause: expected seconds >= 0"):
+        modes.main(["--pause", pause])
