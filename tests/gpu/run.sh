@@ -10,6 +10,8 @@
 #   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 22 minutes)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
+#   modes  what puts a SmolLM2 step in its slow mode: one engine b alone (steer/bench/modes.py), passes back to back
+#          and after 3 s idle, then b and b2 alone in the bench (about 6 minutes)
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
@@ -113,6 +115,20 @@ PY
 skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*',\
 'smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
 lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
+}
+
+modes() {
+  # One SmolLM2 engine b with no other engine resident (steer/bench/modes.py), its passes back to back, then each
+  # after 3 s idle as the bench's turns leave it; then b and b2 alone in the bench, two engines at once against the
+  # table's nine: which of idle and resident engines brings the slow mode (DEVELOPERS.md, step stamps)
+  local pause
+  for pause in 0.05 3; do
+    python -m steer.bench.modes --cpus 2-9 --rounds 5 --pause $pause --out "$OUT/modes-$pause.json" \
+      > "$OUT/modes-$pause.log" 2>&1
+    echo "modes --pause $pause rc=$?"; grep -E "^(shared|apart|together) " "$OUT/modes-$pause.log"
+  done
+  BENCH_ARGS="run=[smollm2] configs=[b,b2] scenarios=[add] batches=[[64,128]] \
+lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] ${BENCH_ARGS:-}" bench
 }
 
 kernel() {
