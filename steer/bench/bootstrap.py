@@ -26,7 +26,7 @@ def interval(of: Sequence[float], over: Sequence[float], resamples: int = RESAMP
         return None
     rng = random.Random(seed)  # the same run gives the same report
     return central([median(rng.choices(over, k=len(over))) / median(rng.choices(of, k=len(of)))
-                     for _ in range(resamples)])
+                    for _ in range(resamples)])
 
 
 def median_interval(values: Sequence[float], resamples: int = RESAMPLES,

@@ -11,6 +11,8 @@ off with `--sync`) and times its passes in rounds, each round one pass in each l
   I/O) on the second, the frontend's main thread on the third, the frontend's other threads on the rest
 - together: every thread of the engine core on the first CPU, the frontend's on the second
 
+A round takes the layouts in turn from a different one each time, so that none always follows the same one.
+
 Each pass's wall time and decode steps (the engine core's stamps) are written to `--out` as they come. `--pause`
 leaves the engine idle that long before each pass, as the bench's turns do (an engine waits 0.4-4 s while the others
 of its wave time theirs).
@@ -26,7 +28,11 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+import numpy as np
+
 from steer.bench import placement
+from steer.bench.pairs import FAST_Q
+from steer.errors import ConfigError
 
 LAYOUTS = ("shared", "apart", "together")
 
@@ -80,15 +86,15 @@ def engine_core(frontend: int, proc: Path = placement.PROC) -> int:
 
 
 def summary(passes: List[Dict]) -> Dict[str, Dict[str, float]]:
-    """Per layout: its passes, their median wall, the median of their median steps, and the 10% quantile and the
-    median of all their steps (ms)."""
+    """Per layout: its passes, their median wall, the median of their median steps, and the `FAST_Q` quantile (the
+    bench's fastest steps) and the median of all their steps (ms)."""
     out = {}
     for name in dict.fromkeys(p["layout"] for p in passes):
         mine = [p for p in passes if p["layout"] == name]
-        steps = sorted(g for p in mine for g in p["steps_ms"])
+        steps = [g for p in mine for g in p["steps_ms"]]
         out[name] = {"passes": len(mine), "wall_s": statistics.median(p["wall_s"] for p in mine),
                      "pass_step_ms": statistics.median(statistics.median(p["steps_ms"]) for p in mine if p["steps_ms"]),
-                     "fast_step_ms": steps[len(steps) // 10], "step_ms": statistics.median(steps)}
+                     "fast_step_ms": float(np.quantile(steps, FAST_Q)), "step_ms": statistics.median(steps)}
     return out
 
 
@@ -97,6 +103,7 @@ def _engine(cfg, model: str, sync: bool):
     from interleaver.vllm_internals import step_stamps
 
     m = cfg.models[model]
+    os.environ.update(m.env)  # the model's own settings, as the bench's engines get them (runs.run_group)
     where = workload.model_dir(m, cfg.cache_dir)
     engines.plain_env(breakable=True)  # b's pipeline
     from vllm import LLM
@@ -122,7 +129,7 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     frontend, core = os.getpid(), engine_core(os.getpid())
     passes = []
     for r in range(rounds):
-        for name in LAYOUTS:
+        for name in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
             place(layout(name, frontend, core, {frontend: threads_of(frontend), core: threads_of(core)}, cpus))
             time.sleep(pause_s)  # the scheduler moves the threads at their next wake-up
             steps()
@@ -138,6 +145,26 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     return report
 
 
+def _checked(a: argparse.Namespace) -> List[int]:
+    """The CPUs of `--cpus`; SystemExit naming the flag at fault for bad input, before any engine starts."""
+    try:
+        from steer.bench import workload
+
+        workload.check_cpus("--cpus", a.cpus)
+        cpus = placement.cpu_list(a.cpus)
+        layout("apart", 0, 1, {}, cpus)
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    for flag, value, least in (("--rounds", a.rounds, 1), ("--requests", a.requests, 1), ("--tokens", a.tokens, 2)):
+        if value < least:  # a pass of one token has no decode step
+            raise SystemExit(f"{flag}: expected at least {least}, got {value}")
+    if not a.pause >= 0.0:
+        raise SystemExit(f"--pause: expected seconds >= 0, got {a.pause}")
+    if not a.out.parent.is_dir():
+        raise SystemExit(f"--out: {a.out.parent} is not a directory")
+    return cpus
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="a model of conf/bench.yaml (default smollm2)")
@@ -150,10 +177,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("modes.json"))
     p.add_argument("overrides", nargs="*", help="conf/bench.yaml overrides, e.g. cache_dir=/tmp/c")
     a = p.parse_args(argv)
-    cpus = placement.cpu_list(a.cpus)
-    layout("apart", 0, 1, {}, cpus)  # too few CPUs is said before an engine starts
-    if not a.pause >= 0.0:
-        raise SystemExit(f"--pause: expected seconds >= 0, got {a.pause}")
+    cpus = _checked(a)
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 

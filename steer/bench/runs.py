@@ -97,8 +97,8 @@ class _Timing:
     walls: List[float] = field(default_factory=list)
     starts: List[float] = field(default_factory=list)  # each timed pass's start, wall clock (steer/bench/spells.py)
     # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal, where this engine's
-    # processes ran (absent: not read)
-    readings: List[Dict[str, float]] = field(default_factory=list)
+    # processes ran, its decode steps (absent: not read)
+    readings: List[Dict[str, object]] = field(default_factory=list)
     host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
     record: Optional[Dict] = None
 

@@ -105,7 +105,8 @@ def table(goals: List[Dict]) -> List[str]:
              "(steer/bench/pairs.py); interval: the medians' ratio's, resampling each cell's passes; steps: the "
              "ratio from the passes' median decode steps (the engine core's), paired where the run was, with its "
              f"interval; fastest steps: the ratio between the cells' fastest decode steps (the {pairs.FAST_Q:.0%} "
-             "quantile of all their timed passes' steps; in a paired run, the reference's passes beside the cell's), "
+             "quantile of all their timed passes' steps; in a paired run, of the reference pass just before each of "
+             "the cell's), "
              "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")

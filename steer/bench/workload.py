@@ -232,7 +232,8 @@ def lane(cfg: BenchConf, model_name: str, config: str) -> int:
                                                             for p in ln.runs)), -1)
 
 
-def _check_cpus(field: str, cpus: Optional[str]) -> None:
+def check_cpus(field: str, cpus: Optional[str]) -> None:
+    """ConfigError naming `field` where `cpus` is no Linux CPU list or names CPUs this process may not run on."""
     if cpus is None:
         return
     try:
@@ -250,7 +251,7 @@ def _check_lanes(cfg: BenchConf) -> None:
         raise ConfigError("lanes", "needs at least one lane, e.g. [{gpus: null, runs: ['*']}]")
     seen = {}
     for i, ln in enumerate(cfg.lanes):
-        _check_cpus(f"lanes[{i}].cpus", ln.cpus)
+        check_cpus(f"lanes[{i}].cpus", ln.cpus)
         if ln.gpus is None:
             continue
         ids = ln.gpus.split(",")

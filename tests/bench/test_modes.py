@@ -4,7 +4,7 @@ process and threads, the summary, and bad input said before an engine starts."""
 import pytest
 
 from bench_common import fake_proc
-from steer.bench import modes
+from steer.bench import modes, placement
 
 CPUS = [2, 3, 4, 5, 6]
 THREADS = {100: [100, 101, 102], 200: [200, 201, 202]}  # the frontend 100, its engine core 200
@@ -55,22 +55,32 @@ def test_the_summary_is_per_layout_in_order_of_first_pass():
     got = modes.summary(passes)
     assert list(got) == ["shared", "apart"]
     assert got["shared"] == {"passes": 2, "wall_s": pytest.approx(0.6), "pass_step_ms": pytest.approx(3.5),
-                             "fast_step_ms": 2.0, "step_ms": 4.0}
+                             "fast_step_ms": 2.0, "step_ms": 4.0}  # 10% quantile of 10 + 30 steps
     assert got["apart"]["step_ms"] == 2.0 and got["apart"]["passes"] == 1
 
 
-@pytest.mark.parametrize("args,match", [(["--cpus", "2-4"], "at least 4 CPUs"), (["--cpus", "2-"], "CPU list")])
-def test_bad_cpus_are_refused_before_an_engine_starts(args, match):
-    with pytest.raises(ValueError, match=match):
-        modes.main(args)
+MINE = str((placement.available() or [0])[0])  # a CPU this process may run on
 
 
-def test_an_unknown_model_is_refused_before_an_engine_starts(tmp_path):
+@pytest.mark.parametrize("args,match", [
+    (["--cpus", MINE], "--cpus: layout 'apart' needs at least 4 CPUs"), (["--cpus", "2-"], "--cpus: .*CPU list"),
+    (["--cpus", "100000"], "--cpus: names CPU.* that this process may not run on"),
+    (["--rounds", "0"], "--rounds: expected at least 1"), (["--tokens", "1"], "--tokens: expected at least 2"),
+    (["--requests", "0"], "--requests: expected at least 1"), (["--out", "/nonexistent/dir/m.json"], "--out: ")])
+def test_bad_input_is_refused_naming_the_flag_before_an_engine_starts(args, match, monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: [int(MINE)] + list(range(200, 208)))
+    with pytest.raises(SystemExit, match=match):
+        modes.main(args + ([] if "--cpus" in args else ["--cpus", "200-207"]))
+
+
+def test_an_unknown_model_is_refused_before_an_engine_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
     with pytest.raises(SystemExit, match="--model: expected one of"):
-        modes.main(["--model", "nope", f"cache_dir={tmp_path}"])
+        modes.main(["--model", "nope", "--cpus", "200-207", f"cache_dir={tmp_path}"])
 
 
 @pytest.mark.parametrize("pause", ["-1", "nan"])
-def test_a_negative_pause_is_refused_before_an_engine_starts(pause):
+def test_a_negative_pause_is_refused_before_an_engine_starts(pause, monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
     with pytest.raises(SystemExit, match="--pause: expected seconds >= 0"):
-        modes.main(["--pause", pause])
+        modes.main(["--pause", pause, "--cpus", "200-207"])

@@ -81,7 +81,7 @@ def _gapped(walls, starts, gaps, paired=False):
 
 def test_fastest_steps_sit_in_the_fast_mode_that_a_slow_spell_leaves():
     # b's two passes run 3 ms steps; f's first runs 3.06 ms steps, its second a slow spell of 6 ms steps with a
-    # few fast ones: the median step of f's passes says 0.67, its fastest steps 0.98
+    # few fast ones: the median step of f's passes says 0.66, its fastest steps 0.98
     b = _gapped([0.3, 0.3], [0.0, 1.0], [[3.0] * 100, [3.0] * 100])
     f = _gapped([0.3, 0.6], [2.0, 3.0], [[3.06] * 100, [6.0] * 70 + [3.06] * 30])
     got = pairs.fast_steps(f, b)
@@ -91,11 +91,36 @@ def test_fastest_steps_sit_in_the_fast_mode_that_a_slow_spell_leaves():
 
 
 def test_fastest_steps_of_a_paired_run_take_the_reference_pass_before_each():
-    # b f b f b: the b passes beside f's run 2.0 ms steps, the one far from any f pass 1.0 ms (another stretch of
-    # the run): only the first neighbours count, so f at 2.1 ms is 2.0 / 2.1
-    b = _gapped([1.0] * 4, [0.0, 2.1, 4.1, 50.0], [[2.0] * 50, [2.0] * 50, [2.0] * 50, [1.0] * 50], paired=True)
+    # b f b f b: the b passes before f's run 2.0 ms steps, the one after the last f pass 1.5 ms, the one far from
+    # any f pass 1.0 ms (another stretch of the run): only the pass before each f pass counts, so f at 2.1 ms is
+    # 2.0 / 2.1 (both neighbours would give less, the far pass less still)
+    b = _gapped([1.0] * 4, [0.0, 2.1, 4.1, 50.0], [[2.0] * 50, [2.0] * 50, [1.5] * 50, [1.0] * 50], paired=True)
     f = _gapped([0.9, 0.9], [1.1, 3.2], [[2.1] * 50, [2.1] * 50])
     assert pairs.fast_steps(f, b)["fast_steps"] == pytest.approx(2.0 / 2.1)
+
+
+def test_fastest_steps_of_a_paired_run_resample_the_pairs():
+    # each f pass runs 2% slower than the b pass before it, in spells from 2 to 4 ms: resampling pairs keeps each
+    # pass with its own neighbour, so the interval stays at 1 / 1.02 where drawing each side apart would spread it
+    spells = [2.0, 4.0, 2.5, 3.5, 2.0, 4.0, 3.0, 2.2]
+    b = _gapped([0.5] * 8, [3.0 * i for i in range(8)], [[x] * 40 for x in spells], paired=True)
+    f = _gapped([0.5] * 8, [3.0 * i + 0.6 for i in range(8)], [[1.02 * x] * 40 for x in spells])
+    got = pairs.fast_steps(f, b)
+    assert got["fast_steps"] == pytest.approx(1 / 1.02)
+    assert got["fast_steps_interval"] == pytest.approx((1 / 1.02, 1 / 1.02))
+
+
+def test_fastest_steps_of_a_paired_run_leave_out_a_pass_with_no_neighbour():
+    b = _gapped([1.0], [0.0], [[2.0] * 50], paired=True)
+    alone = _gapped([0.9], [40.0], [[2.1] * 50])  # 39 s after b's pass: another wave
+    assert pairs.fast_steps(alone, b) == {"fast_steps": None, "fast_steps_interval": None}
+
+
+def test_passes_a_step_apart_in_length_are_drawn_together():
+    # 128 and 129 steps a pass (a stamp on either side of a pass's edge): cut to 128, the same quantile
+    mine = [[2.0] * 128, [2.0] * 128 + [9.0]]
+    got = pairs.fast_steps(_gapped([0.3, 0.3], [0.0, 1.0], mine), _gapped([0.3, 0.3], [5.0, 6.0], [[2.0] * 128] * 2))
+    assert got["fast_steps"] == pytest.approx(1.0) and got["fast_steps_interval"] == pytest.approx((1.0, 1.0))
 
 
 def test_fastest_steps_are_the_quantile_of_every_step_pooled():
