@@ -31,7 +31,7 @@ from typing import Dict, List
 import numpy as np
 
 from steer.bench import placement
-from steer.bench.pairs import FAST_Q
+from steer.bench.pairs import FAST_Q, STEP_GAPS
 from steer.errors import ConfigError
 
 LAYOUTS = ("shared", "apart", "together")
@@ -56,23 +56,6 @@ def layout(name: str, frontend: int, core: int, threads: Dict[int, List[int]], c
             else:
                 out[tid] = [cpus[2]] if tid == frontend else list(cpus[3:])
     return out
-
-
-def threads_of(pid: int, proc: Path = placement.PROC) -> List[int]:
-    """Process `pid`'s threads' ids ([] once it is gone)."""
-    try:
-        return sorted(int(t.name) for t in (proc / str(pid) / "task").iterdir())
-    except OSError:
-        return []
-
-
-def place(mapping: Dict[int, List[int]]) -> None:
-    """Set each thread's CPUs (a thread gone meanwhile is passed over)."""
-    for tid, cpus in mapping.items():
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (ProcessLookupError, PermissionError):
-            continue
 
 
 def engine_core(frontend: int, proc: Path = placement.PROC) -> int:
@@ -119,6 +102,7 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     from vllm import SamplingParams
 
     from steer.bench import workload
+    from steer.bench.runs import step_reading
     from steer.results import write_json
 
     placement.pin(cpus)
@@ -130,15 +114,15 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     passes = []
     for r in range(rounds):
         for name in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]:
-            place(layout(name, frontend, core, {frontend: threads_of(frontend), core: threads_of(core)}, cpus))
+            placement.place(layout(name, frontend, core, {pid: placement.threads(pid) for pid in (frontend, core)},
+                                   cpus))
             time.sleep(pause_s)  # the scheduler moves the threads at their next wake-up
             steps()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0
-            stamps = steps()
             passes.append({"round": r, "layout": name, "wall_s": wall,
-                           "steps_ms": [round(1e3 * (b - a), 3) for a, b in zip(stamps, stamps[1:])]})
+                           "steps_ms": step_reading(steps()).get(STEP_GAPS, [])})
             report = {"model": model, "batch": [requests, tokens], "sync": sync, "cpus": cpus, "pause_s": pause_s,
                       "summary": summary(passes), "passes": passes}
             write_json(out, report)

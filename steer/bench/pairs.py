@@ -72,9 +72,8 @@ def steps(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
     their walls: `steps`, over's step over of's, each pass against the neighbours' in a paired run (the median of
     those ratios) and between the cells' medians otherwise; `steps_interval`, its 90% interval (resampling the pairs,
     or each cell's passes). None where a cell lacks a pass's step."""
-    mine, theirs = of.get(f"{STEP}_passes") or [], over.get(f"{STEP}_passes") or []
-    if not mine or not theirs or len(mine) != len(of.get("walls_s") or ()) or \
-            len(theirs) != len(over.get("walls_s") or ()):
+    mine, theirs = _per_pass(of, over, STEP)
+    if not mine:
         return {"steps": None, "steps_interval": None}
     if over.get("paired"):
         ratios = [sum(b) / len(b) / v for v, b in neighbours(of["started_s"], of["walls_s"], over["started_s"],
@@ -85,6 +84,15 @@ def steps(of: Dict, over: Dict) -> Dict[str, Optional[object]]:
     return {"steps": median(theirs) / median(mine), "steps_interval": bootstrap.interval(mine, theirs)}
 
 
+def _per_pass(of: Dict, over: Dict, key: str) -> Tuple[List, List]:
+    """Each cell's reading `key` of every timed pass (`<key>_passes`); ([], []) where either cell lacks one."""
+    mine, theirs = of.get(f"{key}_passes") or [], over.get(f"{key}_passes") or []
+    if not mine or not theirs or len(mine) != len(of.get("walls_s") or ()) or \
+            len(theirs) != len(over.get("walls_s") or ()):
+        return [], []
+    return mine, theirs
+
+
 def fast_steps(of: Dict, over: Dict, resamples: int = bootstrap.RESAMPLES,
                seed: int = 0) -> Dict[str, Optional[object]]:
     """The same work's throughput ratio between the cells' fastest decode steps: `fast_steps`, over's `FAST_Q`
@@ -92,9 +100,8 @@ def fast_steps(of: Dict, over: Dict, resamples: int = bootstrap.RESAMPLES,
     reference pass just before each of of's passes (or just after, where none is before), and of's passes without
     one are left out. `fast_steps_interval`: its 90% interval, resampling the pairs in a paired run and each cell's
     passes otherwise. None where a cell lacks its passes' steps (or, for the interval, has fewer than 2 passes)."""
-    mine, theirs = of.get(f"{STEP_GAPS}_passes") or [], over.get(f"{STEP_GAPS}_passes") or []
-    if not mine or not theirs or len(mine) != len(of.get("walls_s") or ()) or \
-            len(theirs) != len(over.get("walls_s") or ()):
+    mine, theirs = _per_pass(of, over, STEP_GAPS)
+    if not mine:
         return {"fast_steps": None, "fast_steps_interval": None}
     paired = bool(over.get("paired"))
     if paired:

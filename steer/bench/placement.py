@@ -43,14 +43,25 @@ def cpu_list(text: str) -> List[int]:
 def pin(cpus: List[int], proc: Path = PROC) -> None:
     """Run this process (each of its threads: an affinity is a thread's own) and every thread and process it
     starts from now on on `cpus` only. Thread pools sized before (torch's) keep their size."""
+    place({tid: cpus for tid in threads("self", proc) or [0]})  # no /proc: this thread, and what it starts
+
+
+def threads(pid, proc: Path = PROC) -> List[int]:
+    """The ids of process `pid`'s threads (`pid` "self": this process's); [] where /proc does not say or it is
+    gone."""
     try:
-        tids = [int(t.name) for t in (proc / "self" / "task").iterdir()]
-    except OSError:  # no /proc: this thread, and what it starts
-        tids = [0]
-    for tid in tids:
+        return sorted(int(t.name) for t in (proc / str(pid) / "task").iterdir())
+    except OSError:
+        return []
+
+
+def place(mapping: Dict[int, List[int]]) -> None:
+    """Set each thread's CPUs (thread id -> CPUs; 0: the calling thread), passing over a thread that ended
+    meanwhile."""
+    for tid, cpus in mapping.items():
         try:
             os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:  # ended meanwhile
+        except ProcessLookupError:
             continue
 
 

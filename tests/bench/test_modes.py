@@ -34,12 +34,10 @@ def test_a_layout_says_what_it_needs(name, cpus, match):
         modes.layout(name, 100, 200, THREADS, cpus)
 
 
-def test_the_engine_core_is_the_busiest_child_and_its_threads_are_read(tmp_path):
+def test_the_engine_core_is_the_busiest_child(tmp_path):
     fake_proc(tmp_path, {100: ("python", 1, 2, 500), 150: ("resource_tracker", 100, 3, 2),
-                         200: ("VLLM::EngineCore", 100, 4, 900), 300: ("other", 1, 5, 5000)},
-              threads={200: [200, 201, 202]})
+                         200: ("VLLM::EngineCore", 100, 4, 900), 300: ("other", 1, 5, 5000)})
     assert modes.engine_core(100, tmp_path) == 200
-    assert modes.threads_of(200, tmp_path) == [200, 201, 202] and modes.threads_of(999, tmp_path) == []
 
 
 def test_no_child_means_no_engine_core_process(tmp_path):

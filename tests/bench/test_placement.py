@@ -47,6 +47,11 @@ def test_each_cpu_is_named_by_its_core_and_one_thread_of_each_core_is_chosen(tmp
     assert placement.one_per_core([3, 2], tmp_path / "absent") == [2, 3]  # no topology: every CPU its own core
 
 
+def test_a_process_threads_are_read_from_proc(tmp_path):
+    fake_proc(tmp_path, {200: ("VLLM::EngineCore", 100, 4, 900)}, threads={200: [202, 200, 201]})
+    assert placement.threads(200, tmp_path) == [200, 201, 202] and placement.threads(999, tmp_path) == []
+
+
 def test_a_snapshot_holds_the_process_and_its_children(tmp_path):
     fake_proc(tmp_path, {10: ("python (engine) x", 1, 3, 50), 11: ("VLLM::EngineCore", 10, 7, 80),
                      12: ("other", 1, 0, 5), 13: ("grandchild", 11, 2, 1)})
