@@ -59,11 +59,12 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
 
 
 def markdown(rows: List[Dict], goals: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str,
-             records: Sequence[Dict] = ()) -> str:
+             records: Sequence[Dict] = (), found: Optional[Dict] = None) -> str:
     """bench.md: how it was measured, a table per model and batch, how pass times followed the host (from the
-    cells' `records`), the targets, and the cells without a figure."""
+    cells' `records`), the A/A control (`found`: the run's `controls`, where the caller has them already), the
+    targets, and the cells without a figure."""
     lines = _preamble(cfg, machine, when, command) + _tables(rows, cfg) + _host_lines(records, cfg)
-    lines += control_lines(controls(rows, cfg))
+    lines += control_lines(controls(rows, cfg) if found is None else found)
     if goals:
         lines += targets_table(goals)
     lines += _missing(rows)
@@ -297,8 +298,9 @@ def rewrite(run_dir: Path) -> str:
 def publish(out_dir: Path, records: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
     """Write the whole report of these records, and run.json, which lets `rewrite` redo it; returns bench.md."""
     rows = cells(records, cfg)
-    goals = targets(rows, cfg)
-    md = markdown(rows, goals, cfg, machine, when, command, records)
+    found = controls(rows, cfg)  # the control's bootstraps, once for both tables
+    goals = targets(rows, cfg, found)
+    md = markdown(rows, goals, cfg, machine, when, command, records, found)
     write(out_dir, rows, goals, md, cfg)
     results.write_text(out_dir / "run.json", json.dumps({"machine": machine, "when": when, "command": command}))
     return md

@@ -20,12 +20,13 @@ CONTROL, REFERENCE = "b2", "b"
 _COLUMN = {"medians": "ratio", "fastest": "best", "paired": "paired"}
 
 
-def targets(rows: List[Dict], cfg: BenchConf) -> List[Dict]:
+def targets(rows: List[Dict], cfg: BenchConf, found: Optional[Dict[Tuple[str, int, int], Dict]] = None) -> List[Dict]:
     """Each target at each model and batch it covers: the measured ratios (between medians, fastest passes, and
     where `over` was the run's pairing reference, paired passes), whether the one it is `between` holds, and the
-    control's ratio in that column (`control`, None where b2 or b did not run)."""
+    control's ratio in that column (`control`, None where b2 or b did not run). `found`: the run's `controls`,
+    where the caller has them already."""
     by = _by_cell(rows)
-    controls = _controls(by, cfg)
+    controls = _controls(by, cfg) if found is None else found
     out = []
     for t in cfg.targets:
         for model in ([t.model] if t.model else cfg.run):
