@@ -62,7 +62,7 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
     workload.check(conf)
     if not available():
         raise ConfigError("engine", "steer.bench runs vLLM: it needs CUDA and vLLM (pip install -e '.[vllm]')")
-    read, why = nvml.reader()
+    read, why = nvml.reader() if conf.gpu_sample_s > 0 else (None, "gpu_sample_s=0")
     if read is None:  # said once here; the engine processes then read nothing and say nothing
         console.print(f"[bench] warning: no GPU clock or power readings ({why}); the report's sm_mhz and power_w "
                       "stay empty", highlight=False, markup=False)

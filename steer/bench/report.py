@@ -81,6 +81,8 @@ def _own(cfg: BenchConf, which: str = "min_timed_s", unit: str = " s") -> str:
 
 def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[str]:
     warm = "a whole pass" if cfg.warmup_tokens is None else f"{cfg.warmup_tokens} new tokens"
+    if cfg.rewarm_tokens:
+        warm += f"; before each later one, an untimed pass of {cfg.rewarm_tokens} new tokens"
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
              f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}"

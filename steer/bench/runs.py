@@ -6,8 +6,9 @@ its engine is ready and times nothing until it is asked for a round, so no pass 
 compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure is
 output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
 least `min_timed_s` seconds of them, none begun after `max_timed_s` (a model's own where set), after a warm-up pass
-of the same batch and edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a
-dummy-weight model samples ids its small tokenizer does not have), so every configuration does the same work.
+of the same batch and edits, and with `rewarm_tokens` a short one before each later pass); every request generates
+exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model samples ids its small tokenizer does
+not have), so every configuration does the same work.
 Through each timed pass the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read
 (steer/bench/cpu.py). How each configuration's engine starts and runs a pass is steer/bench/engines.py's.
 """
@@ -129,7 +130,8 @@ def _run_group(cfg: BenchConf, m: BenchModelConf, where: str, group: Group, out:
         ready.set()
     spec = workload.spec(m, group.model, Path(where))
     cells = [_Timing(c, _inputs(cfg, spec, c)) for c in group.cells]
-    read, _ = nvml.reader()  # without NVML the cells go without clocks (the bench said so once, at its start)
+    # without NVML, or with gpu_sample_s=0, the cells go without clocks (the bench said so once, at its start)
+    read = nvml.reader()[0] if cfg.gpu_sample_s > 0 else None
     machine: Dict = {}
     profiled = getattr(runner, "profile", None) is not None
     while True:
@@ -202,6 +204,8 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
     try:
         if not t.walls:  # its first pass comes after a warm-up (a failed warm-up finishes the cell as an error)
             runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
+        elif cfg.rewarm_tokens:
+            runner(*t.inputs, min(cfg.rewarm_tokens, tokens))
         if profile:
             profile()  # what ran before this pass is not the cell's
         steps = getattr(runner, "steps", None)
@@ -209,8 +213,8 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
             steps()
         _sync()
         # Where the processes ran is read first and last, so the GPU and host readings do not count its reads
-        with placement.Window() as at, nvml.Sampler(read) if read else nullcontext() as gpu, cpu.Window() as host, \
-                pauses.Window() as collected:
+        gpu_window = nvml.Sampler(read, cfg.gpu_sample_s) if read else nullcontext()
+        with placement.Window() as at, gpu_window as gpu, cpu.Window() as host, pauses.Window() as collected:
             t.starts.append(time.time())
             t0 = time.perf_counter()
             produced = runner(*t.inputs, tokens)

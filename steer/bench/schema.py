@@ -102,6 +102,9 @@ class BenchConf:
     # The warm-up: an untimed pass of the cell's batch and edits with this many new tokens (null: a whole pass).
     # The graphs are captured when an engine starts; what is left to warm is per step, so a short pass does.
     warmup_tokens: Optional[int] = 32
+    # An untimed pass of this many new tokens right before each timed pass after a cell's first (0: none), so that an
+    # engine wakes from its turn's idle into a pass nobody times
+    rewarm_tokens: int = 0
     repeats: int = 3  # at least this many timed passes per cell; the report gives their median and spread
     # ... and more, until the timed passes add up to this many seconds (a tiny-model pass is a fraction of a
     # second, and one hiccup moves a short median), at most max_repeats
@@ -117,6 +120,8 @@ class BenchConf:
     # `unsteered`, and a pattern naming it at any scenario of the run names it too (b/ablate_all: f's baseline).
     trace: List[str] = field(default_factory=list)
     trace_tokens: int = 16
+    # Seconds between readings of the GPU's SM clock and power through a timed pass (steer/bench/nvml.py; 0: none)
+    gpu_sample_s: float = 0.02
     trace_timeout_s: float = 300.0  # a trace not back by then is given up (the cell's figure stands)
     targets: List[TargetConf] = field(default_factory=list)
     # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by

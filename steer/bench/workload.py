@@ -54,6 +54,9 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
     if cfg.min_timed_s < 0:
         raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
+    for name in ("rewarm_tokens", "gpu_sample_s"):
+        if not getattr(cfg, name) >= 0:
+            raise ConfigError(name, f"must be >= 0 (0: none), got {getattr(cfg, name)}")
     if cfg.trace_timeout_s <= 0:
         raise ConfigError("trace_timeout_s", f"must be > 0, got {cfg.trace_timeout_s}")
     if cfg.max_timed_s <= 0:

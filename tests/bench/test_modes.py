@@ -1,10 +1,10 @@
-"""One engine's passes with its threads laid out in turn (steer/bench/modes.py): the layouts, the engine core's
-process and threads, the summary, and bad input said before an engine starts."""
+"""One engine's passes in conditions taken in turn (steer/bench/modes.py): the layouts, the conditions, the engine
+core's process and threads, the summary, and bad input said before an engine starts."""
 
 import pytest
 
 from bench_common import fake_proc
-from steer.bench import modes, placement
+from steer.bench import modes, nvml, placement
 
 CPUS = [2, 3, 4, 5, 6]
 THREADS = {100: [100, 101, 102], 200: [200, 201, 202]}  # the frontend 100, its engine core 200
@@ -46,15 +46,24 @@ def test_no_child_means_no_engine_core_process(tmp_path):
         modes.engine_core(100, tmp_path)
 
 
-def test_the_summary_is_per_layout_in_order_of_first_pass():
-    passes = [{"layout": "shared", "wall_s": 0.5, "steps_ms": [2.0] * 10 + [4.0] * 10},
-              {"layout": "apart", "wall_s": 0.3, "steps_ms": [2.0] * 20},
-              {"layout": "shared", "wall_s": 0.7, "steps_ms": [4.0] * 20}]
+def test_the_summary_is_per_condition_in_order_of_first_pass():
+    passes = [{"condition": "shared 0.05s", "wall_s": 0.5, "steps_ms": [2.0] * 10 + [4.0] * 10},
+              {"condition": "apart 0.05s", "wall_s": 0.3, "steps_ms": [2.0] * 20},
+              {"condition": "shared 0.05s", "wall_s": 0.7, "steps_ms": [4.0] * 20}]
     got = modes.summary(passes)
-    assert list(got) == ["shared", "apart"]
-    assert got["shared"] == {"passes": 2, "wall_s": pytest.approx(0.6), "pass_step_ms": pytest.approx(3.5),
-                             "fast_step_ms": 2.0, "step_ms": 4.0}  # 10% quantile of 10 + 30 steps
-    assert got["apart"]["step_ms"] == 2.0 and got["apart"]["passes"] == 1
+    assert list(got) == ["shared 0.05s", "apart 0.05s"]
+    assert got["shared 0.05s"] == {"passes": 2, "wall_s": pytest.approx(0.6), "pass_step_ms": pytest.approx(3.5),
+                                   "pass_steps_ms": [3.0, 4.0], "fast_step_ms": 2.0,
+                                   "step_ms": 4.0}  # 10% quantile of 10 + 30 steps
+    assert got["apart 0.05s"]["step_ms"] == 2.0 and got["apart 0.05s"]["passes"] == 1
+
+
+def test_conditions_are_every_layout_pause_and_reading():
+    got = modes.conditions(["shared", "apart"], [0.05, 3.0], nvml_too=True)
+    assert [c["name"] for c in got] == ["shared 0.05s", "shared 0.05s nvml", "shared 3s", "shared 3s nvml",
+                                        "apart 0.05s", "apart 0.05s nvml", "apart 3s", "apart 3s nvml"]
+    assert got[3] == {"name": "shared 3s nvml", "layout": "shared", "pause_s": 3.0, "nvml": True}
+    assert [c["nvml"] for c in modes.conditions(["shared"], [0.05], nvml_too=False)] == [False]
 
 
 MINE = str((placement.available() or [0])[0])  # a CPU this process may run on
@@ -77,8 +86,18 @@ def test_an_unknown_model_is_refused_before_an_engine_starts(tmp_path, monkeypat
         modes.main(["--model", "nope", "--cpus", "200-207", f"cache_dir={tmp_path}"])
 
 
-@pytest.mark.parametrize("pause", ["-1", "nan"])
-def test_a_negative_pause_is_refused_before_an_engine_starts(pause, monkeypatch):
+@pytest.mark.parametrize("args,match", [(["--pauses", "0.05,-1"], "--pauses: expected seconds >= 0"),
+                                        (["--pauses", "nan"], "--pauses: expected seconds >= 0"),
+                                        (["--pauses", "3s"], "--pauses: expected comma-separated numbers"),
+                                        (["--layouts", "shared,spread"], "--layouts: layout: expected one of")])
+def test_bad_conditions_are_refused_before_an_engine_starts(args, match, monkeypatch):
     monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
-    with pytest.raises(SystemExit, match="--pause: expected seconds >= 0"):
-        modes.main(["--pause", pause, "--cpus", "200-207"])
+    with pytest.raises(SystemExit, match=match):
+        modes.main(args + ["--cpus", "200-207"])
+
+
+def test_nvml_asked_for_but_not_readable_is_refused_before_an_engine_starts(monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
+    monkeypatch.setattr(nvml, "reader", lambda: (None, "no driver here"))
+    with pytest.raises(SystemExit, match=r"--nvml: the GPU's clock and power cannot be read \(no driver here\)"):
+        modes.main(["--nvml", "--cpus", "200-207"])

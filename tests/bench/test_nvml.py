@@ -103,16 +103,17 @@ def test_without_nvml_the_reader_says_why(monkeypatch):
     assert read is None and why == "NVML does not answer: RuntimeError: Driver Not Loaded"
 
 
-@pytest.mark.parametrize("readable", [True, False])
-def test_a_cell_records_the_clock_and_power_of_its_passes(engine_c, monkeypatch, tmp_path, bench_model, readable):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0")
+@pytest.mark.parametrize("readable,period", [(True, 60), (False, 60), (True, 0)])
+def test_a_cell_records_the_clock_and_power_of_its_passes(engine_c, monkeypatch, tmp_path, bench_model, readable,
+                                                          period):
+    # one reading a pass, the period being long; gpu_sample_s=0 reads none, NVML or not
+    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0", f"gpu_sample_s={period}")
     engine_c(lambda cfg, m, where, group: stand_in_runner())
-    passes = iter([(1900.0, 400.0), (1800.0, 420.0), (1700.0, 480.0)])  # one reading a pass: the period is long
-    monkeypatch.setattr(nvml, "PERIOD_S", 60.0)
+    passes = iter([(1900.0, 400.0), (1800.0, 420.0), (1700.0, 480.0)])
     monkeypatch.setattr(nvml, "reader", lambda: (lambda: next(passes), "") if readable else (None, "no NVML"))
     [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
     assert rec["status"] == "ok" and len(rec["walls_s"]) == 3
-    if readable:
+    if readable and period:
         assert rec["sm_mhz_passes"] == [1900.0, 1800.0, 1700.0] and rec["power_w_passes"] == [400.0, 420.0, 480.0]
         assert (rec["sm_mhz"], rec["power_w"]) == (1800.0, 420.0)  # the medians of the passes' means
     else:

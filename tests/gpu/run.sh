@@ -11,7 +11,8 @@
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   modes  what puts a SmolLM2 step in its slow mode: one engine b alone (steer/bench/modes.py), passes back to back
-#          and after 3 s idle, then b and b2 alone in the bench (about 6 minutes)
+#          and after 3 s idle, GPU read or not; then b and b2 alone in the bench, as the table runs them, without GPU
+#          readings, and with a short untimed pass before each timed one (about 8 minutes)
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
@@ -118,17 +119,21 @@ lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
 }
 
 modes() {
-  # One SmolLM2 engine b with no other engine resident (steer/bench/modes.py), its passes back to back, then each
-  # after 3 s idle as the bench's turns leave it; then b and b2 alone in the bench, two engines at once against the
-  # table's nine: which of idle and resident engines brings the slow mode (DEVELOPERS.md, step stamps)
-  local pause
-  for pause in 0.05 3; do
-    python -m steer.bench.modes --cpus 2-9 --rounds 5 --pause $pause --out "$OUT/modes-$pause.json" \
-      > "$OUT/modes-$pause.log" 2>&1
-    echo "modes --pause $pause rc=$?"; grep -E "^(shared|apart|together) " "$OUT/modes-$pause.log"
+  # What puts a SmolLM2 step in its slow mode (DEVELOPERS.md, step stamps). One engine b with no other engine resident
+  # (steer/bench/modes.py), its passes in turn back to back and after 3 s idle (as the bench's turns leave it), each
+  # with and without the GPU's clock and power read through it (as the bench reads them); then b and b2 alone in the
+  # bench, two engines resident against the table's nine: as the table times them, without the GPU readings, and
+  # with a short untimed pass before each timed one (rewarm_tokens)
+  python -m steer.bench.modes --cpus 2-9 --rounds 6 --layouts shared --pauses 0.05,3 --nvml --out "$OUT/modes.json" \
+    > "$OUT/modes.log" 2>&1
+  echo "modes rc=$?"; grep -E "^shared " "$OUT/modes.log"
+  local args="run=[smollm2] configs=[b,b2] scenarios=[add] batches=[[64,128]] \
+lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}]" saved=$OUT name
+  for name in plain gpu_sample_s=0 rewarm_tokens=16; do
+    OUT=$saved/modes-bench-${name%%=*}; mkdir -p "$OUT"
+    BENCH_ARGS="$args $([ $name = plain ] || echo $name) ${BENCH_ARGS:-}" bench
   done
-  BENCH_ARGS="run=[smollm2] configs=[b,b2] scenarios=[add] batches=[[64,128]] \
-lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] ${BENCH_ARGS:-}" bench
+  OUT=$saved
 }
 
 kernel() {
