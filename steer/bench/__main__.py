@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import sys
 import threading
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import List
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.bench import nvml, schema, waves
+from steer.bench import hostspeed, nvml, schema, waves
 from steer.errors import ConfigError
 
 schema.register()
@@ -90,11 +91,13 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
                 lanes[i].append((m, where, groups))
     threads = [threading.Thread(target=_lane, args=(conf, i, work, book), name=f"lane{i}", daemon=True)
                for i, work in enumerate(lanes) if work]
+    probe = nullcontext() if conf.probe_cpu is None else hostspeed.Probe(conf.probe_cpu, book.probe_file)
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with probe:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     finally:
         waves.kill_all()
     if book.failed:
@@ -131,6 +134,7 @@ class _Book:
         self.lock = threading.Lock()  # lanes finish engines from threads of their own
         self.when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         self.ctx = multiprocessing.get_context("spawn")
+        self.probe_file = out_dir / "hostspeed.txt"  # the host-speed probe's readings (probe_cpu)
 
     def _out(self, group) -> Path:
         return self.out_dir / f".{group.model}-{group.config}-{len(group.layers)}taps.json"
@@ -161,6 +165,7 @@ class _Book:
         got["records"] += [{**c, "status": "error", "detail": why} for c in group.cells
                            if (c["scenario"], c["requests"], c["tokens"]) not in have]
         out.unlink(missing_ok=True)
+        hostspeed.annotate(got["records"], hostspeed.readings(self.probe_file))
         with self.lock:
             self.machine = got["machine"] or self.machine
             self.records += [{**r, "model": group.model, "config": group.config} for r in got["records"]]

@@ -21,7 +21,7 @@ from steer.bench.targets import table as targets_table
 
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "vs_a", "vs_b", "wall_s", "spread",
            "passes", "best_tok_s", "best_vs_b", "vs_eps", "best_vs_eps", "sm_mhz", "power_w", "cpu_busy", "cpu_steal",
-           "status", "detail"]
+           "host_us", "status", "detail"]
 
 
 def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:
@@ -52,7 +52,7 @@ def _figures(r: Optional[Dict], a: Optional[Dict], b: Optional[Dict], faint: Opt
             "spread": r.get("spread"), "passes": len(r.get("walls_s") or ()) or None, "best_tok_s": best,
             "best_vs_b": ratio(best, _best(b)), "vs_eps": ratio(t, _tok(faint)),
             "best_vs_eps": ratio(best, _best(faint)), "sm_mhz": r.get("sm_mhz"), "power_w": r.get("power_w"),
-            "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"),
+            "cpu_busy": r.get("cpu_busy"), "cpu_steal": r.get("cpu_steal"), "host_us": r.get("host_us"),
             "status": r["status"], "detail": r.get("detail", ""), "walls_s": r.get("walls_s") or [],
             "started_s": r.get("started_s") or [], "paired": bool(r.get("paired")),
             f"{STEP}_passes": r.get(f"{STEP}_passes") or [], f"{STEP_GAPS}_passes": r.get(f"{STEP_GAPS}_passes") or []}

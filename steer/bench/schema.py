@@ -122,6 +122,9 @@ class BenchConf:
     trace_tokens: int = 16
     # Seconds between readings of the GPU's SM clock and power through a timed pass (steer/bench/nvml.py; 0: none)
     gpu_sample_s: float = 0.02
+    # A CPU no lane's engines run on, for a probe of the host's own speed through the run (steer/bench/hostspeed.py;
+    # null: none); each timed pass then records the probe's median time within it (host_us)
+    probe_cpu: Optional[int] = None
     trace_timeout_s: float = 300.0  # a trace not back by then is given up (the cell's figure stands)
     targets: List[TargetConf] = field(default_factory=list)
     # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by

@@ -269,6 +269,12 @@ def _check_lanes(cfg: BenchConf) -> None:
                 raise ConfigError(f"lanes[{i}].gpus", f"GPU {int(x)} is also lane {seen[int(x)]}'s: lanes time side "
                                                       "by side, so they must not share a GPU")
             seen[int(x)] = i
+    if cfg.probe_cpu is not None:
+        check_cpus("probe_cpu", str(cfg.probe_cpu))
+        used = [i for i, ln in enumerate(cfg.lanes) if ln.cpus and cfg.probe_cpu in placement.cpu_list(ln.cpus)]
+        if used:
+            raise ConfigError("probe_cpu", f"CPU {cfg.probe_cpu} is also lanes[{used[0]}].cpus "
+                                           f"({cfg.lanes[used[0]].cpus}): the probe needs a CPU no engine runs on")
     if len(cfg.lanes) > 1 and any(ln.gpus is None for ln in cfg.lanes):
         raise ConfigError("lanes", "with more than one lane, every lane names its gpus")
     if seen and torch.cuda.is_available() and max(seen) >= torch.cuda.device_count():
