@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.bench import awake, hostspeed, nvml, placement, schema, waves
+from steer.bench import hostspeed, nvml, schema, waves
 from steer.errors import ConfigError
 
 schema.register()
@@ -92,10 +92,8 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
     threads = [threading.Thread(target=_lane, args=(conf, i, work, book), name=f"lane{i}", daemon=True)
                for i, work in enumerate(lanes) if work]
     probe = nullcontext() if conf.probe_cpu is None else hostspeed.Probe(conf.probe_cpu, book.probe_file)
-    spinners = awake.Spinners(sorted({c for ln in conf.lanes for c in placement.cpu_list(ln.cpus)})) if conf.awake \
-        else nullcontext()
     try:
-        with probe, spinners:
+        with probe:
             for t in threads:
                 t.start()
             for t in threads:

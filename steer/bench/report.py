@@ -99,9 +99,7 @@ def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[st
     pinned = [f"lane {i}'s on CPUs {ln.cpus}" if len(cfg.lanes) > 1 else f"on CPUs {ln.cpus}"
               for i, ln in enumerate(cfg.lanes) if ln.cpus is not None]
     if pinned:
-        awake = " Those CPUs kept awake (`awake`: a SCHED_IDLE spinner on each, so none halts)." if cfg.awake else ""
-        lines[-1:-1] = ["Engines pinned (their processes and threads, `lanes[].cpus`): " + "; ".join(pinned) + "."
-                        + awake]
+        lines[-1:-1] = ["Engines pinned (their processes and threads, `lanes[].cpus`): " + "; ".join(pinned) + "."]
     envs = [f"{name}'s with " + ", ".join(f"{k}={v}" for k, v in m.env.items())
             for name, m in cfg.models.items() if name in cfg.run and m.env]
     if envs:

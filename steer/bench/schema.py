@@ -125,9 +125,6 @@ class BenchConf:
     # A CPU no lane's engines run on, for a probe of the host's own speed through the run (steer/bench/hostspeed.py;
     # null: none); each timed pass then records the probe's median time within it (host_us)
     probe_cpu: Optional[int] = None
-    # A spinner at SCHED_IDLE on each of the lanes' CPUs through the run, so that they never halt (a halted virtual
-    # CPU comes back slow: steer/bench/awake.py); every lane then names its cpus
-    awake: bool = False
     trace_timeout_s: float = 300.0  # a trace not back by then is given up (the cell's figure stands)
     targets: List[TargetConf] = field(default_factory=list)
     # Only vLLM's start-up check (the free share of the GPU an engine must find); the KV cache is sized by

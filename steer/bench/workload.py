@@ -269,8 +269,6 @@ def _check_lanes(cfg: BenchConf) -> None:
                 raise ConfigError(f"lanes[{i}].gpus", f"GPU {int(x)} is also lane {seen[int(x)]}'s: lanes time side "
                                                       "by side, so they must not share a GPU")
             seen[int(x)] = i
-    if cfg.awake and any(ln.cpus is None for ln in cfg.lanes):
-        raise ConfigError("awake", "keeps the lanes' CPUs busy, so every lane names its cpus (lanes[].cpus)")
     if cfg.probe_cpu is not None:
         check_cpus("probe_cpu", str(cfg.probe_cpu))
         used = [i for i, ln in enumerate(cfg.lanes) if ln.cpus and cfg.probe_cpu in placement.cpu_list(ln.cpus)]
