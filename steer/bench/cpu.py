@@ -79,8 +79,12 @@ def follows(records: Sequence[Dict], key: str) -> Optional[Tuple[float, int, int
     xs, ys, cells = [], [], 0
     for r in records:
         walls, values = r.get("walls_s") or [], r.get(f"{key}_passes") or []
-        if len(values) != len(walls) or len(walls) < 2:
+        if len(values) != len(walls):
             continue
+        read = [(w, v) for w, v in zip(walls, values) if v is not None]  # a pass the reading missed
+        if len(read) < 2:
+            continue
+        walls, values = [w for w, _ in read], [v for _, v in read]
         cells += 1
         times = [w / median(walls) for w in walls]
         xs += centred(values)

@@ -81,8 +81,6 @@ def _own(cfg: BenchConf, which: str = "min_timed_s", unit: str = " s") -> str:
 
 def _preamble(cfg: BenchConf, machine: Dict, when: str, command: str) -> List[str]:
     warm = "a whole pass" if cfg.warmup_tokens is None else f"{cfg.warmup_tokens} new tokens"
-    if cfg.rewarm_tokens:
-        warm += f"; before each later one, an untimed pass of {cfg.rewarm_tokens} new tokens"
     lines = [f"Measured {when} on {machine.get('gpu', '?')} (torch {machine.get('torch', '?')}, vLLM "
              f"{machine.get('vllm', '?')}, nnsight {machine.get('nnsight', '?')}), one run: `{command}`.",
              f"Output tokens per second, the median of the timed passes (at least {cfg.repeats}"
@@ -210,7 +208,8 @@ def _readings_table(mine: Dict, cfg: BenchConf, title: str, label: str, first: s
 _HOST = (("cpu_busy", "busy CPUs"), ("cpu_steal", "steal"),
          ("cpu_apart", "the engine's processes on more than one L3 cache"),
          ("cpu_shared_core", "two of them on one physical core"), ("cpu_moved", "its processes moved"),
-         ("gc_s", "the timing process's garbage collections' time"), ("gc_full", "its full collections"))
+         ("gc_s", "the timing process's garbage collections' time"), ("gc_full", "its full collections"),
+         ("host_us", "the host-speed probe's time on a CPU of its own (probe_cpu)"))
 
 
 def _host_lines(records: Sequence[Dict], cfg: BenchConf) -> List[str]:

@@ -6,9 +6,8 @@ its engine is ready and times nothing until it is asked for a round, so no pass 
 compiles or captures; in a round it times one pass of every cell still short of its passes. A cell's figure is
 output tokens per second of one `generate` over the whole batch (the median of at least `repeats` passes and at
 least `min_timed_s` seconds of them, none begun after `max_timed_s` (a model's own where set), after a warm-up pass
-of the same batch and edits, and with `rewarm_tokens` a short one before each later pass); every request generates
-exactly its new tokens (ignore_eos) and none is detokenized (a dummy-weight model samples ids its small tokenizer does
-not have), so every configuration does the same work.
+of the same batch and edits); every request generates exactly its new tokens (ignore_eos) and none is detokenized (a
+dummy-weight model samples ids its small tokenizer does not have), so every configuration does the same work.
 Through each timed pass the GPU's SM clock and power are sampled (steer/bench/nvml.py), and the host's CPUs read
 (steer/bench/cpu.py). How each configuration's engine starts and runs a pass is steer/bench/engines.py's.
 """
@@ -204,8 +203,6 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
     try:
         if not t.walls:  # its first pass comes after a warm-up (a failed warm-up finishes the cell as an error)
             runner(*t.inputs, min(cfg.warmup_tokens or tokens, tokens))  # warm-up: same batch and edits
-        elif cfg.rewarm_tokens:
-            runner(*t.inputs, min(cfg.rewarm_tokens, tokens))
         if profile:
             profile()  # what ran before this pass is not the cell's
         steps = getattr(runner, "steps", None)

@@ -102,9 +102,6 @@ class BenchConf:
     # The warm-up: an untimed pass of the cell's batch and edits with this many new tokens (null: a whole pass).
     # The graphs are captured when an engine starts; what is left to warm is per step, so a short pass does.
     warmup_tokens: Optional[int] = 32
-    # An untimed pass of this many new tokens right before each timed pass after a cell's first (0: none), so that an
-    # engine wakes from its turn's idle into a pass nobody times
-    rewarm_tokens: int = 0
     repeats: int = 3  # at least this many timed passes per cell; the report gives their median and spread
     # ... and more, until the timed passes add up to this many seconds (a tiny-model pass is a fraction of a
     # second, and one hiccup moves a short median), at most max_repeats

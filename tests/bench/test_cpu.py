@@ -59,6 +59,9 @@ def test_pass_times_follow_a_reading_within_each_cell():
     assert cpu.follows([_rec([1.0, 2.0, 1.5], [0.1] * 3), _rec([1.0, 1.4, 1.2], [0.2] * 3)], "cpu_busy") is None
     assert cpu.follows([_rec([1.0, 2.0], [1.0])], "cpu_busy") is None  # a pass without its reading
     assert cpu.follows([_rec([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])], "cpu_steal") is None
+    # a pass the reading missed (None: no probe reading fell within it) is left out, the rest stand
+    assert cpu.follows([_rec([1.0, 2.0, 1.5, 9.0], [1.0, 3.0, 2.0, None])], "cpu_busy") == (pytest.approx(1.0), 3, 1)
+    assert cpu.follows([_rec([1.0, 2.0], [None, 3.0])], "cpu_busy") is None
 
 
 def test_a_cell_records_its_passes_host_readings(engine_c, monkeypatch, tmp_path, bench_model):

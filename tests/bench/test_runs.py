@@ -190,14 +190,6 @@ def test_short_passes_are_repeated_until_the_time_floor(stand_in, tmp_path, benc
     assert len(stand_in) == 1 + 7  # and one warm-up pass
 
 
-@pytest.mark.parametrize("rewarm,tokens", [(0, [3, 6, 6, 6]), (2, [3, 6, 2, 6, 2, 6])])
-def test_a_short_untimed_pass_comes_before_each_later_timed_one_when_asked(stand_in, tmp_path, bench_model, rewarm,
-                                                                            tokens):
-    cfg = bench_conf("batches=[[4,6]]", "repeats=3", "min_timed_s=0", "warmup_tokens=3", f"rewarm_tokens={rewarm}")
-    [rec] = first_cell(cfg, bench_model, tmp_path / "out.json")
-    assert [t for _, _, t in stand_in] == tokens and len(rec["walls_s"]) == 3
-
-
 @pytest.mark.parametrize("walls,more", [([], True), ([9.0], True), ([0.1, 0.1], True), ([3.0, 3.0], False),
                                         ([0.1] * 5, False), ([25.0], False), ([12.0], False)])
 def test_more_passes_until_repeats_and_seconds(walls, more):

@@ -63,7 +63,6 @@ def test_committed_bench_config_composes_and_checks():
                                              "lanes[1].gpus"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
                                             ("lanes=[]", "lanes"), ("trace_tokens=0", "trace_tokens"),
-                                            ("rewarm_tokens=-1", "rewarm_tokens"),
                                             ("gpu_sample_s=-0.1", "gpu_sample_s"),
                                             ("trace_timeout_s=0", "trace_timeout_s"), ("epsilon=0", "epsilon"),
                                             ("epsilon=1e-13", "epsilon"), ("scenarios=[add,k8@ep]", "scenarios[1]"),
@@ -127,11 +126,12 @@ def test_the_gpu_table_stage_s_bench_arguments_pass_the_checks():
     text = (Path(__file__).parents[1] / "gpu" / "run.sh").read_text()
     body = text[text.index("\ntable() {"):]
     args = body[body.index('BENCH_ARGS="') + len('BENCH_ARGS="'):body.index('" bench\n')]
-    cpus = str(placement.available()[0])  # the stage picks the GPU machine's; the check wants this one's
-    args = args.replace("\\\n", "").replace("$CPUS", cpus).replace("${BENCH_ARGS:-}", "")
+    have = placement.available()  # the stage picks the GPU machine's CPUs; the check wants this one's
+    cpus, probe = str(have[0]), str(have[-1]) if len(have) > 1 else "null"
+    args = args.replace("\\\n", "").replace("$CPUS", cpus).replace("$PROBE", probe).replace("${BENCH_ARGS:-}", "")
     cfg = bench_conf(*args.split())  # bench() expands BENCH_ARGS unquoted: split on blanks, quotes kept
     workload.check(cfg)
-    assert "b2" in cfg.configs and cfg.trace and cfg.lanes[0].cpus == cpus
+    assert "b2" in cfg.configs and cfg.trace and cfg.lanes[0].cpus == cpus and str(cfg.probe_cpu or "null") == probe
     for pattern in cfg.skip:
         assert any(workload.skipped(cfg, m, c, s, b) == pattern for m in cfg.run for c in cfg.configs
                    for s in [*cfg.scenarios, "unsteered"] for b in cfg.batches), pattern

@@ -11,8 +11,7 @@
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   modes  what puts a SmolLM2 step in its slow mode: one engine b alone (steer/bench/modes.py), passes back to back
-#          and after 3 s idle, GPU read or not; then b and b2 alone in the bench, as the table runs them, without GPU
-#          readings, and with a short untimed pass before each timed one (about 8 minutes)
+#          and after 3 s idle, GPU read or not; then b, b2 and f in the bench beside the host-speed probe (8 minutes)
 #   lanes  two GPUs: the bench in two lanes side by side (the 8B shape's a b c f g h, then SmolLM2, on GPU 0, the
 #          8B shape's slow d and e on GPU 1, about 20 minutes each), then kernel and the GPU tests on GPU 0 once its
 #          lane is done
@@ -100,7 +99,7 @@ table() {
   # in every column: kernels, gaps and host calls per step, steer/bench/timeline.py); every
   # engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one
   # thread of each physical core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells
-  # are the host's, pinned or not (DEVELOPERS.md)
+  # are the host's, pinned or not (DEVELOPERS.md); the host-speed probe on the last CPU outside the lane
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
@@ -108,32 +107,30 @@ from steer.bench import placement
 shared = placement.cpu_list(open(sys.argv[1]).read().strip()) if os.path.exists(sys.argv[1]) else []
 have = placement.available()
 cpus = shared if 4 <= len(shared) < len(have) else [c for c in have if c >= 2]
-print(",".join(map(str, (placement.one_per_core(cpus) or placement.one_per_core(have))[:8])))
+lane = (placement.one_per_core(cpus) or placement.one_per_core(have))[:8]
+rest = [c for c in have if c not in lane and c >= 2]
+print(",".join(map(str, lane)), rest[-1] if rest else "null")
 PY
 )
-  echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null))"
+  read -r CPUS PROBE <<< "$CPUS"
+  echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null)), the host-speed probe on CPU $PROBE"
   BENCH_ARGS="configs=[a,b,b2,c,f,h] trace=['smollm2/b/*/64x128','smollm2/f/ablate_all/64x128'] \
 skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*',\
 'smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*'] \
-lanes=[{runs:['*'],cpus:'$CPUS'}] ${BENCH_ARGS:-}" bench
+lanes=[{runs:['*'],cpus:'$CPUS'}] probe_cpu=$PROBE ${BENCH_ARGS:-}" bench
 }
 
 modes() {
-  # What puts a SmolLM2 step in its slow mode (DEVELOPERS.md, step stamps). One engine b with no other engine resident
-  # (steer/bench/modes.py), its passes in turn back to back and after 3 s idle (as the bench's turns leave it), each
-  # with and without the GPU's clock and power read through it (as the bench reads them); then b and b2 alone in the
-  # bench, two engines resident against the table's nine: as the table times them, without the GPU readings, and
-  # with a short untimed pass before each timed one (rewarm_tokens)
+  # What puts a SmolLM2 step in its slow mode (DEVELOPERS.md, "The host's two speeds"). One engine b with no other
+  # engine resident (steer/bench/modes.py), its passes in turn back to back and after 3 s idle (as the bench's turns
+  # leave it), each with and without the GPU's clock and power read through it (as the bench reads them); then b, b2
+  # and f (add, ablate_all) in the bench as the table times them, with the host-speed probe on CPU 12, outside their
+  # lane (steer/bench/hostspeed.py); about 8 minutes
   python -m steer.bench.modes --cpus 2-9 --rounds 6 --layouts shared --pauses 0.05,3 --nvml --out "$OUT/modes.json" \
     > "$OUT/modes.log" 2>&1
   echo "modes rc=$?"; grep -E "^shared " "$OUT/modes.log"
-  local args="run=[smollm2] configs=[b,b2] scenarios=[add] batches=[[64,128]] \
-lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}]" saved=$OUT name
-  for name in plain gpu_sample_s=0 rewarm_tokens=16; do
-    OUT=$saved/modes-bench-${name%%=*}; mkdir -p "$OUT"
-    BENCH_ARGS="$args $([ $name = plain ] || echo $name) ${BENCH_ARGS:-}" bench
-  done
-  OUT=$saved
+  BENCH_ARGS="run=[smollm2] configs=[b,b2,f] scenarios=[add,ablate_all] batches=[[64,128]] trace=[] \
+lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] probe_cpu=12 ${BENCH_ARGS:-}" bench
 }
 
 kernel() {
