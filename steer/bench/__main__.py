@@ -100,6 +100,9 @@ def run(conf: schema.BenchConf, out_dir: Path, console: Console, command: str) -
                 t.join()
     finally:
         waves.kill_all()
+    if conf.probe_cpu is not None and not hostspeed.readings(book.probe_file):
+        console.print(f"[bench] warning: the host-speed probe on CPU {conf.probe_cpu} wrote nothing to "
+                      f"{book.probe_file}; the cells' host_us stay empty", highlight=False, markup=False)
     if book.failed:
         raise book.failed[0]
     md = book.report()

@@ -11,6 +11,8 @@ it (`annotate`), so that a pass can be set beside the host's speed while it ran.
 """
 
 import argparse
+import bisect
+import math
 import os
 import signal
 import statistics
@@ -36,11 +38,14 @@ def work(n: int = WORK) -> float:
 
 
 def probe(out: Path, period_s: float = PERIOD_S) -> None:
-    """Time `work` every `period_s`, one line "wall_clock duration_us" at a time to `out`, until SIGTERM."""
+    """Time `work` every `period_s`, one line "wall_clock duration_us" at a time to `out`, until SIGTERM or until
+    the process that started it is gone (a bench killed outright must not leave a probe spinning on its CPU)."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the bench's whole group; the bench stops it
+    parent = os.getppid()
     with open(out, "a", buffering=1) as f:
-        while not stop:
+        while not stop and os.getppid() == parent:
             d = work()
             f.write(f"{time.time():.4f} {d * 1e6:.1f}\n")
             time.sleep(period_s)
@@ -64,6 +69,7 @@ class Probe:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
 
 
 def readings(path: Path) -> List[Reading]:
@@ -81,19 +87,22 @@ def readings(path: Path) -> List[Reading]:
     return out
 
 
-def during(got: Sequence[Reading], start: float, wall: float) -> Optional[float]:
-    """The median probe time (us) of the readings taken within [start, start + wall]; None if none was."""
-    inside = [d for t, d in got if start <= t <= start + wall]
+def during(got: Sequence[Reading], start: float, wall: float, times: Optional[List[float]] = None) -> Optional[float]:
+    """The median probe time (us) of the readings taken within [start, start + wall]; None if none was. `got` is in
+    time order, as the probe writes it; `times`: its wall clocks, where the caller has them already."""
+    times = [t for t, _ in got] if times is None else times
+    inside = [d for _, d in got[bisect.bisect_left(times, start):bisect.bisect_right(times, start + wall)]]
     return statistics.median(inside) if inside else None
 
 
 def annotate(records: List[Dict], got: Sequence[Reading]) -> None:
     """Give each timed record `host_us_passes` (each pass's median probe time, None where none fell in it) and
     `host_us` (their median), where the probe read anything during its passes."""
+    times = [t for t, _ in got]
     for r in records:
         if "walls_s" not in r or "started_s" not in r or "host_us_passes" in r:
             continue
-        each = [during(got, s, w) for s, w in zip(r["started_s"], r["walls_s"])]
+        each = [during(got, s, w, times) for s, w in zip(r["started_s"], r["walls_s"])]
         if any(x is not None for x in each):
             r["host_us_passes"] = each
             r["host_us"] = statistics.median(x for x in each if x is not None)
@@ -105,6 +114,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--period", type=float, default=PERIOD_S, help=f"seconds between readings (default {PERIOD_S})")
     a = p.parse_args(argv)
+    if not (math.isfinite(a.period) and a.period >= 0):
+        raise SystemExit(f"--period: expected seconds >= 0, got {a.period}")
     os.sched_setaffinity(0, {a.cpu})
     probe(a.out, a.period)
 

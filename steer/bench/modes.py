@@ -25,6 +25,7 @@ Each pass's wall time and decode steps (the engine core's stamps) are written to
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import time
@@ -173,8 +174,11 @@ def _checked(a: argparse.Namespace) -> Tuple[List[int], List[Dict]]:
         if value < least:  # a pass of one token has no decode step
             raise SystemExit(f"{flag}: expected at least {least}, got {value}")
     pauses = _numbers("--pauses", a.pauses)
-    if not all(x >= 0.0 for x in pauses):
+    if not all(math.isfinite(x) and x >= 0.0 for x in pauses):
         raise SystemExit(f"--pauses: expected seconds >= 0, got {a.pauses}")
+    for flag, values in (("--layouts", layouts), ("--pauses", pauses)):
+        if len(set(values)) < len(values):  # two conditions of one name would be summed as one
+            raise SystemExit(f"{flag}: expected each value once, got {getattr(a, flag[2:])}")
     if not a.out.parent.is_dir():
         raise SystemExit(f"--out: {a.out.parent} is not a directory")
     return cpus, conditions(layouts, pauses, a.nvml)
@@ -208,6 +212,8 @@ def main(argv=None) -> None:
         cfg = OmegaConf.to_object(compose(config_name="bench", overrides=a.overrides))
     if a.model not in cfg.models:
         raise SystemExit(f"--model: expected one of {', '.join(cfg.models)}, got {a.model!r}")
+    if a.nvml and not (math.isfinite(cfg.gpu_sample_s) and cfg.gpu_sample_s > 0):
+        raise SystemExit(f"--nvml: reads the GPU every gpu_sample_s seconds, which must be > 0, got {cfg.gpu_sample_s}")
     got = run(cfg, a.model, a.requests, a.tokens, a.rounds, cpus, a.sync, a.out, conds, read)
     for name, s in got["summary"].items():
         print(f"{name:18s} {s['passes']:3d} passes  wall {s['wall_s']:.3f} s  pass step {s['pass_step_ms']:.2f} ms  "

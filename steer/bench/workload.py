@@ -6,6 +6,7 @@ here starts an engine, so a bad config fails before any GPU work.
 
 import fnmatch
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass, replace
@@ -54,8 +55,8 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
     if cfg.min_timed_s < 0:
         raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
-    if not cfg.gpu_sample_s >= 0:
-        raise ConfigError("gpu_sample_s", f"must be >= 0 (0: not read), got {cfg.gpu_sample_s}")
+    if not (math.isfinite(cfg.gpu_sample_s) and cfg.gpu_sample_s >= 0):
+        raise ConfigError("gpu_sample_s", f"must be seconds >= 0 (0: not read), got {cfg.gpu_sample_s}")
     if cfg.trace_timeout_s <= 0:
         raise ConfigError("trace_timeout_s", f"must be > 0, got {cfg.trace_timeout_s}")
     if cfg.max_timed_s <= 0:
@@ -269,6 +270,9 @@ def _check_lanes(cfg: BenchConf) -> None:
                                                       "by side, so they must not share a GPU")
             seen[int(x)] = i
     if cfg.probe_cpu is not None:
+        if any(ln.cpus is None for ln in cfg.lanes):
+            raise ConfigError("probe_cpu", "needs every lane to name its cpus (lanes[].cpus), so that no engine runs "
+                                           "on the probe's CPU")
         check_cpus("probe_cpu", str(cfg.probe_cpu))
         used = [i for i, ln in enumerate(cfg.lanes) if ln.cpus and cfg.probe_cpu in placement.cpu_list(ln.cpus)]
         if used:

@@ -1,6 +1,7 @@
 """The host-speed probe (steer/bench/hostspeed.py): a real probe process, its readings set beside each pass, and
 the bench's checks of `probe_cpu` before any engine starts."""
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -45,7 +46,7 @@ def test_each_pass_gets_the_median_probe_time_within_it():
     assert "host_us" not in records[1] and "host_us" not in records[2]
 
 
-def test_the_work_is_the_same_work_each_time():
+def test_more_work_takes_longer():
     assert hostspeed.work(100) > 0
     assert hostspeed.work(20 * hostspeed.WORK) > hostspeed.work(hostspeed.WORK // 20)
 
@@ -56,20 +57,88 @@ def test_the_probe_needs_a_cpu_no_lane_runs_on(monkeypatch):
     with pytest.raises(ConfigError, match=r"probe_cpu.*CPU 3 is also lanes\[0\].cpus \(1-3\)"):
         workload.check(cfg)
     with pytest.raises(ConfigError, match=r"probe_cpu.*names CPU\(s\) \[7\] that this process may not run on"):
-        workload.check(bench_conf("probe_cpu=7"))
+        workload.check(bench_conf("probe_cpu=7", "lanes=[{runs:['*'],cpus:'1-3'}]"))
+    with pytest.raises(ConfigError, match=r"probe_cpu.*needs every lane to name its cpus"):
+        workload.check(bench_conf("probe_cpu=0"))  # the default lane's engines may run anywhere
     workload.check(bench_conf("probe_cpu=0", "lanes=[{runs:['*'],cpus:'1-3'}]"))
 
 
-def test_the_bench_runs_the_probe_through_its_lanes(monkeypatch, tmp_path, console):
+def _bench_main(monkeypatch, lane):
+    """steer.bench's run with `lane` for each lane's work and no engine, model or report."""
     import steer.engine.vllm
     from steer.bench import __main__ as bench_main
 
     monkeypatch.setattr(steer.engine.vllm, "available", lambda: True)
-    monkeypatch.setattr(bench_main, "_lane", lambda *a: time.sleep(1.0))  # the lanes' engines, timing
+    monkeypatch.setattr(bench_main, "_lane", lane)
     monkeypatch.setattr(bench_main._Book, "report", lambda self: "")
     monkeypatch.setattr("steer.bench.workload.model_dir", lambda m, cache: SimpleNamespace())
     monkeypatch.setattr("steer.bench.workload.spec", lambda m, name, where: SimpleNamespace(layers=4))
-    cfg = bench_conf("run=[tiny]", "configs=[b]", "scenarios=[add]", "batches=[[4,6]]", f"probe_cpu={MINE}")
-    bench_main.run(cfg, tmp_path, console, "python -m steer.bench")
-    got = hostspeed.readings(tmp_path / "hostspeed.txt")
-    assert len(got) >= 3 and all(d > 0 for _, d in got)
+    return bench_main
+
+
+def _probe_conf():
+    lane = [c for c in placement.available() if c != MINE] or [MINE]  # the probe's CPU is its own where it can be
+    return bench_conf("run=[tiny]", "configs=[b]", "scenarios=[add]", "batches=[[4,6]]", f"probe_cpu={MINE}",
+                      f"lanes=[{{runs:['*'],cpus:'{lane[0]}'}}]") if lane != [MINE] else None
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_bench_runs_the_probe_through_its_lanes_and_stops_it(monkeypatch, tmp_path, console, fails):
+    cfg = _probe_conf()
+    if cfg is None:
+        pytest.skip("one CPU: the probe needs one no lane runs on")
+    seen = []
+
+    def lane(conf, i, work, book):  # the lanes' engines, timing until the probe has read three times
+        deadline = time.time() + 20
+        while len(hostspeed.readings(book.probe_file)) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        seen.append(len(hostspeed.readings(book.probe_file)))
+        if fails:
+            book.failed.append(RuntimeError("an engine's lane failed"))
+
+    monkeypatch.setattr(hostspeed.Probe, "__exit__", _remember_exit(hostspeed.Probe.__exit__, seen))
+    bench_main = _bench_main(monkeypatch, lane)
+    if fails:
+        with pytest.raises(RuntimeError, match="lane failed"):
+            bench_main.run(cfg, tmp_path, console, "python -m steer.bench")
+    else:
+        bench_main.run(cfg, tmp_path, console, "python -m steer.bench")
+    assert seen[0] >= 3 and seen[1].poll() is not None  # it read through the lane, and was stopped after it
+
+
+def _remember_exit(exit_, seen):
+    def wrapped(self, *exc):
+        exit_(self, *exc)
+        seen.append(self.proc)
+    return wrapped
+
+
+def test_a_finished_engine_s_records_get_the_probe_s_time_through_each_pass(tmp_path, console):
+    from steer.bench import __main__ as bench_main
+
+    cfg = bench_conf("run=[tiny]", "configs=[b]", "scenarios=[add]", "batches=[[4,6]]")
+    book = bench_main._Book(cfg, tmp_path, console, "python -m steer.bench")
+    book.report = lambda: ""
+    group = SimpleNamespace(model="tiny", config="b", layers=[], cells=[])
+    book._out(group).write_text(json.dumps({"machine": {}, "records": [
+        {"scenario": "unsteered", "requests": 4, "tokens": 6, "status": "ok", "walls_s": [0.1, 0.1],
+         "started_s": [100.0, 200.0]}]}))
+    book.probe_file.write_text("100.05 1200.0\n200.02 2000.0\n200.08 2200.0\n")
+    book.finish(group, SimpleNamespace(exitcode=0, killed=False, ready=lambda: True))
+    [rec] = book.records
+    assert rec["host_us_passes"] == [1200.0, 2100.0] and rec["host_us"] == 1650.0
+    from steer.bench import report
+    [row] = [r for r in report.cells(book.records, cfg) if r["config"] == "b"]
+    assert row["host_us"] == 1650.0
+
+
+def test_a_probe_that_wrote_nothing_is_said_so(monkeypatch, tmp_path, console):
+    cfg = _probe_conf()
+    if cfg is None:
+        pytest.skip("one CPU: the probe needs one no lane runs on")
+    monkeypatch.setattr(hostspeed.Probe, "__enter__", lambda self: self)  # a probe that never started
+    monkeypatch.setattr(hostspeed.Probe, "__exit__", lambda self, *exc: None)
+    _bench_main(monkeypatch, lambda *a: None).run(cfg, tmp_path, console, "python -m steer.bench")
+    assert (f"[bench] warning: the host-speed probe on CPU {MINE} wrote nothing to {tmp_path / 'hostspeed.txt'}; "
+            "the cells' host_us stay empty") in console.file.getvalue()

@@ -101,3 +101,21 @@ def test_nvml_asked_for_but_not_readable_is_refused_before_an_engine_starts(monk
     monkeypatch.setattr(nvml, "reader", lambda: (None, "no driver here"))
     with pytest.raises(SystemExit, match=r"--nvml: the GPU's clock and power cannot be read \(no driver here\)"):
         modes.main(["--nvml", "--cpus", "200-207"])
+
+
+@pytest.mark.parametrize("args,match", [(["--pauses", "inf"], "--pauses: expected seconds >= 0"),
+                                        (["--pauses", "3,3.0"], "--pauses: expected each value once"),
+                                        (["--layouts", "shared,shared"], "--layouts: expected each value once")])
+def test_conditions_that_could_not_run_or_would_merge_are_refused(args, match, monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
+    with pytest.raises(SystemExit, match=match):
+        modes.main(args + ["--cpus", "200-207"])
+
+
+@pytest.mark.parametrize("period", ["0", "-1"])
+def test_nvml_needs_a_sampling_period_before_an_engine_starts(period, monkeypatch, tmp_path):
+    monkeypatch.setattr(placement, "available", lambda: list(range(200, 208)))
+    monkeypatch.setattr(nvml, "reader", lambda: (lambda: (1980.0, 160.0), ""))
+    with pytest.raises(SystemExit, match=f"--nvml: reads the GPU every gpu_sample_s seconds, which must be > 0, "
+                                         f"got {float(period)}"):
+        modes.main(["--nvml", "--cpus", "200-207", f"gpu_sample_s={period}", f"cache_dir={tmp_path}"])

@@ -63,7 +63,7 @@ def test_committed_bench_config_composes_and_checks():
                                              "lanes[1].gpus"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
                                             ("lanes=[]", "lanes"), ("trace_tokens=0", "trace_tokens"),
-                                            ("gpu_sample_s=-0.1", "gpu_sample_s"),
+                                            ("gpu_sample_s=-0.1", "gpu_sample_s"), ("gpu_sample_s=inf", "gpu_sample_s"),
                                             ("trace_timeout_s=0", "trace_timeout_s"), ("epsilon=0", "epsilon"),
                                             ("epsilon=1e-13", "epsilon"), ("scenarios=[add,k8@ep]", "scenarios[1]"),
                                             ("targets=[{scenario:add,at_least:1,between:mean}]",

@@ -99,7 +99,7 @@ table() {
   # in every column: kernels, gaps and host calls per step, steer/bench/timeline.py); every
   # engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one
   # thread of each physical core, at most 8, so that no engine runs on a core another shares; SmolLM2's slow spells
-  # are the host's, pinned or not (DEVELOPERS.md); the host-speed probe on the last CPU outside the lane
+  # are the host's, pinned or not (DEVELOPERS.md); the host-speed probe on the last CPU whose core the lane leaves
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
@@ -108,7 +108,8 @@ shared = placement.cpu_list(open(sys.argv[1]).read().strip()) if os.path.exists(
 have = placement.available()
 cpus = shared if 4 <= len(shared) < len(have) else [c for c in have if c >= 2]
 lane = (placement.one_per_core(cpus) or placement.one_per_core(have))[:8]
-rest = [c for c in have if c not in lane and c >= 2]
+core = placement.cores()
+rest = [c for c in have if c >= 2 and core.get(c, c) not in {core.get(x, x) for x in lane}]  # no sibling of theirs
 print(",".join(map(str, lane)), rest[-1] if rest else "null")
 PY
 )
