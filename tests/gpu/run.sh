@@ -8,6 +8,7 @@
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
 #   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 22 minutes)
+#   siblings  python -m steer.bench.siblings: which of the machine's CPUs slow one another (a hidden shared core)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   modes  what puts a SmolLM2 step in its slow mode: one engine b alone (steer/bench/modes.py), passes back to back
@@ -132,6 +133,13 @@ modes() {
   echo "modes rc=$?"; grep -E "^shared " "$OUT/modes.log"
   BENCH_ARGS="run=[smollm2] configs=[b,b2,f] scenarios=[add,ablate_all] batches=[[64,128]] trace=[] \
 lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] probe_cpu=12 ${BENCH_ARGS:-}" bench
+}
+
+siblings() {
+  # Which CPUs slow one another (steer/bench/siblings.py): each alone, then each pair with a busy loop on the other,
+  # both ways (about 3 minutes for 16 CPUs)
+  python -m steer.bench.siblings --seconds 0.3 --out "$OUT/siblings.json" > "$OUT/siblings.log" 2>&1
+  echo "siblings rc=$?"; cat "$OUT/siblings.log"
 }
 
 kernel() {

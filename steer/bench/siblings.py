@@ -1,0 +1,142 @@
+"""Which of the machine's CPUs slow one another: cores a virtual machine's CPUs may share without saying so.
+
+The H200 machine's guest reports one thread a core, yet SCHED_IDLE spinners on the 8 CPUs of a bench's lane slowed
+its engines and a probe on a CPU outside the lane (docs/perf-log.md, 2026-12-04 09:59), while 8 busy loops on those
+CPUs with no engine running had not slowed probes on 7 others (09:53). Two virtual CPUs on the two hardware threads of
+one physical core would do that, and the guest's /sys cannot say. This reads it: the speed of each CPU alone (the
+host-speed probe's work back to back, so the CPU never halts: steer/bench/hostspeed.py), then of each pair's first
+while a busy loop runs on the second, and the other way round. A pair that slows each other by `SLOWER` or more both
+ways shares something; a bench's lane can then take one CPU of each such pair.
+
+    python -m steer.bench.siblings --cpus 0-15 --seconds 0.5 --out siblings.json
+"""
+
+import argparse
+import itertools
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+from steer.bench import hostspeed, placement
+
+SLOWER = 1.2  # a pair's loop making the other CPU's work this much slower (an SMT sibling: 1.3-2)
+SPIN_UP_S = 0.2  # for the loop's interpreter to start and pin itself before the other CPU is timed
+
+
+def measure(cpu: int, seconds: float) -> float:
+    """The median time (us) of the probe's work run back to back on `cpu` for `seconds`, in a process pinned
+    there."""
+    out = subprocess.run([sys.executable, "-m", "steer.bench.siblings", "--measure", str(cpu), "--seconds",
+                          str(seconds)], check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+def _measure_here(cpu: int, seconds: float) -> float:
+    import os
+
+    os.sched_setaffinity(0, {cpu})
+    times, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        times.append(hostspeed.work() * 1e6)
+    return statistics.median(times)
+
+
+def _spin_here(cpu: int) -> None:
+    import os
+
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+def slowdowns(cpus: List[int], seconds: float, read: Callable[[int, float], float] = measure
+              ) -> Tuple[Dict[int, float], Dict[Tuple[int, int], float]]:
+    """Each CPU's time alone, and for each pair (a, b) of `cpus` (a < b) how much a busy loop on either slows the
+    other: the lesser of a's time with a loop on b over a's alone and the same of b's (a host's slow spell in one
+    reading does not make a pair; CPUs sharing a core slow each other both ways). `read(cpu, seconds)` times a CPU
+    (`measure`; a stand-in in tests)."""
+    alone = {c: read(c, seconds) for c in cpus}
+    pairs = {}
+    for a, b in itertools.combinations(cpus, 2):
+        pairs[(a, b)] = min(_with_loop(a, b, seconds, read) / alone[a], _with_loop(b, a, seconds, read) / alone[b])
+    return alone, pairs
+
+
+def _with_loop(cpu: int, busy: int, seconds: float, read: Callable[[int, float], float]) -> float:
+    """`cpu`'s time while a busy loop runs on `busy`."""
+    loop = subprocess.Popen([sys.executable, "-m", "steer.bench.siblings", "--spin", str(busy)],
+                            stdin=subprocess.DEVNULL)
+    try:
+        time.sleep(SPIN_UP_S)
+        return read(cpu, seconds)
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+def shared(pairs: Dict[Tuple[int, int], float], slower: float = SLOWER) -> List[Tuple[int, int]]:
+    """The pairs whose loop slowed the other CPU by `slower` or more, slowest first."""
+    return sorted((p for p, r in pairs.items() if r >= slower), key=lambda p: -pairs[p])
+
+
+def one_each(cpus: List[int], together: List[Tuple[int, int]]) -> List[int]:
+    """`cpus` less the higher CPU of each pair in `together` whose lower one is kept."""
+    out: List[int] = []
+    for c in sorted(cpus):
+        if not any((min(c, k), max(c, k)) in together for k in out):
+            out.append(c)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpus", default=None, help="a Linux CPU list (default: every CPU this process may run on)")
+    p.add_argument("--seconds", type=float, default=0.5, help="each reading's length (default 0.5)")
+    p.add_argument("--out", type=Path, default=Path("siblings.json"))
+    p.add_argument("--measure", type=int, help=argparse.SUPPRESS)  # the child that times a CPU
+    p.add_argument("--spin", type=int, help=argparse.SUPPRESS)  # the child that keeps a CPU busy
+    a = p.parse_args(argv)
+    if not (math.isfinite(a.seconds) and a.seconds > 0):
+        raise SystemExit(f"--seconds: expected seconds > 0, got {a.seconds}")
+    if a.spin is not None:
+        _spin_here(a.spin)
+    if a.measure is not None:
+        print(f"{_measure_here(a.measure, a.seconds):.2f}")
+        return
+    cpus = _cpus(a.cpus)
+    if not a.out.parent.is_dir():
+        raise SystemExit(f"--out: {a.out.parent} is not a directory")
+    alone, pairs = slowdowns(cpus, a.seconds)
+    together = shared(pairs)
+    from steer.results import write_json
+
+    write_json(a.out, {"cpus": cpus, "seconds": a.seconds, "slower": SLOWER, "alone_us": alone,
+                       "pairs": [{"cpus": list(k), "slower": round(v, 3)} for k, v in sorted(pairs.items())],
+                       "shared": [list(k) for k in together], "one_each": one_each(cpus, together)})
+    print(f"alone: {', '.join(f'{c} {us:.0f} us' for c, us in alone.items())}")
+    said = ", ".join(f"{x}-{y} {pairs[(x, y)]:.2f}" for x, y in together) or "none"
+    print(f"pairs slowed {SLOWER:g}x or more: {said}")
+    print(f"one CPU of each: {','.join(map(str, one_each(cpus, together)))}")
+
+
+def _cpus(text) -> List[int]:
+    """The CPUs of `--cpus` (None: every CPU this process may run on); SystemExit naming the flag otherwise."""
+    from steer.bench import workload
+    from steer.errors import ConfigError
+
+    try:
+        workload.check_cpus("--cpus", text)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    cpus = (placement.available() or []) if text is None else placement.cpu_list(text)
+    if len(cpus) < 2:
+        raise SystemExit(f"--cpus: expected at least 2 CPUs to pair, got {text!r}")
+    return cpus
+
+
+if __name__ == "__main__":
+    main()
