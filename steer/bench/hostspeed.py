@@ -87,10 +87,9 @@ def readings(path: Path) -> List[Reading]:
     return out
 
 
-def during(got: Sequence[Reading], start: float, wall: float, times: Optional[List[float]] = None) -> Optional[float]:
+def _during(got: Sequence[Reading], times: List[float], start: float, wall: float) -> Optional[float]:
     """The median probe time (us) of the readings taken within [start, start + wall]; None if none was. `got` is in
-    time order, as the probe writes it; `times`: its wall clocks, where the caller has them already."""
-    times = [t for t, _ in got] if times is None else times
+    time order, as the probe writes it, and `times` its wall clocks."""
     inside = [d for _, d in got[bisect.bisect_left(times, start):bisect.bisect_right(times, start + wall)]]
     return statistics.median(inside) if inside else None
 
@@ -102,7 +101,7 @@ def annotate(records: List[Dict], got: Sequence[Reading]) -> None:
     for r in records:
         if "walls_s" not in r or "started_s" not in r or "host_us_passes" in r:
             continue
-        each = [during(got, s, w, times) for s, w in zip(r["started_s"], r["walls_s"])]
+        each = [_during(got, times, s, w) for s, w in zip(r["started_s"], r["walls_s"])]
         if any(x is not None for x in each):
             r["host_us_passes"] = each
             r["host_us"] = statistics.median(x for x in each if x is not None)

@@ -146,10 +146,10 @@ def run(cfg, model: str, requests: int, tokens: int, rounds: int, cpus: List[int
     return report
 
 
-def _numbers(flag: str, text: str, kind=float) -> List:
+def _numbers(flag: str, text: str) -> List[float]:
     """A comma-separated list of numbers; SystemExit naming `flag` otherwise."""
     try:
-        return [kind(x) for x in text.split(",")]
+        return [float(x) for x in text.split(",")]
     except ValueError:
         raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
 

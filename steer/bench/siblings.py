@@ -14,6 +14,7 @@ ways shares something; a bench's lane can then take one CPU of each such pair.
 import argparse
 import itertools
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,6 @@ def measure(cpu: int, seconds: float) -> float:
 
 
 def _measure_here(cpu: int, seconds: float) -> float:
-    import os
-
     os.sched_setaffinity(0, {cpu})
     times, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -46,8 +45,6 @@ def _measure_here(cpu: int, seconds: float) -> float:
 
 
 def _spin_here(cpu: int) -> None:
-    import os
-
     os.sched_setaffinity(0, {cpu})
     while True:
         pass

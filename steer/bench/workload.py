@@ -274,7 +274,7 @@ def _check_lanes(cfg: BenchConf) -> None:
             raise ConfigError("probe_cpu", "needs every lane to name its cpus (lanes[].cpus), so that no engine runs "
                                            "on the probe's CPU")
         check_cpus("probe_cpu", str(cfg.probe_cpu))
-        used = [i for i, ln in enumerate(cfg.lanes) if ln.cpus and cfg.probe_cpu in placement.cpu_list(ln.cpus)]
+        used = [i for i, ln in enumerate(cfg.lanes) if cfg.probe_cpu in placement.cpu_list(ln.cpus)]
         if used:
             raise ConfigError("probe_cpu", f"CPU {cfg.probe_cpu} is also lanes[{used[0]}].cpus "
                                            f"({cfg.lanes[used[0]].cpus}): the probe needs a CPU no engine runs on")
