@@ -3,12 +3,12 @@
 The H200 machine's guest reports one thread a core, yet SCHED_IDLE spinners on the 8 CPUs of a bench's lane slowed
 its engines and a probe on a CPU outside the lane (docs/perf-log.md, 2026-12-04 09:59), while 8 busy loops on those
 CPUs with no engine running had not slowed probes on 7 others (09:53). Two virtual CPUs on the two hardware threads of
-one physical core would do that, and the guest's /sys cannot say. This reads it: the speed of each CPU alone (the
-host-speed probe's work back to back, so the CPU never halts: steer/bench/hostspeed.py), then of each pair's first
-while a busy loop runs on the second, and the other way round. A pair that slows each other by `SLOWER` or more both
-ways shares something; a bench's lane can then take one CPU of each such pair.
+one physical core would do that, and the guest's /sys cannot say. This reads it: each CPU's speed (the host-speed
+probe's work back to back, so the CPU never halts: steer/bench/hostspeed.py) alone and while a busy loop runs on each
+other CPU, in rounds. A pair whose loop slows the other's fastest reading by `SLOWER` or more, both ways, shares
+something; a bench's lane can then take one CPU of each such pair.
 
-    python -m steer.bench.siblings --cpus 0-15 --seconds 0.5 --out siblings.json
+    python -m steer.bench.siblings --cpus 0-15 --seconds 0.1 --out siblings.json
 """
 
 import argparse
@@ -19,29 +19,29 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 from steer.bench import hostspeed, placement
 
 SLOWER = 1.2  # a pair's loop making the other CPU's work this much slower (an SMT sibling: 1.3-2)
 SPIN_UP_S = 0.2  # for the loop's interpreter to start and pin itself before the other CPU is timed
+ROUNDS = 3  # readings of each CPU beside each loop, spread over the run (the host's slow spells come and go)
 
 
 def measure(cpu: int, seconds: float) -> float:
-    """The median time (us) of the probe's work run back to back on `cpu` for `seconds`, in a process pinned
-    there."""
-    out = subprocess.run([sys.executable, "-m", "steer.bench.siblings", "--measure", str(cpu), "--seconds",
-                          str(seconds)], check=True, capture_output=True, text=True).stdout
-    return float(out.split()[-1])
-
-
-def _measure_here(cpu: int, seconds: float) -> float:
+    """The median time (us) of the probe's work run back to back on `cpu` for `seconds` (this thread pinned there
+    meanwhile)."""
+    before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpu})
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        times.append(hostspeed.work() * 1e6)
-    return statistics.median(times)
+    try:
+        times, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            times.append(hostspeed.work() * 1e6)
+        return statistics.median(times)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _spin_here(cpu: int) -> None:
@@ -50,26 +50,38 @@ def _spin_here(cpu: int) -> None:
         pass
 
 
-def slowdowns(cpus: List[int], seconds: float, read: Callable[[int, float], float] = measure
-              ) -> Tuple[Dict[int, float], Dict[Tuple[int, int], float]]:
-    """Each CPU's time alone, and for each pair (a, b) of `cpus` (a < b) how much a busy loop on either slows the
-    other: the lesser of a's time with a loop on b over a's alone and the same of b's (a host's slow spell in one
-    reading does not make a pair; CPUs sharing a core slow each other both ways). `read(cpu, seconds)` times a CPU
-    (`measure`; a stand-in in tests)."""
-    alone = {c: read(c, seconds) for c in cpus}
-    pairs = {}
-    for a, b in itertools.combinations(cpus, 2):
-        pairs[(a, b)] = min(_with_loop(a, b, seconds, read) / alone[a], _with_loop(b, a, seconds, read) / alone[b])
-    return alone, pairs
+def slowdowns(cpus: List[int], seconds: float, read: Callable[[int, float], float] = measure,
+              rounds: int = ROUNDS) -> Tuple[Dict[int, float], Dict[Tuple[int, int], float]]:
+    """Each CPU's floor (its fastest reading, alone or beside any loop), and for each pair (a, b) of `cpus` (a < b)
+    how much a busy loop on either slows the other: a's fastest of `rounds` readings beside a loop on b over a's
+    floor, the same of b's, the lesser of the two. On the H200 machine a CPU working back to back read 1.6-1.7 times
+    its floor in about half of its 0.3 s readings, whatever ran beside it (2026-12-04 11:25), so one reading against
+    one reading alone paired CPUs at random; a shared core slows every reading, both ways. `read(cpu, seconds)` times
+    a CPU (`measure`; a stand-in in tests)."""
+    alone: Dict[int, List[float]] = {c: [] for c in cpus}
+    beside: Dict[Tuple[int, int], List[float]] = {(a, b): [] for a in cpus for b in cpus if a != b}
+    for _ in range(rounds):
+        for c in cpus:
+            alone[c].append(read(c, seconds))
+        for busy in cpus:
+            with _loop(busy):
+                for c in cpus:
+                    if c != busy:
+                        beside[(c, busy)].append(read(c, seconds))
+    floor = {c: min(alone[c] + [t for (a, _), ts in beside.items() if a == c for t in ts]) for c in cpus}
+    pairs = {(a, b): min(min(beside[(a, b)]) / floor[a], min(beside[(b, a)]) / floor[b])
+             for a, b in itertools.combinations(cpus, 2)}
+    return floor, pairs
 
 
-def _with_loop(cpu: int, busy: int, seconds: float, read: Callable[[int, float], float]) -> float:
-    """`cpu`'s time while a busy loop runs on `busy`."""
-    loop = subprocess.Popen([sys.executable, "-m", "steer.bench.siblings", "--spin", str(busy)],
+@contextmanager
+def _loop(cpu: int) -> Iterator[None]:
+    """A busy loop on `cpu` within the block."""
+    loop = subprocess.Popen([sys.executable, "-m", "steer.bench.siblings", "--spin", str(cpu)],
                             stdin=subprocess.DEVNULL)
     try:
         time.sleep(SPIN_UP_S)
-        return read(cpu, seconds)
+        yield
     finally:
         loop.kill()
         loop.wait()
@@ -92,29 +104,29 @@ def one_each(cpus: List[int], together: List[Tuple[int, int]]) -> List[int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpus", default=None, help="a Linux CPU list (default: every CPU this process may run on)")
-    p.add_argument("--seconds", type=float, default=0.5, help="each reading's length (default 0.5)")
+    p.add_argument("--seconds", type=float, default=0.1, help="each reading's length (default 0.1)")
     p.add_argument("--out", type=Path, default=Path("siblings.json"))
-    p.add_argument("--measure", type=int, help=argparse.SUPPRESS)  # the child that times a CPU
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"readings of each CPU beside each loop (default {ROUNDS})")
     p.add_argument("--spin", type=int, help=argparse.SUPPRESS)  # the child that keeps a CPU busy
     a = p.parse_args(argv)
     if not (math.isfinite(a.seconds) and a.seconds > 0):
         raise SystemExit(f"--seconds: expected seconds > 0, got {a.seconds}")
     if a.spin is not None:
         _spin_here(a.spin)
-    if a.measure is not None:
-        print(f"{_measure_here(a.measure, a.seconds):.2f}")
-        return
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds: expected 1 or more, got {a.rounds}")
     cpus = _cpus(a.cpus)
     if not a.out.parent.is_dir():
         raise SystemExit(f"--out: {a.out.parent} is not a directory")
-    alone, pairs = slowdowns(cpus, a.seconds)
+    floor, pairs = slowdowns(cpus, a.seconds, rounds=a.rounds)
     together = shared(pairs)
     from steer.results import write_json
 
-    write_json(a.out, {"cpus": cpus, "seconds": a.seconds, "slower": SLOWER, "alone_us": alone,
+    write_json(a.out, {"cpus": cpus, "seconds": a.seconds, "rounds": a.rounds, "slower": SLOWER, "floor_us": floor,
                        "pairs": [{"cpus": list(k), "slower": round(v, 3)} for k, v in sorted(pairs.items())],
                        "shared": [list(k) for k in together], "one_each": one_each(cpus, together)})
-    print(f"alone: {', '.join(f'{c} {us:.0f} us' for c, us in alone.items())}")
+    print(f"floor: {', '.join(f'{c} {us:.0f} us' for c, us in floor.items())}")
     said = ", ".join(f"{x}-{y} {pairs[(x, y)]:.2f}" for x, y in together) or "none"
     print(f"pairs slowed {SLOWER:g}x or more: {said}")
     print(f"one CPU of each: {','.join(map(str, one_each(cpus, together)))}")

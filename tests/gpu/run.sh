@@ -141,7 +141,7 @@ lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] probe_cpu=12 ${BENCH_ARGS:-}" bench
 siblings() {
   # Which CPUs slow one another (steer/bench/siblings.py): each alone, then each pair with a busy loop on the other,
   # both ways (about 3 minutes for 16 CPUs)
-  python -m steer.bench.siblings --seconds 0.3 --out "$OUT/siblings.json" > "$OUT/siblings.log" 2>&1
+  python -m steer.bench.siblings --seconds 0.1 --rounds 3 --out "$OUT/siblings.json" > "$OUT/siblings.log" 2>&1
   echo "siblings rc=$?"; cat "$OUT/siblings.log"
 }
 
