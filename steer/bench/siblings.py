@@ -27,7 +27,10 @@ from steer.bench import hostspeed, placement
 
 SLOWER = 1.2  # a pair's loop making the other CPU's work this much slower (an SMT sibling: 1.3-2)
 SPIN_UP_S = 0.2  # for the loop's interpreter to start and pin itself before the other CPU is timed
-ROUNDS = 3  # readings of each CPU beside each loop, spread over the run (the host's slow spells come and go)
+# Readings of each CPU beside each loop, spread over the run: on the H200 each 0.1 s reading of a busy CPU ran slow
+# (1.3-1.9 times its floor) with odds of about 0.55 whatever ran beside it, so 3 rounds left 120 x 0.55^6 = 3.3
+# pairs to chance (5 showed, CPU 15 in three: 2026-12-04 13:49); 6 leave 0.1
+ROUNDS = 6
 
 
 def measure(cpu: int, seconds: float) -> float:
@@ -55,7 +58,7 @@ def slowdowns(cpus: List[int], seconds: float, read: Callable[[int, float], floa
     """Each CPU's floor (its fastest reading, alone or beside any loop), and for each pair (a, b) of `cpus` (a < b)
     how much a busy loop on either slows the other: a's fastest of `rounds` readings beside a loop on b over a's
     floor, the same of b's, the lesser of the two. On the H200 machine a CPU working back to back read 1.6-1.7 times
-    its floor in about half of its 0.3 s readings, whatever ran beside it (2026-12-04 11:25), so one reading against
+    its floor in about half of its 0.1-0.3 s readings, whatever ran beside it (2026-12-04 11:25), so one reading against
     one reading alone paired CPUs at random; a shared core slows every reading, both ways. `read(cpu, seconds)` times
     a CPU (`measure`; a stand-in in tests)."""
     alone: Dict[int, List[float]] = {c: [] for c in cpus}

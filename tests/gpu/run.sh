@@ -9,8 +9,6 @@
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
 #   table  issue 19's table in one run, both models, engines pinned to one L3 cache's CPUs (about 22 minutes)
 #   siblings  python -m steer.bench.siblings: which of the machine's CPUs slow one another (a hidden shared core)
-#   hidden siblings, then where CPUs share a core the modes stage's bench on one CPU of each pair, without and with a
-#          spinner keeping those CPUs from halting (about 10 minutes); where none do, the table
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
 #   modes  what puts a SmolLM2 step in its slow mode: one engine b alone (steer/bench/modes.py), passes back to back
@@ -70,13 +68,12 @@ sweep() {
   ls $runs/sweep16 | tr '\n' ' '; echo
 }
 
-bench() {  # [report name]
-  local name=${1:-bench}
+bench() {
   # shellcheck disable=SC2086
   set -f  # BENCH_ARGS holds skip patterns: no globbing
-  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} hydra.run.dir="$OUT/$name" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$?"; set +f
-  grep -E "^\[bench\]" "$OUT/$name.log"
+  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; set +f
+  grep -E "^\[bench\]" "$OUT/bench.log"
 }
 
 tp() {
@@ -140,36 +137,9 @@ lanes=[{runs:['*'],cpus:'2,3,4,5,6,7,8,9'}] probe_cpu=12 ${BENCH_ARGS:-}" bench
 
 siblings() {
   # Which CPUs slow one another (steer/bench/siblings.py): each alone, then each pair with a busy loop on the other,
-  # both ways (about 3 minutes for 16 CPUs)
-  python -m steer.bench.siblings --seconds 0.1 --rounds 3 --out "$OUT/siblings.json" > "$OUT/siblings.log" 2>&1
+  # both ways, 6 rounds (about 3 minutes for 16 CPUs)
+  python -m steer.bench.siblings --seconds 0.1 --rounds 6 --out "$OUT/siblings.json" > "$OUT/siblings.log" 2>&1
   echo "siblings rc=$?"; cat "$OUT/siblings.log"
-}
-
-hidden() {
-  # Whether the guest's CPUs share cores it does not report, and if they do, whether engines on one CPU of each such
-  # pair keep the fast mode (DEVELOPERS.md, "The host's two speeds"): siblings, then, where pairs show, the modes
-  # stage's bench (b, b2, f; add, ablate_all; 64 x 128) on one CPU of each pair, first as it is, then with a
-  # SCHED_IDLE spinner on each lane CPU so that none halts (the spinner yields to any engine thread at once; their
-  # pairs stay idle), the probe on a CPU sharing no core with the lane; where none show, the table
-  siblings
-  read -r LANE PROBE <<< "$(python - "$OUT/siblings.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-lane = [c for c in d["one_each"] if c >= 2][:8]
-paired = {c for p in d["shared"] if set(p) & set(lane) for c in p}
-rest = [c for c in d["cpus"] if c >= 2 and c not in lane and c not in paired]
-print(",".join(map(str, lane)) if d["shared"] else "none", rest[-1] if rest else "null")
-PY
-)"
-  if [ "$LANE" = none ]; then echo "hidden: no CPUs share a core; the table"; table; return; fi
-  echo "hidden: engines on CPUs $LANE (one of each pair), the host-speed probe on CPU $PROBE"
-  local args="run=[smollm2] configs=[b,b2,f] scenarios=[add,ablate_all] batches=[[64,128]] trace=[] \
-lanes=[{runs:['*'],cpus:'$LANE'}] probe_cpu=$PROBE ${BENCH_ARGS:-}"
-  BENCH_ARGS="$args" bench bench-one-each
-  local spinners=() c
-  for c in ${LANE//,/ }; do chrt --idle 0 python -m steer.bench.siblings --spin "$c" & spinners+=($!); done
-  BENCH_ARGS="$args" bench bench-awake
-  kill "${spinners[@]}"; wait "${spinners[@]}" 2>/dev/null
 }
 
 kernel() {
