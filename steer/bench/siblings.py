@@ -57,21 +57,22 @@ def slowdowns(cpus: List[int], seconds: float, read: Callable[[int, float], floa
               rounds: int = ROUNDS) -> Tuple[Dict[int, float], Dict[Tuple[int, int], float]]:
     """Each CPU's floor (its fastest reading, alone or beside any loop), and for each pair (a, b) of `cpus` (a < b)
     how much a busy loop on either slows the other: a's fastest of `rounds` readings beside a loop on b over a's
-    floor, the same of b's, the lesser of the two. On the H200 machine a CPU working back to back read 1.6-1.7 times
-    its floor in about half of its 0.1-0.3 s readings, whatever ran beside it (2026-12-04 11:25), so one reading against
-    one reading alone paired CPUs at random; a shared core slows every reading, both ways. `read(cpu, seconds)` times
-    a CPU (`measure`; a stand-in in tests)."""
-    alone: Dict[int, List[float]] = {c: [] for c in cpus}
+    floor, the same of b's, the lesser of the two. On the H200 machine a CPU working back to back read 1.3-2.0 times
+    its floor in about half of its 0.1-0.3 s readings, whatever ran beside it (2026-12-04 11:25-13:52), so one
+    reading against one reading alone paired CPUs at random; a shared core slows every reading, both ways.
+    `read(cpu, seconds)` times a CPU (`measure`; a stand-in in tests)."""
+    every: Dict[int, List[float]] = {c: [] for c in cpus}  # each CPU's readings, alone and beside any loop
     beside: Dict[Tuple[int, int], List[float]] = {(a, b): [] for a in cpus for b in cpus if a != b}
     for _ in range(rounds):
         for c in cpus:
-            alone[c].append(read(c, seconds))
+            every[c].append(read(c, seconds))
         for busy in cpus:
             with _loop(busy):
                 for c in cpus:
                     if c != busy:
                         beside[(c, busy)].append(read(c, seconds))
-    floor = {c: min(alone[c] + [t for (a, _), ts in beside.items() if a == c for t in ts]) for c in cpus}
+                        every[c].append(beside[(c, busy)][-1])
+    floor = {c: min(every[c]) for c in cpus}
     pairs = {(a, b): min(min(beside[(a, b)]) / floor[a], min(beside[(b, a)]) / floor[b])
              for a, b in itertools.combinations(cpus, 2)}
     return floor, pairs
