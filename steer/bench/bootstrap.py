@@ -39,6 +39,22 @@ def median_interval(values: Sequence[float], resamples: int = RESAMPLES,
     return central([median(rng.choices(values, k=len(values))) for _ in range(resamples)])
 
 
+def chance_below(pool: Sequence[float], n: int, at_least: float, draws: int = RESAMPLES,
+                 seed: int = 0) -> Optional[float]:
+    """How often two cells timed exactly alike, `n` passes each drawn without replacement from `pool` (one cell's
+    pass wall times), give a ratio between their fastest passes below `at_least`: the chance that a target decided
+    between fastest passes misses at `n` passes a cell with no cost at all, which no interval gives (a resample's
+    fastest only ever rises). None where `pool` holds fewer than 2n passes."""
+    if n < 1 or len(pool) < 2 * n:
+        return None
+    rng = random.Random(seed)
+    below = 0
+    for _ in range(draws):
+        picks = rng.sample(list(pool), 2 * n)
+        below += min(picks[n:]) / min(picks[:n]) < at_least  # the first n's throughput over the second n's
+    return below / draws
+
+
 def central(draws: List[float]) -> Tuple[float, float]:
     """The central `LEVEL` interval of `draws`."""
     draws = sorted(draws)

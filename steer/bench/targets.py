@@ -40,7 +40,8 @@ def targets(rows: List[Dict], cfg: BenchConf, found: Optional[Dict[Tuple[str, in
                 control = controls.get((model, req, new), {}).get(_COLUMN[t.between])
                 out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
                             "required": t.at_least, "between": t.between, "decided": decides, **got,
-                            "holds": None if decides is None else decides >= t.at_least, "control": control})
+                            "holds": None if decides is None else decides >= t.at_least, "control": control,
+                            "chance": _chance(of, over, t.at_least) if t.between == "fastest" else None})
     return out
 
 
@@ -96,9 +97,11 @@ def table(goals: List[Dict]) -> List[str]:
     # there. An interval (bootstrap.py) reaching past the threshold means the run did not decide it, whichever
     # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
     controlled = any(g.get("control") is not None for g in goals)
+    chanced = any(g.get("chance") is not None for g in goals)
     head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval", "steps",
             "fastest steps"]
     head += [f"control ({CONTROL}/{REFERENCE})"] if controlled else []
+    head += ["miss by chance"] if chanced else []
     lines = ["Targets (measured: the medians' ratio; holds: decided on it, or for a target marked (fastest) or "
              "(paired) on that column's ratio; fastest passes: the same ratio between each cell's fastest pass (in"
              " a paired run, among the reference passes beside the cell's); paired: the median of each pass's "
@@ -111,6 +114,9 @@ def table(goals: List[Dict]) -> List[str]:
              "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
+             + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
+                "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "
+                f"reference's own passes, {bootstrap.RESAMPLES:,} times)" if chanced else "")
              + "):", "", "| " + " | ".join(head + ["holds"]) + " |",
              "|---|---|---|---|" + "---:|" * (len(head) - 4) + "---|"]
     for g in goals:
@@ -124,9 +130,35 @@ def table(goals: List[Dict]) -> List[str]:
         paired = "-" if g["paired"] is None else f"{num(g['paired'])} ({span(g['paired_interval'])})"
         cols = [g["target"], g["scenario"], g["model"], g["batch"], num(g["ratio"]), num(g["best"]), paired,
                 span(g.get("interval")), _steps(g), _steps(g, "fast_steps")] + \
-            ([num(g.get("control"))] if controlled else [])
+            ([num(g.get("control"))] if controlled else []) + \
+            ([_share(g.get("chance"))] if chanced else [])
         lines.append("| " + " | ".join(cols + [verdict]) + " |")
-    return lines + [""]
+    return lines + [""] + _chance_line(goals)
+
+
+def _chance_line(goals: List[Dict]) -> List[str]:
+    # The run's power: with every engine exactly as fast as its reference, how many of the targets decided between
+    # fastest passes would miss anyway, and how often all would hold (as if the draws were independent)
+    odds = [g["chance"] for g in goals if g.get("chance") is not None and g["holds"] is not None]
+    if not odds:
+        return []
+    every = 1.0
+    for p in odds:
+        every *= 1.0 - p
+    return [f"At no cost at all, the {len(odds)} targets decided between fastest passes would miss "
+            f"{sum(odds):.1f} of them by chance at these passes a cell, and all {len(odds)} hold in "
+            f"{every:.0%} of runs (their chances taken as independent).", ""]
+
+
+def _share(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _chance(of: Optional[Dict], over: Optional[Dict], at_least: float) -> Optional[float]:
+    # An engine exactly as fast as `over`, timed as many passes as `of` was, drawn from over's own passes
+    if not of or not over or of.get("status") != "ok":
+        return None
+    return bootstrap.chance_below(over.get("walls_s") or [], len(of.get("walls_s") or []), at_least)
 
 
 def _steps(got: Dict, key: str = "steps") -> str:

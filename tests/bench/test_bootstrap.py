@@ -43,3 +43,20 @@ def test_a_median_s_interval_holds_the_median_and_narrows_with_more_values():
     lo_many, hi_many = bootstrap.median_interval(few * 8)
     assert hi_many - lo_many < hi - lo
     assert bootstrap.median_interval([1.0]) is None
+
+
+def test_cells_timed_alike_without_noise_never_miss_between_fastest_passes():
+    assert bootstrap.chance_below([0.5] * 20, 10, 0.95) == 0.0
+    assert bootstrap.chance_below([0.5] * 19, 10, 0.95) is None  # two draws of 10 need 20 passes
+    assert bootstrap.chance_below([0.5] * 20, 0, 0.95) is None
+
+
+def test_the_chance_of_a_miss_between_fastest_passes_is_that_of_all_slow_against_one_fast():
+    # passes in two modes, twice as slow as each other, half each: a cell misses 0.95 exactly when all its n passes
+    # are slow and the other's fastest is fast, (1/2)^n (1 - (1/2)^n) for a pool this large
+    pool = [0.4, 0.8] * 500
+    odds = {n: bootstrap.chance_below(pool, n, 0.95, draws=4000) for n in (1, 2, 5)}
+    for n, got in odds.items():
+        assert abs(got - 0.5 ** n * (1 - 0.5 ** n)) < 0.025
+    assert odds[1] > odds[2] > odds[5]
+    assert bootstrap.chance_below(pool, 2, 0.95, draws=4000) == odds[2]  # the same pool gives the same report

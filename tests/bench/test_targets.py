@@ -123,3 +123,20 @@ def test_the_step_columns_sit_beside_the_verdict_and_never_decide_it(key, readin
     md = report.markdown(rows, [goal], cfg, {}, "now", "cmd")
     assert f"| 0.83 | 0.83 | - | 0.83-0.83 {row} 1.00 | **no** (-0.067) |" in md
     assert f"| tiny | 64x128 | 1.00 | 1.00 | - | 1.00-1.00 {control}" in md  # the control's
+
+
+def test_a_fastest_target_gives_its_chance_of_missing_at_no_cost_and_the_run_its_power():
+    # b's passes in two modes; f exactly b's speed but only 4 passes: it misses 0.95 whenever all 4 are slow
+    cfg = bench_conf("run=[tiny]", "batches=[[64,128]]", "configs=[b,f]", "scenarios=[add]",
+                     "targets=[{scenario:add,of:f,at_least:0.95,between:fastest},{scenario:add,of:f,at_least:0.7}]")
+    b_walls = [0.4, 0.8] * 20
+    rows = report.cells([cell("b", b_walls), cell("f", [0.8, 0.8, 0.8, 0.8], "add")], cfg)
+    fastest, medians = report.targets(rows, cfg)
+    chance = bootstrap.chance_below(b_walls, 4, 0.95)
+    assert fastest["chance"] == chance and 0.03 < chance < 0.09 and medians["chance"] is None
+    assert fastest["holds"] is False  # the chance is shown beside the verdict, never changes it
+    md = report.markdown(rows, [fastest, medians], cfg, {}, "now", "cmd")
+    assert "| miss by chance | holds |" in md and f"| {chance:.0%} | **no** (-0.450) |" in md
+    assert "| 0.75 | 0.50 | - | 0.50-1.00 | - | - | - | yes, undecided |" in md  # the medians target: 0.6 s / 0.8 s
+    assert (f"the 1 targets decided between fastest passes would miss {chance:.1f} of them by chance at these "
+            f"passes a cell, and all 1 hold in {1 - chance:.0%} of runs") in md
