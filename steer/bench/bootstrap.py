@@ -41,16 +41,18 @@ def median_interval(values: Sequence[float], resamples: int = RESAMPLES,
 
 def chance_below(pool: Sequence[float], n: int, at_least: float, draws: int = RESAMPLES,
                  seed: int = 0) -> Optional[float]:
-    """How often two cells timed exactly alike, `n` passes each drawn without replacement from `pool` (one cell's
-    pass wall times), give a ratio between their fastest passes below `at_least`: the chance that a target decided
-    between fastest passes misses at `n` passes a cell with no cost at all, which no interval gives (a resample's
-    fastest only ever rises). None where `pool` holds fewer than 2n passes."""
-    if n < 1 or len(pool) < 2 * n:
+    """How often two cells timed exactly alike, `n` passes each drawn from `pool` (one cell's pass wall times),
+    give a ratio between their fastest passes below `at_least`: the chance that a target decided between fastest
+    passes misses at `n` passes a cell with no cost at all, which no interval gives (a resample's fastest only ever
+    rises). The draws are disjoint where `pool` holds 2n passes (a paired run's reference holds about one a pass of
+    every other cell); otherwise each is drawn with replacement, a bootstrap that is right on average but moves by
+    several points from run to run at a few dozen passes. None without passes."""
+    if n < 1 or not pool:
         return None
-    rng = random.Random(seed)
+    rng, pool = random.Random(seed), list(pool)
     below = 0
     for _ in range(draws):
-        picks = rng.sample(list(pool), 2 * n)
+        picks = rng.sample(pool, 2 * n) if len(pool) >= 2 * n else rng.choices(pool, k=2 * n)
         below += min(picks[n:]) / min(picks[:n]) < at_least  # the first n's throughput over the second n's
     return below / draws
 

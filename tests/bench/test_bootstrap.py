@@ -47,8 +47,8 @@ def test_a_median_s_interval_holds_the_median_and_narrows_with_more_values():
 
 def test_cells_timed_alike_without_noise_never_miss_between_fastest_passes():
     assert bootstrap.chance_below([0.5] * 20, 10, 0.95) == 0.0
-    assert bootstrap.chance_below([0.5] * 19, 10, 0.95) is None  # two draws of 10 need 20 passes
-    assert bootstrap.chance_below([0.5] * 20, 0, 0.95) is None
+    assert bootstrap.chance_below([0.5] * 19, 10, 0.95) == 0.0  # too few for two disjoint draws: with replacement
+    assert bootstrap.chance_below([0.5] * 20, 0, 0.95) is None and bootstrap.chance_below([], 3, 0.95) is None
 
 
 def test_the_chance_of_a_miss_between_fastest_passes_is_that_of_all_slow_against_one_fast():
@@ -60,3 +60,6 @@ def test_the_chance_of_a_miss_between_fastest_passes_is_that_of_all_slow_against
         assert abs(got - 0.5 ** n * (1 - 0.5 ** n)) < 0.025
     assert odds[1] > odds[2] > odds[5]
     assert bootstrap.chance_below(pool, 2, 0.95, draws=4000) == odds[2]  # the same pool gives the same report
+    # an unpaired run's reference has about as many passes as the cell: drawn with replacement, the same odds
+    few = bootstrap.chance_below([0.4, 0.8] * 3, 2, 0.95, draws=4000)
+    assert abs(few - 0.5 ** 2 * (1 - 0.5 ** 2)) < 0.025
