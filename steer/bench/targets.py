@@ -116,7 +116,8 @@ def table(goals: List[Dict]) -> List[str]:
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
                 "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "
-                f"reference's own passes, {bootstrap.RESAMPLES:,} times)" if chanced else "")
+                f"reference's own passes, {bootstrap.RESAMPLES:,} times, with replacement where it has fewer than twice "
+                "as many)" if chanced else "")
              + "):", "", "| " + " | ".join(head + ["holds"]) + " |",
              "|---|---|---|---|" + "---:|" * (len(head) - 4) + "---|"]
     for g in goals:
