@@ -9,6 +9,7 @@ not tell it from noise. One control is one draw of that noise: a control at 1.00
 shares its wave of engines with b, so it does not see what moves between waves.
 """
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 from steer.bench import bootstrap, pairs
@@ -116,8 +117,8 @@ def table(goals: List[Dict]) -> List[str]:
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
                 "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "
-                f"reference's own passes, {bootstrap.RESAMPLES:,} times, with replacement where it has fewer than twice "
-                "as many)" if chanced else "")
+                f"reference's own passes, {bootstrap.RESAMPLES:,} times, with replacement where it has fewer than "
+                "twice as many)" if chanced else "")
              + "):", "", "| " + " | ".join(head + ["holds"]) + " |",
              "|---|---|---|---|" + "---:|" * (len(head) - 4) + "---|"]
     for g in goals:
@@ -143,9 +144,7 @@ def _chance_line(goals: List[Dict]) -> List[str]:
     odds = [g["chance"] for g in goals if g.get("chance") is not None and g["holds"] is not None]
     if not odds:
         return []
-    every = 1.0
-    for p in odds:
-        every *= 1.0 - p
+    every = math.prod(1.0 - p for p in odds)
     return [f"At no cost at all, the {len(odds)} targets decided between fastest passes would miss "
             f"{sum(odds):.1f} of them by chance at these passes a cell, and all {len(odds)} hold in "
             f"{every:.0%} of runs (their chances taken as independent).", ""]
