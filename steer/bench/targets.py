@@ -42,8 +42,21 @@ def targets(rows: List[Dict], cfg: BenchConf, found: Optional[Dict[Tuple[str, in
                 out.append({"target": label, "scenario": t.scenario, "model": model, "batch": f"{req}x{new}",
                             "required": t.at_least, "between": t.between, "decided": decides, **got,
                             "holds": None if decides is None else decides >= t.at_least, "control": control,
-                            "chance": _chance(of, over, t.at_least) if t.between == "fastest" else None})
+                            "chance": _chance(of, over, t.at_least) if t.between == "fastest" else None,
+                            "one_pass": t.between == "fastest" and got["paired"] is None
+                            and one_pass(of, over, t.at_least)})
     return out
+
+
+def one_pass(of: Optional[Dict], over: Optional[Dict], at_least: float) -> bool:
+    """Whether a verdict between two cells' fastest passes turns on one pass: it flips with either cell's fastest
+    pass left out (the next fastest in its place). One pass that caught the host in a rare fast spell decides
+    every target it is the reference of; this says which verdicts stand on such a pass, whichever way they went."""
+    mine, theirs = (sorted((c or {}).get("walls_s") or []) for c in (of, over))
+    if len(mine) < 2 or len(theirs) < 2:
+        return False
+    holds = theirs[0] / mine[0] >= at_least  # throughput over the reference's: its time over mine
+    return any((t / m >= at_least) != holds for m, t in ((mine[1], theirs[0]), (mine[0], theirs[1])))
 
 
 def measure(of: Optional[Dict], over: Optional[Dict]) -> Dict:
@@ -114,6 +127,8 @@ def table(goals: List[Dict]) -> List[str]:
              "the cell's), "
              "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
+             + "; turns on one pass: a verdict between fastest passes that flips with either cell's fastest pass "
+             "left out"
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
                 "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "
@@ -129,6 +144,8 @@ def table(goals: List[Dict]) -> List[str]:
             verdict += ", undecided"
         if within_noise(g):
             verdict += ", within noise"
+        if g.get("one_pass"):
+            verdict += ", turns on one pass"
         paired = "-" if g["paired"] is None else f"{num(g['paired'])} ({span(g['paired_interval'])})"
         cols = [g["target"], g["scenario"], g["model"], g["batch"], num(g["ratio"]), num(g["best"]), paired,
                 span(g.get("interval")), _steps(g), _steps(g, "fast_steps")] + \
@@ -145,9 +162,11 @@ def _chance_line(goals: List[Dict]) -> List[str]:
     if not odds:
         return []
     every = math.prod(1.0 - p for p in odds)
+    single = sum(1 for g in goals if g.get("one_pass"))
     return [f"At no cost at all, the {len(odds)} targets decided between fastest passes would miss "
             f"{sum(odds):.1f} of them by chance at these passes a cell, and all {len(odds)} hold in "
-            f"{every:.0%} of runs (their chances taken as independent).", ""]
+            f"{every:.0%} of runs (their chances taken as independent). {single} of their verdicts turn on one "
+            "pass.", ""]
 
 
 def _share(x: Optional[float]) -> str:
