@@ -43,7 +43,7 @@ def targets(rows: List[Dict], cfg: BenchConf, found: Optional[Dict[Tuple[str, in
                             "required": t.at_least, "between": t.between, "decided": decides, **got,
                             "holds": None if decides is None else decides >= t.at_least, "control": control,
                             "chance": _chance(of, over, t.at_least) if t.between == "fastest" else None,
-                            "one_pass": t.between == "fastest" and got["paired"] is None
+                            "one_pass": decides is not None and t.between == "fastest" and got["paired"] is None
                             and one_pass(of, over, t.at_least)})
     return out
 
@@ -127,8 +127,8 @@ def table(goals: List[Dict]) -> List[str]:
              "the cell's), "
              "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
-             + "; turns on one pass: a verdict between fastest passes that flips with either cell's fastest pass "
-             "left out"
+             + ("; turns on one pass: a verdict between fastest passes that flips with either cell's fastest pass "
+                "left out" if chanced else "")
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
                 "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "

@@ -108,6 +108,7 @@ def test_a_target_without_a_control_has_no_control_column():
     assert goal["control"] is None and not targets.within_noise(goal)
     md = report.markdown(rows, [goal], cfg, {}, "now", "cmd")
     assert "control" not in md and "| interval | steps | fastest steps | holds |" in md
+    assert "turns on one pass" not in md  # no target between fastest passes, nothing to say of one
 
 
 @pytest.mark.parametrize("key,reading,b_steps,f_steps,row,control", [
