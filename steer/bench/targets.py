@@ -43,8 +43,8 @@ def targets(rows: List[Dict], cfg: BenchConf, found: Optional[Dict[Tuple[str, in
                             "required": t.at_least, "between": t.between, "decided": decides, **got,
                             "holds": None if decides is None else decides >= t.at_least, "control": control,
                             "chance": _chance(of, over, t.at_least) if t.between == "fastest" else None,
-                            "one_pass": decides is not None and t.between == "fastest" and got["paired"] is None
-                            and one_pass(of, over, t.at_least)})
+                            "one_pass": one_pass(of, over, t.at_least) if decides is not None
+                            and t.between == "fastest" and got["paired"] is None else None})
     return out
 
 
@@ -112,6 +112,7 @@ def table(goals: List[Dict]) -> List[str]:
     # side the ratio fell on; fastest passes have none (resampled, they only ever rise), so are never flagged.
     controlled = any(g.get("control") is not None for g in goals)
     chanced = any(g.get("chance") is not None for g in goals)
+    left_out = any(g.get("one_pass") is not None for g in goals)  # unpaired verdicts between fastest passes
     head = ["target", "scenario", "model", "batch", "measured", "fastest passes", "paired", "interval", "steps",
             "fastest steps"]
     head += [f"control ({CONTROL}/{REFERENCE})"] if controlled else []
@@ -128,7 +129,7 @@ def table(goals: List[Dict]) -> List[str]:
              "with its interval; both shown beside the verdict and never deciding it; undecided: a "
              "target between medians or paired passes whose interval reaches past its threshold"
              + ("; turns on one pass: a verdict between fastest passes that flips with either cell's fastest pass "
-                "left out" if chanced else "")
+                "left out" if left_out else "")
              + ("; control: the A/A control's ratio in the column that decides the target" if controlled else "")
              + ("; miss by chance: for a target decided between fastest passes, how often an engine exactly as fast "
                 "as the reference, timed as many passes as the cell, would miss it (two draws of that many of the "
@@ -162,11 +163,11 @@ def _chance_line(goals: List[Dict]) -> List[str]:
     if not odds:
         return []
     every = math.prod(1.0 - p for p in odds)
-    single = sum(1 for g in goals if g.get("one_pass"))
+    flags = [g["one_pass"] for g in goals if g.get("one_pass") is not None]
+    single = f" {sum(flags)} of their verdicts turn on one pass." if flags else ""
     return [f"At no cost at all, the {len(odds)} targets decided between fastest passes would miss "
             f"{sum(odds):.1f} of them by chance at these passes a cell, and all {len(odds)} hold in "
-            f"{every:.0%} of runs (their chances taken as independent). {single} of their verdicts turn on one "
-            "pass.", ""]
+            f"{every:.0%} of runs (their chances taken as independent).{single}", ""]
 
 
 def _share(x: Optional[float]) -> str:
