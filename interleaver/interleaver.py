@@ -167,10 +167,15 @@ class VLLMInterleaver(Interleaver):
         self.clock.add("replay", time.perf_counter() - t0)
 
     def _break(self, location: str, live: Any) -> None:
-        """Serve a tap at a replayed graph's eager break (`live`: its whole padded value)."""
-        graphs = self.tap_graphs
-        if graphs is not None and not nnsight_internals.serving(self):
-            if graphs.serve(location, self.programs.get(location), live, self.step):
+        """Serve a tap at a replayed graph's eager break (`live`: its whole padded value). Every step and tap
+        pays this host path (docs/perf-log.md): where no trace is served, a tap graph or one bound kernel launch on
+        the untrimmed value does it, before the general path (views, groups asked for, traces)."""
+        if not nnsight_internals.serving(self):
+            program = self.programs.get(location)
+            if self.tap_graphs is not None and self.tap_graphs.serve(location, program, live, self.step):
+                return
+            n = self.rows()
+            if program is not None and n is not None and program.at_break(live, n, self.step):
                 return
         self.replay(location, live)
 

@@ -55,9 +55,11 @@ class Fused:
     tap. So after its first launch for a given activation dtype, residual and alignment, a Fused launches the
     compiled kernel directly (triton_internals.launch), the same binary with the same arguments. What the JIT would
     re-check each call is in the key: the activations' dtypes and what Triton specialises on
-    (triton_internals.specialization); the strides and the direction count are not specialised on. `warm` checks
-    the direct launch against the JIT's on the device, bit for bit, and keeps the JIT launch if they differ or the
-    direct one fails."""
+    (triton_internals.specialization); the strides and the direction count are not specialised on. A direct
+    launch is bound once per set of addresses and strides (triton_internals.bind), so that a tap at a replayed
+    graph's break, whose tensors sit at the same addresses every step, pays one call of Triton's C launcher and
+    the lookup. `warm` checks the direct launch against the JIT's on the device, bit for bit, and keeps the JIT
+    launch if they differ or the direct one fails."""
 
     def __init__(self, basis: torch.Tensor, col: torch.Tensor, kind: torch.Tensor, slope: torch.Tensor,
                  offset: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
@@ -69,7 +71,9 @@ class Fused:
         self._block = 1 << (self.basis.shape[1] - 1).bit_length()
         self._warps = max(1, min(8, self._block // 512))
         self.direct = True  # launch compiled kernels directly once they exist (False: every launch through the JIT)
+        self.bound = True  # bind a direct launch to its tensors' addresses (False: each one resolves them again)
         self._compiled: dict = {}
+        self._bound: dict = {}  # _addresses(...) -> a bound launch (triton_internals.bind)
 
     def warm(self) -> None:
         """Compile and load the kernel for every activation dtype, with and without a residual, and check its
@@ -99,17 +103,35 @@ class Fused:
                 if not same:
                     warnings.warn(f"the fused tap kernel's direct launch is not used ({why}); every launch goes "
                                   "through Triton's JIT", RuntimeWarning, stacklevel=2)
-                    self.direct, self._compiled = False, {}
+                    self.direct, self._compiled, self._bound = False, {}, {}
 
-    def __call__(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor) -> bool:
-        """Edit `hidden`'s rows in place; False (nothing done) where the kernel does not apply."""
-        if not _fits(hidden, residual, weights, self.basis):
+    def __call__(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
+                 rows: Optional[int] = None) -> bool:
+        """Edit the first `rows` rows of `hidden` (None: all of them) in place; False (nothing done) where the
+        kernel does not apply."""
+        n = hidden.shape[0] if rows is None else rows
+        at = _addresses(hidden, residual, weights) if self.direct and self.bound else None
+        go = self._bound.get(at) if at is not None else None
+        # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
+        if go is not None and 0 < n <= min(hidden.shape[0], weights.shape[0],
+                                           hidden.shape[0] if residual is None else residual.shape[0]):
+            go(n)
+            return True
+        if not _fits(hidden, residual, weights, self.basis, n):
             return False
         compiled = self._compiled.get(_key(hidden, residual, weights)) if self.direct else None
         if compiled is None:
-            self._launch(hidden, residual, weights)
-        else:
-            triton_internals.launch(compiled, (hidden.shape[0], 1, 1), self._args(hidden, residual, weights))
+            self._launch(hidden, residual, weights, n)
+            return True
+        args = self._args(hidden, residual, weights)
+        go = triton_internals.bind(compiled, hidden.device.index, args) if at is not None else None
+        if go is None:
+            triton_internals.launch(compiled, (n, 1, 1), args)
+            return True
+        if len(self._bound) >= _BOUND_MAX:  # addresses of tensors long freed: start again
+            self._bound.clear()
+        self._bound[at] = go
+        go(n)
         return True
 
     def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
@@ -118,7 +140,8 @@ class Fused:
         and in place: `residual` becomes the edited stream, `hidden` its norm times `norm_weight` (what vLLM's
         fused add + RMSNorm leaves). False (nothing done) where the kernel does not apply. Through Triton's JIT:
         an in-graph engine launches it only while its graphs are captured."""
-        if residual is None or not _fits(hidden, residual, weights, self.basis) or _norm_kernel() is None:
+        if (residual is None or not _fits(hidden, residual, weights, self.basis, hidden.shape[0])
+                or _norm_kernel() is None):
             return False
         if (norm_weight.shape != (hidden.shape[1],) or norm_weight.device != hidden.device
                 or norm_weight.stride(0) != 1 or norm_weight.dtype != hidden.dtype):
@@ -144,11 +167,13 @@ class Fused:
                 self.col.shape[0], hidden.shape[1], hidden.stride(0), r.stride(0), weights.stride(0),
                 residual is not None, self._block)
 
-    def _launch(self, hidden, residual, weights) -> None:
-        """Launch through Triton's JIT, and keep the compiled kernel it returns for direct launches."""
+    def _launch(self, hidden, residual, weights, rows: Optional[int] = None) -> None:
+        """Launch through Triton's JIT (on the first `rows` rows; None: all), and keep the compiled kernel it
+        returns for direct launches."""
         *args, has_r, block = self._args(hidden, residual, weights)
+        grid = (hidden.shape[0] if rows is None else rows,)
         compiled = triton_internals.compiled_of(
-            _kernel()[(hidden.shape[0],)](*args, HAS_R=has_r, BLOCK=block, num_warps=self._warps))
+            _kernel()[grid](*args, HAS_R=has_r, BLOCK=block, num_warps=self._warps))
         if self.direct and compiled is not None:
             self._compiled[_key(hidden, residual, weights)] = compiled
 
@@ -168,6 +193,17 @@ def folded(table: Fused, hidden: torch.Tensor, residual: Optional[torch.Tensor],
     return (hidden.float() + (coef @ table.basis + on_x * x)).to(hidden.dtype)
 
 
+_BOUND_MAX = 4096  # bound launches a table keeps: a tap's tensors in each graph size, and the weights' few homes
+
+
+def _addresses(hidden, residual, weights) -> tuple:
+    """Everything a bound launch's arguments depend on but the rows: the tensors' addresses, strides, dtypes and
+    the width. (A CUDA address names one device's memory: with unified addressing, no two devices share one.)"""
+    r = hidden if residual is None else residual
+    return (hidden.data_ptr(), r.data_ptr(), weights.data_ptr(), hidden.stride(), r.stride(), weights.stride(),
+            hidden.shape[1:], r.shape[1:], residual is None, hidden.dtype, r.dtype, weights.dtype, hidden.is_cuda)
+
+
 def _key(hidden, residual, weights) -> tuple:
     """What the compiled kernel depends on, of what varies between launches: the activations' dtypes, and what
     Triton specialises the pointers and the (unspecialised) strides on."""
@@ -181,11 +217,11 @@ def available(device) -> bool:
     return torch.device(device).type == "cuda" and _kernel() is not None
 
 
-def _fits(hidden, residual, weights, basis) -> bool:
-    if not hidden.is_cuda or hidden.dim() != 2 or hidden.shape[0] == 0 or hidden.stride(1) != 1:
+def _fits(hidden, residual, weights, basis, rows: int) -> bool:
+    if not hidden.is_cuda or hidden.dim() != 2 or not 0 < rows <= hidden.shape[0] or hidden.stride(1) != 1:
         return False
     if residual is not None and (residual.shape != hidden.shape or residual.stride(1) != 1):
         return False
-    if weights.dtype != torch.float32 or weights.stride(1) != 1 or weights.shape[0] < hidden.shape[0]:
+    if weights.dtype != torch.float32 or weights.stride(1) != 1 or weights.shape[0] < rows:
         return False
     return basis.device == hidden.device and basis.shape[1] == hidden.shape[1] and _kernel() is not None

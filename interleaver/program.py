@@ -26,7 +26,7 @@ from interleaver.bank import Stage, StepRows
 from interleaver.stage import PROJECT, Kind
 
 
-FORMS = ("fused", "jit", "torch")  # how a program's call can run (TapProgram.form)
+FORMS = ("fused", "direct", "jit", "torch")  # how a program's call can run (TapProgram.form)
 
 
 def _family(kind: Kind) -> str:
@@ -107,6 +107,22 @@ class TapProgram:
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 
+    def at_break(self, live: Any, rows: int, step: StepRows) -> bool:
+        """The step's edit on the first `rows` rows of `live` (a replayed graph's whole padded value, untrimmed)
+        as one launch of the fused kernel, the host deciding nothing per group: True when done, or when nobody is
+        steered this step; False where the step needs `__call__` (no fused kernel, a request keeps the tap's
+        value, or some of the tap's groups go unused this step)."""
+        if self._fused is None or (step.capturing and step.capturing.get(self.location)):
+            return False
+        if step.used is None:
+            return True
+        if not step.all_used:
+            return False
+        hidden, residual = _split(live, self.residual)
+        if not self._fused(hidden, residual, step.weights, rows):
+            return False
+        self.ran["fused"] += 1
+        return True
 
     def table(self) -> kernels.Fused:
         """The direction table the fused kernel runs, built here where the kernel does not (off a GPU); for a
@@ -124,24 +140,25 @@ class TapProgram:
     @contextmanager
     def form(self, name: str) -> Iterator[None]:
         """Run the program's calls inside the block in form `name`, to measure one against another
-        (steer.bench.kernel): "fused", the kernel as it launches by default (directly, once compiled); "jit", the
-        same kernel with every launch through Triton's JIT; "torch", the torch form. The same edit either way."""
+        (steer.bench.kernel): "fused", the kernel as it launches by default (directly once compiled, bound to its
+        tensors' addresses); "direct", launched directly but resolving its arguments at each launch; "jit", every
+        launch through Triton's JIT; "torch", the torch form. The same edit either way."""
         if name not in FORMS:
             raise ValueError(f"form {name!r}: expected one of {FORMS}")
         fused = self._fused
         if name != "torch" and fused is None:
             raise ValueError(f"{self.location}: no fused kernel here (no CUDA or Triton, or it did not build)")
-        direct = fused.direct if fused is not None else None
+        was = (fused.direct, fused.bound) if fused is not None else None
         if name == "torch":
             self._fused = None
-        elif name == "jit":
-            fused.direct = False
+        elif name != "fused":
+            fused.direct, fused.bound = name == "direct", False
         try:
             yield
         finally:
             self._fused = fused
             if fused is not None:
-                fused.direct = direct
+                fused.direct, fused.bound = was
 
     def in_graph_norm(self, live: Any, weights: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> bool:
         """`in_graph`, then the next layer's residual add and RMSNorm, as one launch (kernels.Fused.edit_norm):

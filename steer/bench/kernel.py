@@ -5,9 +5,12 @@ no host work per tap), against the 2-4 us the fused kernel's memory traffic shou
 program alone, as f runs it (`TapProgram.in_graph`, the step's weights at a fixed address), `taps` times over in
 one CUDA graph, as a decode step replays it:
 
-- `fused`: the Triton kernel (interleaver/kernels.py), launched as a replayed step launches it;
+- `fused`: the Triton kernel (interleaver/kernels.py), launched as a replayed step launches it (directly, its
+  arguments bound once to its tensors' addresses);
+- `direct`: the same launch resolving its arguments each time (Triton's `compiled[grid](...)`); its eager column
+  against `fused`'s is what binding saves a tap on the host;
 - `jit`: the same kernel, every launch through Triton's JIT (`kernel[grid](...)`); its eager column against
-  `fused`'s is what the direct launch saves a tap on the host;
+  `direct`'s is what the direct launch saves a tap on the host;
 - `torch`: the same program on its torch form;
 - `floor`: `hidden += residual` on the same rows, the least memory traffic an edit of the stream can have.
 
@@ -83,7 +86,7 @@ def measure(rows: int, hidden: int, scen_name: str, dtype=torch.bfloat16, taps: 
     h, r = (torch.randn(rows, hidden, generator=g, device=device).to(dtype) * 0.01 for _ in range(2))
     stream_add, edit = (lambda: h.add_(r)), (lambda: program.in_graph((h, r), weights))
     out = []
-    for name in ("floor", *(("fused", "jit", "torch") if program.fused else ("torch",))):
+    for name in ("floor", *(("fused", "direct", "jit", "torch") if program.fused else ("torch",))):
         with nullcontext() if name == "floor" else program.form(name):  # the forms of this module's docstring
             fn = stream_add if name == "floor" else edit
             out.append({"rows": rows, "scenario": scen_name, "form": name,

@@ -27,7 +27,7 @@ def test_the_timed_program_edits_each_row_as_its_request_asks(scen):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_kernel_bench_times_every_form_on_a_gpu():
     out = kernel.measure(64, 4096, "ablate_all", taps=4, replays=3)
-    assert [o["form"] for o in out] == ["floor", "fused", "jit", "torch"]
+    assert [o["form"] for o in out] == ["floor", "fused", "direct", "jit", "torch"]
     assert all(0 < o["graph_us"] < 1e4 and 0 < o["eager_us"] < 1e4 for o in out)
 
 

@@ -81,7 +81,8 @@ def test_a_program_runs_in_the_form_asked_and_only_in_one_it_has():
     with program.form("torch"):
         program.in_graph(h, torch.ones(2, 1))
     assert torch.equal(h, torch.ones(2, 4)) and program.ran == {"fused": 0, "torch": 1}
-    for form, why in (("fused", "no fused kernel"), ("jit", "no fused kernel"), ("cuda", "expected one of")):
+    for form, why in (("fused", "no fused kernel"), ("direct", "no fused kernel"), ("jit", "no fused kernel"),
+                      ("cuda", "expected one of")):
         with pytest.raises(ValueError, match=why):
             with program.form(form):
                 pass

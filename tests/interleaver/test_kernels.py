@@ -1,9 +1,14 @@
 """The fused kernel's direction table, on CPU: the kernel's arithmetic in torch stands in for the Triton launch,
 so a program that takes the fused path must still equal each request's edits applied one by one."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
+import mixed
+from fake import PAD
 from interleaver import kernels
 from interleaver.program import TapProgram
 from steer.edit import compile_edit
@@ -12,8 +17,11 @@ from steer.schema import EditKind
 from test_program import TAP, _each_alone, _mixed_edits, _run
 
 
-def _in_torch(self, hidden, residual, weights):
-    """The kernel's arithmetic (interleaver/kernels.py), row by row in float32, written with torch."""
+def _in_torch(self, hidden, residual, weights, rows=None):
+    """The kernel's arithmetic (interleaver/kernels.py), row by row in float32, written with torch, on the first
+    `rows` rows (None: all)."""
+    if rows is not None:
+        hidden, residual = hidden[:rows], residual if residual is None else residual[:rows]
     x = hidden.float() + (residual.float() if residual is not None else 0.0)
     w = weights[: hidden.shape[0]][:, self.col]
     p = x @ self.basis.T
@@ -111,22 +119,37 @@ def test_a_program_counts_which_form_edited(fused):
 
 class _FakeTriton:
     """Triton as a Fused launches it, on CPU: `jit[grid](*args, HAS_R=, BLOCK=, num_warps=)` runs the kernel's
-    arithmetic (`_in_torch`) and returns a compiled kernel, launchable as `compiled[grid](*args)` with every
-    argument in the signature's order; `direct` says what that launch does ("same", "nothing" or "raise")."""
+    arithmetic (`_in_torch`) on the grid's rows and returns a compiled kernel, launchable as
+    `compiled[grid](*args)` with every argument in the signature's order, or bound to its arguments
+    (`bind(compiled, device, args)`, triton_internals.bind's stand-in: None where `bindable` is False); `direct`
+    says what a direct or bound launch does ("same", "nothing" or "raise")."""
 
-    def __init__(self, direct="same"):
-        self.direct, self.jit_args, self.direct_args = direct, [], []
+    def __init__(self, direct="same", bindable=True):
+        self.direct, self.bindable, self.jit_args, self.direct_args = direct, bindable, [], []
+        self.binds, self.bound_rows = [], []
 
-    @staticmethod
-    def _apply(args, has_r):
+    def _apply(self, args, has_r, rows):
         h, r, w, basis, col, kind, slope, offset, lo, hi = args[:10]
         table = type("Table", (), dict(basis=basis, col=col, kind=kind, slope=slope, offset=offset, lo=lo, hi=hi))
-        _in_torch(table, h, r if has_r else None, w)
+        _in_torch(table, h, r if has_r else None, w, rows)
+
+    def launched(self, args, rows):
+        """A direct or bound launch, doing what `direct` says."""
+        if self.direct == "raise":
+            raise TypeError("function takes exactly 26 arguments (27 given)")
+        if self.direct == "same":
+            self._apply(args, args[-2], rows)
+
+    def bind(self, compiled, device, args):
+        if not self.bindable:
+            return None
+        self.binds.append(tuple(args))
+        return lambda rows: self.bound_rows.append(rows) or self.launched(args, rows)
 
     def __getitem__(self, grid):
         def jit(*args, HAS_R, BLOCK, num_warps):
             self.jit_args.append((*args, HAS_R, BLOCK))
-            self._apply(args, HAS_R)
+            self._apply(args, HAS_R, grid[0])
             return _FakeCompiled(self)
 
         return jit
@@ -143,10 +166,7 @@ class _FakeCompiled:
 
         def launch(*args):
             self.triton.direct_args.append(args)
-            if self.triton.direct == "raise":
-                raise TypeError("function takes exactly 26 arguments (27 given)")
-            if self.triton.direct == "same":
-                self.triton._apply(args, args[-2])
+            self.triton.launched(args, grid[0])
 
         return launch
 
@@ -161,10 +181,12 @@ def _table(hidden=16, device="cpu"):
 
 @pytest.fixture
 def fake_triton(monkeypatch):
-    def install(direct="same"):
-        fake = _FakeTriton(direct)
+    def install(direct="same", bindable=True):
+        fake = _FakeTriton(direct, bindable)
         monkeypatch.setattr(kernels, "_kernel", lambda: fake)
-        monkeypatch.setattr(kernels, "_fits", lambda *a: True)
+        # CPU tensors fit (no GPU here); the rows must still be there
+        monkeypatch.setattr(kernels, "_fits", lambda h, r, w, basis, rows: 0 < rows <= min(h.shape[0], w.shape[0]))
+        monkeypatch.setattr(kernels.triton_internals, "bind", fake.bind)
         return fake
 
     return install
@@ -182,10 +204,50 @@ def test_after_its_first_launch_a_table_launches_its_compiled_kernel_directly(fa
         _in_torch(table, want, r, w)
         assert table(h, r, w) is True
         assert torch.equal(h, want)
-    # the first through the JIT, the rest straight to the kernel it compiled, with the same arguments in order
-    assert len(fake.jit_args) == 1 and len(fake.direct_args) == 2
-    assert [type(a) for a in fake.direct_args[0]] == [type(a) for a in fake.jit_args[0]]
-    assert fake.direct_args[-1][10:] == (3, 16, 16, 16, 2, residual, 16)
+    # the first through the JIT, the rest straight to the kernel it compiled, with the same arguments in order,
+    # bound to each new set of tensors
+    assert len(fake.jit_args) == 1 and len(fake.binds) == 2 and fake.bound_rows == [4, 4]
+    assert [type(a) for a in fake.binds[0]] == [type(a) for a in fake.jit_args[0]]
+    assert fake.binds[-1][10:] == (3, 16, 16, 16, 2, residual, 16)
+
+
+def test_a_launch_on_the_same_tensors_reuses_its_binding_over_any_leading_rows(fake_triton):
+    fake, table = fake_triton(), _table()
+    g = torch.Generator().manual_seed(1)
+    h, r, w = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.rand(8, 2, generator=g)
+    table(h.clone(), r, w)  # through the JIT, compiling
+    for rows in (8, 5, 1):  # a graph's tap value: the same memory every step, its first `rows` real
+        want = h.clone()
+        _in_torch(table, want, r, w, rows)
+        assert table(h, r, w, rows=rows) is True
+        assert torch.equal(h, want)
+    assert len(fake.binds) == 1 and fake.bound_rows == [8, 5, 1]
+    table(h, r, w[:4].clone(), rows=4)  # the step's weights elsewhere: bound anew
+    table(h[:6], r[:6], w, rows=6)  # views at the same addresses: the same binding
+    assert len(fake.binds) == 2 and fake.bound_rows == [8, 5, 1, 4, 6]
+    assert table(h, r, w, rows=0) is False and table(h[:2], r[:2], w, rows=3) is False  # no rows, or too many
+    assert fake.bound_rows == [8, 5, 1, 4, 6]
+
+
+def test_unbound_or_unbindable_direct_launches_go_through_the_compiled_kernel(fake_triton, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(4, 16, generator=g), torch.rand(4, 2, generator=g)
+    for bindable, bound in ((False, True), (True, False)):
+        fake, table = fake_triton(bindable=bindable), _table()
+        table.bound = bound
+        want = h.clone()
+        _in_torch(table, want, None, w)
+        _in_torch(table, want, None, w)
+        x = h.clone()
+        table(x, None, w)
+        table(x, None, w)
+        assert torch.equal(x, want) and len(fake.jit_args) == 1 and len(fake.direct_args) == 1
+        assert fake.bound_rows == [] and table._bound == {}
+    monkeypatch.setattr(kernels, "_BOUND_MAX", 2)
+    fake, table = fake_triton(), _table()
+    for i in range(4):
+        table(torch.randn(4, 16), None, w)
+    assert len(fake.binds) == 3 and len(table._bound) == 1  # a full table of bindings starts again
 
 
 def test_a_launch_on_other_terms_than_the_compiled_kernel_s_goes_through_the_jit(fake_triton):
@@ -197,18 +259,18 @@ def test_a_launch_on_other_terms_than_the_compiled_kernel_s_goes_through_the_jit
     table(torch.randn(4, 16, dtype=torch.bfloat16), None, w)  # another dtype
     table(torch.randn(4, 16), torch.randn(4, 16), w)  # with a residual
     table(torch.randn(4, 16), torch.randn(4, 16, dtype=torch.bfloat16), w)  # a residual of another dtype
-    assert len(fake.jit_args) == 5 and fake.direct_args == []
+    assert len(fake.jit_args) == 5 and fake.binds == []
     table(torch.randn(4 * 16 + 1)[1:].view(4, 16), None, w)
-    assert len(fake.jit_args) == 5 and len(fake.direct_args) == 1
+    assert len(fake.jit_args) == 5 and len(fake.binds) == 1
     table.direct = False
     table(torch.randn(4, 16), None, w)
-    assert len(fake.jit_args) == 6 and len(fake.direct_args) == 1
+    assert len(fake.jit_args) == 6 and len(fake.binds) == 1
 
 
 def test_warm_keeps_the_direct_launch_when_it_equals_the_jit_s(fake_triton, recwarn):
     fake, table = fake_triton(), _table()
     table.warm()
-    assert table.direct and len(fake.jit_args) == 6 and len(fake.direct_args) == 6  # 3 dtypes x residual or not
+    assert table.direct and len(fake.jit_args) == 6 and len(fake.bound_rows) == 6  # 3 dtypes x residual or not
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
@@ -218,20 +280,24 @@ def test_warm_drops_a_direct_launch_that_differs_or_fails_and_says_so(fake_trito
     fake, table = fake_triton(direct), _table()
     with pytest.warns(RuntimeWarning, match=f"direct launch is not used .*{why}"):
         table.warm()
-    assert not table.direct and table._compiled == {}
+    assert not table.direct and table._compiled == {} and table._bound == {}
     n = len(fake.jit_args)
     table(torch.randn(2, 16), None, torch.rand(2, 2))
-    assert len(fake.jit_args) == n + 1 and len(fake.direct_args) == 1
+    assert len(fake.jit_args) == n + 1 and len(fake.bound_rows) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [16, 4096])
-def test_the_direct_launch_equals_the_jit_launch_on_the_gpu(dtype, hidden):
+def test_the_direct_launch_equals_the_jit_launch_on_the_gpu(dtype, hidden, monkeypatch):
     assert kernels.available("cuda")
+    unbound, launch = [], kernels.triton_internals.launch
+    monkeypatch.setattr(kernels.triton_internals, "launch", lambda *a: unbound.append(1) or launch(*a))
     table, by_jit = _table(hidden, "cuda"), _table(hidden, "cuda")
     table.warm()
     assert table.direct  # the installed Triton's compiled kernels launch directly, checked against its JIT
+    bound_at_warm = len(table._bound)
+    assert bound_at_warm == 6  # and warm checked them bound: 3 dtypes, with a residual or without
     by_jit.direct = False
     launches, jit_launch = [], table._launch
     table._launch = lambda *a: launches.append(1) or jit_launch(*a)
@@ -251,6 +317,11 @@ def test_the_direct_launch_equals_the_jit_launch_on_the_gpu(dtype, hidden):
         by_jit(b, r, w)
         assert torch.equal(a, b) and not torch.equal(a, before) and torch.equal(a[7], before[7])
         assert len(launches) == jit_launches  # warmed terms launch directly; a misaligned view once through the JIT
+        table(a, r, w, rows=9)  # bound to these tensors now: again, over the first 9 rows alone
+        by_jit(b, r, w, rows=9)
+        assert torch.equal(a, b) and torch.equal(a[9:], before[9:]) and len(launches) == jit_launches
+    # every direct launch above was bound: this Triton's launcher takes bound arguments
+    assert unbound == [] and len(table._bound) > bound_at_warm
 
 
 @pytest.mark.gpu
@@ -279,3 +350,62 @@ def test_the_edit_norm_kernel_equals_the_edit_then_the_add_and_norm(dtype, hidde
     assert torch.equal(res[7], (h[7].float() + r[7].float()).to(dtype))  # the plain add, bit for bit
     assert not table.edit_norm(h.clone(), None, w, nw, 1e-5)  # no residual: nothing to fold into
     assert not table.edit_norm(h.clone(), r.clone(), w, nw.double(), 1e-5)  # a weight of another dtype
+
+
+@pytest.mark.usefixtures("fake_recording")
+def test_a_replayed_break_launches_the_fused_kernel_once_over_the_real_rows(monkeypatch):
+    rows = []
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels.Fused, "warm", lambda self: None)
+    monkeypatch.setattr(kernels.Fused, "__call__",
+                        lambda self, h, r, w, n=None: rows.append(n if n is None else (n, h.shape[0]))
+                        or _in_torch(self, h, r, w, n))
+    edits, inputs = mixed.edits_and_inputs()
+    edits[4] = edits[4][:1]  # one edit a request: a table of one index, which the fused kernel takes
+    outs = {}
+    for fused in (True, False):
+        module, il, bank, reqs = mixed.engine(["model.layers.0.output"], edits)
+        assert il.programs["model.layers.0.output"].fused
+        if not fused:
+            il.programs["model.layers.0.output"]._fused = None
+        module.record()
+        outs[fused] = mixed.run(module, il, bank, mixed.steps(reqs, *inputs))
+    for a, b in zip(outs[False], outs[True]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    # decode, every stage used: one launch over the 5 real rows of the graph's 8; the prefill step, some stages
+    # unused: the general path on the trimmed rows; nobody steered: no launch
+    assert rows == [(5, PAD), None]
+
+
+def test_a_break_leaves_to_the_general_path_what_needs_the_host(fused):
+    from interleaver.bank import EditBank
+
+    bank = EditBank()
+    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    program, live = TapProgram(TAP, bank.at(TAP), False), torch.randn(4, 16)
+    step = SimpleNamespace(capturing={}, used=None, all_used=False, weights=None)
+    assert program.at_break(live, 3, step) and fused == []  # nobody steered this step: nothing to launch
+    used = SimpleNamespace(**{**vars(step), "used": np.array([True]), "all_used": True, "weights": torch.ones(3, 1)})
+    for needs_host in ({**vars(used), "all_used": False, "used": np.array([False])},  # a group unused
+                       {**vars(used), "capturing": {TAP: [object()]}}):  # a request keeps this tap's value
+        assert not program.at_break(live, 3, SimpleNamespace(**needs_host))
+    assert fused == []
+    assert program.at_break(live, 3, SimpleNamespace(**{**vars(used), "capturing": {"elsewhere": [object()]}}))
+    assert fused == [1] and program.ran["fused"] == 1
+    program._fused = None
+    assert not program.at_break(live, 3, used)
+
+
+def test_a_form_says_how_the_kernel_launches_inside_it_and_no_longer(fused):
+    from interleaver.bank import EditBank
+
+    bank = EditBank()
+    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    program = TapProgram(TAP, bank.at(TAP), False)
+    table = program._fused
+    for form, launch in (("fused", (True, True)), ("direct", (True, False)), ("jit", (False, False))):
+        with program.form(form):
+            assert program._fused is table and (table.direct, table.bound) == launch
+    with program.form("torch"):
+        assert program._fused is None
+    assert program._fused is table and (table.direct, table.bound) == (True, True)
