@@ -114,8 +114,7 @@ class Fused:
         go = self._bound.get(at) if at is not None else None
         # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
         if go is not None and 0 < n <= min(hidden.shape[0], weights.shape[0],
-                                           hidden.shape[0] if residual is None else residual.shape[0]):
-            go(n)
+                                           hidden.shape[0] if residual is None else residual.shape[0]) and go(n):
             return True
         if not _fits(hidden, residual, weights, self.basis, n):
             return False
@@ -124,14 +123,15 @@ class Fused:
             self._launch(hidden, residual, weights, n)
             return True
         args = self._args(hidden, residual, weights)
-        go = triton_internals.bind(compiled, hidden.device.index, args) if at is not None else None
-        if go is None:
+        if go is None and at is not None:  # (bound already: launch hooks are installed, the unbound launch calls them)
+            # The tensors' own device's stream (a vLLM worker's current device is its tensors')
+            go = triton_internals.bind(compiled, hidden.device.index, args)
+            if go is not None:
+                if len(self._bound) >= _BOUND_MAX:  # addresses of tensors long freed: start again
+                    self._bound.clear()
+                self._bound[at] = go
+        if go is None or not go(n):
             triton_internals.launch(compiled, (n, 1, 1), args)
-            return True
-        if len(self._bound) >= _BOUND_MAX:  # addresses of tensors long freed: start again
-            self._bound.clear()
-        self._bound[at] = go
-        go(n)
         return True
 
     def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
@@ -218,10 +218,17 @@ def available(device) -> bool:
 
 
 def _fits(hidden, residual, weights, basis, rows: int) -> bool:
-    if not hidden.is_cuda or hidden.dim() != 2 or not 0 < rows <= hidden.shape[0] or hidden.stride(1) != 1:
+    if not hidden.is_cuda or basis.device != hidden.device or _kernel() is None:
+        return False
+    return _shaped(hidden, residual, weights, basis, rows)
+
+
+def _shaped(hidden, residual, weights, basis, rows: int) -> bool:
+    """Whether the tensors' shapes, strides and dtypes are the kernel's, over the first `rows` rows."""
+    if hidden.dim() != 2 or not 0 < rows <= hidden.shape[0] or hidden.stride(1) != 1:
         return False
     if residual is not None and (residual.shape != hidden.shape or residual.stride(1) != 1):
         return False
     if weights.dtype != torch.float32 or weights.stride(1) != 1 or weights.shape[0] < rows:
         return False
-    return basis.device == hidden.device and basis.shape[1] == hidden.shape[1] and _kernel() is not None
+    return basis.shape[1] == hidden.shape[1]

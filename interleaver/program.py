@@ -65,6 +65,9 @@ class TapProgram:
         self.groups = [_group(list(g), col, device) for _, g in groupby(sorted(stages, key=lambda s: (*key(s), col(s))),
                                                                         key=key)]
         self._needs_x = any(g.family != "add" for g in self.groups)
+        # Every weight column the tap reads: a step that uses none of them has nothing to edit here
+        self._cols = np.concatenate([np.arange(g.host_cols.start, g.host_cols.stop) if isinstance(g.host_cols, slice)
+                                     else g.host_cols for g in self.groups] or [np.zeros(0, dtype=np.int64)])
         # One launch for the whole tap on a GPU, where every group is of one index (they all see one stream).
         self._fused = (_fused(self.groups) if self.groups and len({g.index for g in self.groups}) == 1
                        and kernels.available(device) else None)
@@ -109,15 +112,13 @@ class TapProgram:
 
     def at_break(self, live: Any, rows: int, step: StepRows) -> bool:
         """The step's edit on the first `rows` rows of `live` (a replayed graph's whole padded value, untrimmed)
-        as one launch of the fused kernel, the host deciding nothing per group: True when done, or when nobody is
-        steered this step; False where the step needs `__call__` (no fused kernel, a request keeps the tap's
-        value, or some of the tap's groups go unused this step)."""
+        as one launch of the fused kernel, which skips the directions a row does not ask for: True when done, or
+        when no row asks for any of the tap's stages; False where the step needs `__call__` (no fused kernel, or a
+        request keeps the tap's value)."""
         if self._fused is None or (step.capturing and step.capturing.get(self.location)):
             return False
-        if step.used is None:
+        if step.used is None or not (step.all_used or step.used[self._cols].any()):
             return True
-        if not step.all_used:
-            return False
         hidden, residual = _split(live, self.residual)
         if not self._fused(hidden, residual, step.weights, rows):
             return False

@@ -33,11 +33,12 @@ def launch(compiled: Any, grid: Sequence[int], args: Sequence[Any]) -> None:
     compiled[tuple(grid)](*args)
 
 
-def bind(compiled: Any, device: int, args: Sequence[Any]) -> Optional[Callable[[int], None]]:
+def bind(compiled: Any, device: int, args: Sequence[Any]) -> Optional[Callable[[int], bool]]:
     """`go(rows)`: `compiled` launched on a grid of `rows` programs on `device`'s current stream with `args`
     (every argument of the signature in order, constexprs included), each tensor's address taken now: valid while
-    those tensors stay where they are. None where this Triton launches otherwise (another launcher, scratch
-    memory per launch, launch hooks installed, as a profiler installs them): launch through `launch` there."""
+    those tensors stay where they are. `go` returns False, launching nothing, while launch hooks are installed (a
+    profiler's): launch through `launch` then, which calls them. None where this Triton launches otherwise
+    (another launcher, scratch memory per launch)."""
     found = _runtime()
     if found is None:
         return None
@@ -45,18 +46,21 @@ def bind(compiled: Any, device: int, args: Sequence[Any]) -> Optional[Callable[[
     try:
         run = compiled.run
         c_launch, stream_of = run.launch, driver.active.get_current_stream
-        hooked = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+        enter, leave = knobs.runtime.launch_enter_hook.calls, knobs.runtime.launch_exit_hook.calls
         scratch = run.global_scratch_size or run.profile_scratch_size
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata)
     except AttributeError:
         return None
-    if hooked or scratch or not isinstance(compiled.function, int):
+    if scratch or not isinstance(compiled.function, int) or not isinstance(enter, list):
         return None
     # The C launcher's own arguments after the stream: launch metadata and both hooks None (none are installed)
     tail = (*head, None, None, None, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
-    def go(rows: int) -> None:
+    def go(rows: int) -> bool:
+        if enter or leave:
+            return False
         c_launch(rows, 1, 1, stream_of(device), *tail)
+        return True
 
     return go
 
