@@ -86,6 +86,8 @@ class TapProgram:
 
     def __call__(self, live: Any, step: StepRows) -> None:
         """Edit the step's rows of `live` in place (`live` already trimmed to the step's real rows)."""
+        if self.at_break(live, None, step):  # the fused kernel's one launch, where it serves the step
+            return
         keep = step.capturing.get(self.location) if step.capturing else None
         used = step.used
         if used is None:
@@ -97,9 +99,6 @@ class TapProgram:
         if not groups and not keep:
             return
         hidden, residual = _split(live, self.residual)
-        if not keep and self._fused is not None and self._fused(hidden, residual, step.weights):
-            self.ran["fused"] += 1
-            return
         self.ran["torch"] += 1
         x = None
         if keep or (self._needs_x and any(g.family != "add" for g in groups)):
@@ -110,11 +109,11 @@ class TapProgram:
         for sp in keep or ():
             self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
 
-    def at_break(self, live: Any, rows: int, step: StepRows) -> bool:
-        """The step's edit on the first `rows` rows of `live` (a replayed graph's whole padded value, untrimmed)
-        as one launch of the fused kernel, which skips the directions a row does not ask for: True when done, or
-        when no row asks for any of the tap's stages; False where the step needs `__call__` (no fused kernel, or a
-        request keeps the tap's value)."""
+    def at_break(self, live: Any, rows: Optional[int], step: StepRows) -> bool:
+        """The step's edit on the first `rows` rows of `live` (a replayed graph's whole padded value, untrimmed;
+        None: every row of a trimmed one) as one launch of the fused kernel, which skips the directions a row does
+        not ask for: True when done, or when no row asks for any of the tap's stages; False where the step needs
+        the torch form (no fused kernel, a kernel that does not fit, or a request keeps the tap's value)."""
         if self._fused is None or (step.capturing and step.capturing.get(self.location)):
             return False
         if step.used is None or not (step.all_used or step.used[self._cols].any()):

@@ -8,17 +8,10 @@ from interleaver import kernels
 
 
 def in_torch(self, hidden, residual, weights, rows=None):
-    """The kernel's arithmetic (interleaver/kernels.py), row by row in float32, written with torch, on the first
-    `rows` rows (None: all)."""
+    """The kernel's arithmetic in torch (kernels.folded), landed in `hidden`'s first `rows` rows (None: all)."""
     if rows is not None:
         hidden, residual = hidden[:rows], residual if residual is None else residual[:rows]
-    x = hidden.float() + (residual.float() if residual is not None else 0.0)
-    w = weights[: hidden.shape[0]][:, self.col]
-    p = x @ self.basis.T
-    t = torch.minimum(torch.maximum(self.offset + self.slope * p, self.lo), self.hi)
-    coef = torch.where(self.kind == kernels.ADD, w, torch.where(self.kind == kernels.SCALE, -w, (t - p) * w))
-    on_x = (w * (self.kind == kernels.SCALE)).sum(1, keepdim=True)
-    hidden.copy_((hidden.float() + coef @ self.basis + on_x * x).to(hidden.dtype))
+    hidden.copy_(kernels.folded(self, hidden, residual, weights))
     return True
 
 
