@@ -31,8 +31,9 @@ class HostWorker(_TapWorkerMixin, _NoWorker):
         """The worker's VLLMInterleaver: its programs, and `replay(location, live)` as a recorded tap runs it."""
         return self.steer_il
 
-    def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> None:
+    def fill_step(self, num_tokens: int, finished: Iterable[str] = ()) -> str:
         """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
-        (`finished`: the requests vLLM reports finished since the last step)."""
+        (`finished`: the requests vLLM reports finished since the last step); says which way it went ("steady",
+        "rows" or "batch", as the host profile's `fill_step:<way>`)."""
         self._steer_finished(finished)
-        self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))
+        return self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))

@@ -141,10 +141,15 @@ class _TapWorkerMixin:
 
         def prepare_inputs(scheduler_output, *a, **k):
             out = prepare(scheduler_output, *a, **k)
-            t0 = time.perf_counter() if clock else 0.0
-            self._steer_fill_step(scheduler_output)
-            if clock:
-                clock.add("fill_step", time.perf_counter() - t0)
+            if clock is None:
+                self._steer_fill_step(scheduler_output)
+                return out
+            t0 = time.perf_counter()
+            path = self._steer_fill_step(scheduler_output)
+            dt = time.perf_counter() - t0
+            clock.add("fill_step", dt)
+            clock.add(f"fill_step:{path}", dt)  # which of its paths, timed apart
+            self.steer_il.fresh_step = True
             return out
 
         def execute_model(*a, **k):
@@ -161,12 +166,15 @@ class _TapWorkerMixin:
         runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
         self.steer_il.clock = clock
 
-    def _steer_fill_step(self, scheduler_output) -> None:
+    def _steer_fill_step(self, scheduler_output) -> str:
+        """Map the step's rows to their requests' edits; says which way: "steady" (the last step's weights again),
+        "rows" (the rows read anew) or "batch" (a request joined or left: the batch's edits looked up first)."""
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
         il = self.steer_il
         rids = tuple(batch.req_ids[:n])
+        path = "rows"
         if rids != self.steer_batch_key:  # a request joined or left (or the stages changed): look its edits up once
             from interleaver.bank import BatchEdits, RequestEdits
 
@@ -190,12 +198,14 @@ class _TapWorkerMixin:
                     del cache[rid]
             self.steer_batch_key = rids
             self.steer_batch = BatchEdits(edits, prompt_lens, len(self.steer_bank.stages), il.step.order)
+            path = "batch"
         num_tokens = int(scheduler_output.total_num_scheduled_tokens)
         if il.step.repeat(self.steer_batch, num_tokens):  # a steady decode step: most steps of a long generation
-            return
+            return "steady"
         qsl = runner.query_start_loc.np[: n + 1].astype(np.int64)
         il.step.set_rows(qsl[:n], qsl[1:] - qsl[:n], batch.num_computed_tokens_cpu[:n].astype(np.int64),
                          self.steer_batch, num_tokens, runner.device)
+        return path
 
     def _steer_finished(self, rids) -> None:
         """Forget finished requests (vLLM may reuse an id for a request resubmitted after an abort) and free their

@@ -49,9 +49,11 @@ class _Runner:
         return None
 
 
-def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
+def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb: int = 0) -> dict:
     """Microseconds of fill_step in the step `n` requests steered by `scen_name` join (32 prompt rows each), then
-    per decode step of fill_step and of one tap's replay."""
+    per decode step of fill_step and of one tap's replay. `cold_mb`: read that many MB of other memory before each
+    step, as an engine's step runs its taps' code once between much else (0: the same code back to back, hot)."""
+    other = np.ones(cold_mb << 17) if cold_mb else None  # float64: 1 MB is 2 ** 17 of them
     runner = _Runner(n, hidden)
     worker = HostWorker(runner, [(_TAP, True)])
     bank, loc = EditBank(), tap_location(_TAP)
@@ -71,27 +73,33 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200) -> dict:
     fill = replay = 0.0
     for step in range(steps):
         runner.input_batch.num_computed_tokens_cpu[:] = 32 + step
+        if other is not None:
+            other.sum()
         t0 = time.perf_counter()
         worker.fill_step(n)
         t1 = time.perf_counter()
         il.replay(loc, (runner.x.clone(), runner.x))
         t2 = time.perf_counter()
         fill, replay = fill + t1 - t0, replay + t2 - t1
-    return {"requests": n, "scenario": scen_name, "join_us": 1e6 * join, "fill_step_us": 1e6 * fill / steps,
-            "replay_us": 1e6 * replay / steps}
+    return {"requests": n, "scenario": scen_name, "cold_mb": cold_mb, "join_us": 1e6 * join,
+            "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     p.add_argument("--scenarios", nargs="+", default=["add", "k8", "k64"])
+    p.add_argument("--cold-mb", type=int, default=64,
+                   help="also time each step after reading this many MB of other memory (0: back to back only)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'requests':>8} {'scenario':>8} {'join step us':>13} {'fill_step us':>13} {'replay us':>10}")
+    print(f"{'requests':>8} {'scenario':>8} {'caches':>6} {'join step us':>13} {'fill_step us':>13} {'replay us':>10}")
     for n in a.requests:
         for s in a.scenarios:
-            r = measure(n, s)
-            print(f"{n:>8} {s:>8} {r['join_us']:>13.1f} {r['fill_step_us']:>13.1f} {r['replay_us']:>10.1f}")
+            for cold in sorted({0, a.cold_mb}):
+                r = measure(n, s, cold_mb=cold)
+                print(f"{n:>8} {s:>8} {'cold' if cold else 'hot':>6} {r['join_us']:>13.1f} {r['fill_step_us']:>13.1f} "
+                      f"{r['replay_us']:>10.1f}")
 
 
 if __name__ == "__main__":

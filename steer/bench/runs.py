@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from interleaver import clock
 from steer.bench import cpu, engines, nvml, pauses, placement, waves, workload
 from steer.bench.pairs import STEP, STEP_GAPS
 from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, least_passes, timed_window
@@ -221,9 +222,10 @@ def _pass(cfg: BenchConf, group: Group, runner, t: _Timing, read=None, m: Option
                            **(step_reading(steps()) if steps else {})})
         if profile:
             for k, v in profile().items():
-                acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0})
+                acc = t.host.setdefault(k, {"seconds": 0.0, "calls": 0, "hist": {}})
                 acc["seconds"] += v["seconds"]
                 acc["calls"] += v["calls"]
+                clock.merge(acc["hist"], v.get("hist", {}))
         if produced is not None and produced != n * tokens:
             raise RuntimeError(f"generated {produced} tokens, expected {n * tokens}")
     except Exception as e:
@@ -265,10 +267,21 @@ def _record(t: _Timing, profiled: bool) -> Dict:
             if key not in (placement.BUSIEST, STEP_GAPS):  # a CPU's number, or a pass's steps, has no median
                 rec[key] = statistics.median(per_pass)
     if profiled:
-        rec["host_profile"] = {k: {"us_per_call": 1e6 * v["seconds"] / v["calls"], "calls": v["calls"]}
-                               if v["seconds"] else {"calls": v["calls"]}  # a count, not a clock
-                               for k, v in t.host.items()}
+        rec["host_profile"] = {k: _profiled(v) for k, v in t.host.items()}
     return rec
+
+
+def _profiled(section: Dict) -> Dict:
+    """A host profile section's figures: us a call on average and, where its calls were binned, at their median
+    and 90th and 99th percentiles (a mean far over the median: a few slow calls; near it: every call); a count
+    alone where it has no clock."""
+    if not section["seconds"]:
+        return {"calls": section["calls"]}
+    out = {"us_per_call": 1e6 * section["seconds"] / section["calls"], "calls": section["calls"]}
+    for name, q in (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99)):
+        if section.get("hist"):
+            out[name] = round(clock.quantile(section["hist"], q), 1)
+    return out
 
 
 def step_reading(stamps: List[float]) -> Dict[str, object]:

@@ -10,3 +10,12 @@ def test_the_host_bench_times_the_join_step_the_workers_row_mapping_and_a_taps_p
     r = host.measure(8, scen, hidden=16, steps=3)
     assert (r["requests"], r["scenario"]) == (8, scen)
     assert r["join_us"] > 0 and r["fill_step_us"] > 0 and r["replay_us"] > 0
+
+
+def test_the_host_bench_times_each_case_with_its_caches_hot_and_cold(capsys):
+    """Cold: other memory read before each step, as an engine's step runs the taps' code once among much else."""
+    r = host.measure(8, "add", hidden=16, steps=3, cold_mb=1)
+    assert r["cold_mb"] == 1 and r["fill_step_us"] > 0 and r["replay_us"] > 0
+    host.main(["--requests", "4", "--scenarios", "add", "--cold-mb", "1"])
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [["4", "add", "hot"], ["4", "add", "cold"]]

@@ -68,7 +68,8 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     assert params[2]["extra_args"] == params[4]["extra_args"]
     # one string per plan, not one per request: vLLM deep-copies each request's params, and a string copies free
     assert params[0]["extra_args"]["steer"] is params[3]["extra_args"]["steer"] is params[5]["extra_args"]["steer"]
-    assert engine._clock.calls == {"params": 1} and engine._clock.seconds["params"] > 0
+    taken = engine._clock.take()
+    assert list(taken) == ["params"] and taken["params"]["calls"] == 1 and taken["params"]["seconds"] > 0
     assert len(pushed) == 1 and len(pushed[0]) == 5  # four ablate stages and one add, shipped once
     # requests of one plan and seed share one SamplingParams (vLLM clones each request's), others have their own
     assert params[0] is params[3] is params[5] and params[2] is not params[4] and params[1] is not params[0]

@@ -199,3 +199,30 @@ def test_step_stamps_hand_back_each_token_making_steps_stamp_once():
     assert take() == [1.0, 2.0] and take() == []  # a step with no token (a utility answer) has no stamp
     core.get_output()
     assert take() == [3.0]
+
+
+def test_a_profiled_worker_times_each_way_it_fills_a_step_and_each_steps_first_break(monkeypatch):
+    """STEER_PROFILE=1: `fill_step` is timed as a whole and by the way it went (a request joined, rows read anew,
+    the last step's weights again), and a step's first eager break apart from the rest, each with its calls'
+    histogram (interleaver.clock)."""
+    monkeypatch.setenv("STEER_PROFILE", "1")
+    w = tap_worker()
+    bank, loc = EditBank(), tap_location("layers.0")
+    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, torch.randn(1, H))])))
+    w.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    il = w.steer_il
+
+    class TwoBreaks(torch.nn.Module):  # a replayed graph's step: two eager breaks at the tap
+        def forward(self, x):
+            for _ in range(2):
+                il._timed_replay(loc, (x * 0.5, x * 0.5))
+            return x
+
+    w.model_runner.model = TwoBreaks()
+    for pos, rows in ((0, 3), (3, 1), (4, 1), (5, 1)):  # a's prompt, its first generated token, then steady steps
+        step(w.model_runner, [("a", rows, pos, 3, {"steer": add.to_args()})], torch.randn(rows, H))
+    prof = w.steer_profile()
+    timed = {k: v for k, v in prof.items() if not k.startswith("edits_")}  # the programs' forms: counts alone
+    assert {k: v["calls"] for k, v in timed.items()} == {"fill_step": 4, "fill_step:batch": 1, "fill_step:rows": 1,
+                                                         "fill_step:steady": 2, "replay": 8, "replay:first": 4}
+    assert all(sum(v["hist"].values()) == v["calls"] for v in timed.values())
