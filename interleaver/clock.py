@@ -37,7 +37,7 @@ def quantile(hist: Mapping[str, int], q: float) -> float:
     seen = 0
     for k in sorted(hist, key=int):
         seen += hist[k]
-        if seen >= q * total:
+        if seen >= q * total * (1 - 1e-12):  # q * total may round over the whole count it means
             break
     return 2 ** ((int(k) + 0.5) / BINS_PER_OCTAVE)
 

@@ -170,6 +170,8 @@ class VLLMInterleaver(Interleaver):
         if self.fresh_step:  # a step's first break, apart: it may pay for what the step's others find warm
             self.fresh_step = False
             self.clock.add("replay:first", dt)
+        else:
+            self.clock.add("replay:rest", dt)
 
     def _break(self, location: str, live: Any) -> None:
         """Serve a tap at a replayed graph's eager break (`live`: its whole padded value). Every step and tap

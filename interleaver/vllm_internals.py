@@ -162,6 +162,7 @@ class _TapWorkerMixin:
                 return execute(*a, **k)
             finally:
                 self.steer_il.step.clear()  # a later warm-up or dummy run must edit nothing
+                self.steer_il.fresh_step = False  # ... nor count as a step's first break
 
         runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
         self.steer_il.clock = clock

@@ -9,6 +9,7 @@ kept small so that is dispatch, not arithmetic) and prints microseconds per call
 
 import argparse
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -53,6 +54,8 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
     """Microseconds of fill_step in the step `n` requests steered by `scen_name` join (32 prompt rows each), then
     per decode step of fill_step and of one tap's replay. `cold_mb`: read that many MB of other memory before each
     step, as an engine's step runs its taps' code once between much else (0: the same code back to back, hot)."""
+    if cold_mb < 0:
+        raise ValueError(f"cold_mb: {cold_mb} MB of other memory to read; expected 0 or more")
     other = np.ones(cold_mb << 17) if cold_mb else None  # float64: 1 MB is 2 ** 17 of them
     runner = _Runner(n, hidden)
     worker = HostWorker(runner, [(_TAP, True)])
@@ -65,6 +68,8 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
     # The step they join in: each request's 32 prompt rows, its edits looked up and every row's weights built
     runner.query_start_loc.np[:] = np.arange(n + 1) * 32
+    if other is not None:
+        other.sum()
     t0 = time.perf_counter()
     worker.fill_step(32 * n)
     join = time.perf_counter() - t0
@@ -85,13 +90,33 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
             "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps}
 
 
+def _megabytes(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: expected 0 or more MB")
+    return n
+
+
+def _llc_mb(path: str = "/sys/devices/system/cpu/cpu0/cache/index3/size") -> int:
+    """This CPU's last-level cache in MB, rounded up, from sysfs ("32768K"); 0 where it is not there."""
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return 0
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return -(-int(text.rstrip("KM")) * scale // (1 << 20))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     p.add_argument("--scenarios", nargs="+", default=["add", "k8", "k64"])
-    p.add_argument("--cold-mb", type=int, default=64,
-                   help="also time each step after reading this many MB of other memory (0: back to back only)")
+    p.add_argument("--cold-mb", type=_megabytes, default=None,
+                   help="also time each step after reading this many MB of other memory (0: back to back only; "
+                        "default: twice the last-level cache up to 128, 64 where its size is not known)")
     a = p.parse_args(argv)
+    if a.cold_mb is None:
+        a.cold_mb = min(2 * _llc_mb(), 128) or 64
     torch.set_num_threads(1)
     print(f"{'requests':>8} {'scenario':>8} {'caches':>6} {'join step us':>13} {'fill_step us':>13} {'replay us':>10}")
     for n in a.requests:

@@ -100,7 +100,7 @@ class _Timing:
     # per timed pass: its GPU's mean SM clock and power, its host's busy CPUs and steal, where this engine's
     # processes ran, its decode steps (absent: not read)
     readings: List[Dict[str, object]] = field(default_factory=list)
-    host: Dict[str, Dict[str, float]] = field(default_factory=dict)  # section -> summed seconds and calls
+    host: Dict[str, Dict] = field(default_factory=dict)  # section -> summed seconds, calls, merged histogram
     record: Optional[Dict] = None
 
 

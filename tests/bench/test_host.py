@@ -19,3 +19,16 @@ def test_the_host_bench_times_each_case_with_its_caches_hot_and_cold(capsys):
     host.main(["--requests", "4", "--scenarios", "add", "--cold-mb", "1"])
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[:3] for row in rows] == [["4", "add", "hot"], ["4", "add", "cold"]]
+
+
+def test_cold_caches_read_a_sane_amount_of_other_memory(tmp_path):
+    with pytest.raises(ValueError, match="cold_mb: -1 MB"):
+        host.measure(8, "add", hidden=16, steps=1, cold_mb=-1)
+    with pytest.raises(SystemExit):
+        host.main(["--cold-mb", "-1"])
+    size = tmp_path / "size"
+    size.write_text("1536K\n")
+    assert host._llc_mb(str(size)) == 2  # rounded up
+    size.write_text("300M\n")
+    assert host._llc_mb(str(size)) == 300
+    assert host._llc_mb(str(tmp_path / "none")) == 0  # the default then reads 64 MB

@@ -18,8 +18,8 @@ def test_a_cells_host_profile_adds_its_passes_and_reads_their_calls_quantiles(en
         def run(prompts, scen, tokens):
             return len(prompts) * tokens
 
-        def profile():  # each pass: 9 quick calls and a slow one; before each pass, what must not count
-            calls = [4e-6] * 9 + [900e-6] if taken else [1.0]
+        def profile():  # after each of the two timed passes, its own calls; before each, what must not count
+            calls = {1: [4e-6] * 6 + [50e-6] * 3 + [900e-6], 3: [4e-6] * 10}.get(len(taken), [1.0])
             taken.append(calls)
             return {"fill_step": {"seconds": sum(calls), "calls": len(calls), "hist": clock.bins(calls)},
                     "edits_fused": {"seconds": 0.0, "calls": 3}}
@@ -35,7 +35,7 @@ def test_a_cells_host_profile_adds_its_passes_and_reads_their_calls_quantiles(en
     prof = rec["host_profile"]
     assert prof["edits_fused"] == {"calls": 6}  # a count, not a clock: the two timed passes'
     f = prof["fill_step"]
-    assert f["calls"] == 20 and f["us_per_call"] == pytest.approx((9 * 4 + 900) / 10)
-    width = 2 ** (1 / 8) - 1  # a bin's
-    assert f["p50_us"] == pytest.approx(4, rel=width) and f["p90_us"] == pytest.approx(4, rel=width)
-    assert f["p99_us"] == pytest.approx(900, rel=width)
+    assert f["calls"] == 20 and f["us_per_call"] == pytest.approx((16 * 4 + 3 * 50 + 900) / 20)
+    # the two passes' calls merged: 16 quick, three at 50 us, one at 900 (each read as its bin's middle)
+    middle = {us: round(clock.quantile(clock.bins([us * 1e-6]), 0.5), 1) for us in (4, 50, 900)}
+    assert (f["p50_us"], f["p90_us"], f["p99_us"]) == (middle[4], middle[50], middle[900])

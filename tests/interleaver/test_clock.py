@@ -28,6 +28,13 @@ def test_a_section_keeps_its_total_its_count_and_where_its_calls_fell():
     assert c.take() == {}  # each take starts the sections anew
 
 
+def test_a_call_lands_in_its_eighth_of_an_octave_and_a_quantile_reads_that_bins_middle():
+    assert clock.bins([5e-6]) == {"18": 1}  # 8 * log2(5) = 18.6
+    assert clock.quantile({"18": 1}, 0.5) == 2 ** (18.5 / 8)
+    assert clock.bins([0.0, 1e-9, -1e-6, 0.25e-6]) == {"-16": 4}  # at or under a quarter of a us: the lowest bin
+    assert clock.quantile({"3": 7, "9": 93}, 0.07) == 2 ** (3.5 / 8)  # 0.07 * 100 is 7.000000000000001
+
+
 def test_quantiles_read_the_bins_in_order_of_duration_not_of_their_names():
     hist = clock.bins([2e-6] * 3 + [100e-6] * 7)  # bins 8 and 53: "53" sorts before "8" as text
     assert clock.quantile(hist, 0.3) == pytest.approx(2, rel=0.1)

@@ -221,8 +221,10 @@ def test_a_profiled_worker_times_each_way_it_fills_a_step_and_each_steps_first_b
     w.model_runner.model = TwoBreaks()
     for pos, rows in ((0, 3), (3, 1), (4, 1), (5, 1)):  # a's prompt, its first generated token, then steady steps
         step(w.model_runner, [("a", rows, pos, 3, {"steer": add.to_args()})], torch.randn(rows, H))
+    il._timed_replay(loc, (torch.zeros(1, H), torch.zeros(1, H)))  # a dummy run's break, after the steps: no first
     prof = w.steer_profile()
     timed = {k: v for k, v in prof.items() if not k.startswith("edits_")}  # the programs' forms: counts alone
     assert {k: v["calls"] for k, v in timed.items()} == {"fill_step": 4, "fill_step:batch": 1, "fill_step:rows": 1,
-                                                         "fill_step:steady": 2, "replay": 8, "replay:first": 4}
+                                                         "fill_step:steady": 2, "replay": 9, "replay:first": 4,
+                                                         "replay:rest": 5}
     assert all(sum(v["hist"].values()) == v["calls"] for v in timed.values())
