@@ -35,5 +35,6 @@ class HostWorker(_TapWorkerMixin, _NoWorker):
         """Map the step's `num_tokens` rows to the runner's requests, as after vLLM prepares a step's inputs
         (`finished`: the requests vLLM reports finished since the last step); says which way it went ("steady",
         "rows" or "batch", as the host profile's `fill_step:<way>`)."""
-        self._steer_finished(finished)
+        if finished:  # as the runner's wrapper does: vLLM reports finished requests on few steps
+            self._steer_finished(finished)
         return self._steer_fill_step(SimpleNamespace(total_num_scheduled_tokens=num_tokens))

@@ -174,10 +174,16 @@ class _TapWorkerMixin:
         batch = runner.input_batch
         n = batch.num_reqs
         il = self.steer_il
-        rids = tuple(batch.req_ids[:n])
+        ids = batch.req_ids  # vLLM's own list, kept in batch order and trimmed to the batch by condense()
+        if len(ids) != n:
+            ids = ids[:n]
         path = "rows"
-        if rids != self.steer_batch_key:  # a request joined or left (or the stages changed): look its edits up once
+        # Compared item by item with the last batch's copy, by identity where unchanged: no new tuple of the ids a
+        # step (a steady step's host time is its caches' misses: one pointer array read, not n objects touched)
+        if ids != self.steer_batch_key:  # a request joined or left (or the stages changed): look its edits up once
             from interleaver.bank import BatchEdits, RequestEdits
+
+            rids = list(ids)  # a copy: vLLM changes its list in place
 
             cache = self.steer_requests
             edits, prompt_lens, changed = [], np.empty(n, dtype=np.int64), set()

@@ -69,7 +69,7 @@ def step(runner, reqs, x, finished=()):
     """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step (`finished`: the
     requests vLLM reports finished since the last step)."""
     runner.input_batch.num_reqs = len(reqs)
-    runner.input_batch.req_ids = [r[0] for r in reqs]
+    runner.input_batch.req_ids[:] = [r[0] for r in reqs]  # in place, as vLLM keeps its list
     counts = [r[1] for r in reqs]
     runner.query_start_loc.np[: len(reqs) + 1] = np.concatenate([[0], np.cumsum(counts)])
     runner.input_batch.num_computed_tokens_cpu[: len(reqs)] = [r[2] for r in reqs]
