@@ -16,6 +16,7 @@ a CUDA tensor asks for the kernel; elsewhere (CPU, no Triton) `available` is Fal
 """
 
 import warnings
+import weakref
 from functools import lru_cache
 from typing import Optional
 
@@ -74,6 +75,8 @@ class Fused:
         self.bound = True  # bind a direct launch to its tensors' addresses (False: each one resolves them again)
         self._compiled: dict = {}
         self._bound: dict = {}  # _addresses(...) -> a bound launch (triton_internals.bind)
+        # At a break: (id(hidden), id(residual), id(weights)) -> (weak references to them, rows they hold, launch)
+        self._seen: dict = {}
 
     def warm(self) -> None:
         """Compile and load the kernel for every activation dtype, with and without a residual, and check its
@@ -103,18 +106,24 @@ class Fused:
                 if not same:
                     warnings.warn(f"the fused tap kernel's direct launch is not used ({why}); every launch goes "
                                   "through Triton's JIT", RuntimeWarning, stacklevel=2)
-                    self.direct, self._compiled, self._bound = False, {}, {}
+                    self.direct, self._compiled, self._bound, self._seen = False, {}, {}, {}
 
     def __call__(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
                  rows: Optional[int] = None) -> bool:
         """Edit the first `rows` rows of `hidden` (None: all of them) in place; False (nothing done) where the
         kernel does not apply."""
+        if rows is not None and self.direct and self.bound:  # a replayed graph's break
+            seen = self._seen.get((id(hidden), id(residual), id(weights)))
+            if seen is not None and seen[0]() is hidden and seen[1]() is residual and seen[2]() is weights \
+                    and 0 < rows <= seen[3] and seen[4](rows):
+                return True
         n = hidden.shape[0] if rows is None else rows
         at = _addresses(hidden, residual, weights) if self.direct and self.bound else None
         go = self._bound.get(at) if at is not None else None
         # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
-        if go is not None and 0 < n <= min(hidden.shape[0], weights.shape[0],
-                                           hidden.shape[0] if residual is None else residual.shape[0]) and go(n):
+        most = min(hidden.shape[0], weights.shape[0], hidden.shape[0] if residual is None else residual.shape[0])
+        if go is not None and 0 < n <= most and go(n):
+            self._saw(hidden, residual, weights, rows, most, go)
             return True
         if not _fits(hidden, residual, weights, self.basis, n):
             return False
@@ -132,7 +141,22 @@ class Fused:
                 self._bound[at] = go
         if go is None or not go(n):
             triton_internals.launch(compiled, (n, 1, 1), args)
+        else:
+            self._saw(hidden, residual, weights, rows, most, go)
         return True
+
+    def _saw(self, hidden, residual, weights, rows, most: int, go) -> None:
+        """Remember a break's tensors by identity for its bound launch. A replayed graph hands each break the same
+        tensor objects every replay (vLLM writes their data, never their storage or layout), and a steady decode
+        step keeps its weights tensor, so the next break finds its launch without reading a tensor's attributes,
+        which costs most of a break's host time when the step's first break runs with the caches cold
+        (DEVELOPERS.md). Weak references: a tensor that has gone is never taken for the one now at its id."""
+        if rows is None:  # an eager step's trimmed views are new objects every call
+            return
+        if len(self._seen) >= _SEEN_MAX:
+            self._seen.clear()
+        refs = tuple(_none if t is None else weakref.ref(t) for t in (hidden, residual, weights))
+        self._seen[(id(hidden), id(residual), id(weights))] = (*refs, most, go)
 
     def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float) -> bool:
@@ -194,6 +218,12 @@ def folded(table: Fused, hidden: torch.Tensor, residual: Optional[torch.Tensor],
 
 
 _BOUND_MAX = 4096  # bound launches a table keeps: a tap's tensors in each graph size, and the weights' few homes
+_SEEN_MAX = 256  # breaks' tensors a table knows by identity: each graph size's, with the weights of recent steps
+
+
+def _none() -> None:
+    """The weak reference of an absent residual."""
+    return None
 
 
 def _addresses(hidden, residual, weights) -> tuple:

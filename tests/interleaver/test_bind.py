@@ -79,6 +79,57 @@ def test_a_launch_on_the_same_tensors_reuses_its_binding_over_any_leading_rows(f
     assert fake.bound_rows == [8, 5, 1, 4, 6]
 
 
+def test_a_break_finds_its_launch_by_its_tensors_identity_and_nothing_else(fake_triton, monkeypatch):
+    """A replayed graph hands a break the same tensor objects every step: the second break on them launches without
+    reading their addresses. Other objects (a new weights tensor, eager views, a tensor now at a dead one's id) and
+    rows the tensors do not hold go the address way."""
+    fake, table = fake_triton(), direction_table()
+    looked = []
+    monkeypatch.setattr(kernels, "_addresses", lambda *a, f=kernels._addresses: looked.append(1) or f(*a))
+    g = torch.Generator().manual_seed(6)
+    h, r, w = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.rand(8, 2, generator=g)
+    want = h.clone()
+    for rows in (8, 8, 3):
+        in_torch(table, want, r, w, rows)
+        assert table(h, r, w, rows=rows) is True
+    # the JIT's launch and the binding looked the tensors up; the third break knew them
+    assert torch.equal(h, want) and fake.bound_rows == [8, 3] and len(looked) == 2
+    w2 = w.clone()
+    table(h, r, w2, rows=8)  # the next step's weights: looked up by address once, then known
+    table(h, r, w2, rows=8)
+    assert table(h, r, w, rows=9) is False  # more rows than the tensors hold: refused the address way
+    assert len(looked) == 4 and fake.bound_rows == [8, 3, 8, 8]
+    table(h[:8], r, w)  # an eager call (no rows) on the step's trimmed views: never remembered by identity
+    table(h[:8], r, w)
+    assert len(looked) == 6 and len(table._seen) == 2 and len(fake.bound_rows) == 6
+    # A new weights tensor that took a dead one's id: its weak reference tells them apart
+    table._seen[(id(h), id(r), id(w2))] = table._seen.pop((id(h), id(r), id(w)))
+    w3 = w.clone()
+    table._seen[(id(h), id(r), id(w3))] = table._seen.pop((id(h), id(r), id(w2)))
+    in_torch(table, want, r, w2, 8)
+    h_before = h.clone()
+    table(h, r, w3, rows=8)
+    assert len(looked) == 7 and not torch.equal(h, h_before)
+    for i in (0, 1):  # the same for a new hidden or residual at a dead one's id
+        table(h, r, w3, rows=8)  # known again
+        known = [h, r, w3]
+        known[i] = known[i].clone()
+        table._seen[tuple(map(id, known))] = table._seen.pop((id(h), id(r), id(w3)))
+        before = len(looked)
+        table(*known, rows=8)
+        assert len(looked) == before + 1
+    fake.hooked = True  # a profiler's launch hooks: the known launch declines, the unbound one runs
+    n = len(fake.direct_args)
+    table(h, r, w3, rows=8)
+    assert len(fake.direct_args) == n + 1 and len(fake.bound_rows) == 11
+    monkeypatch.setattr(kernels, "_SEEN_MAX", 2)
+    fake.hooked, steps = False, [torch.rand(8, 2, generator=g) for _ in range(3)]
+    table._seen.clear()
+    for weights in steps:
+        table(h, r, weights, rows=8)
+    assert list(table._seen) == [(id(h), id(r), id(steps[2]))]  # a full table of known breaks starts again
+
+
 def test_unbound_or_unbindable_direct_launches_go_through_the_compiled_kernel(fake_triton, monkeypatch):
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(4, 16, generator=g), torch.rand(4, 2, generator=g)
