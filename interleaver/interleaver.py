@@ -233,9 +233,11 @@ class VLLMInterleaver(Interleaver):
 
 
 def _trim(value: Any, n: int) -> Any:
-    """Views of the first `n` rows (the step's real ones; a graph's value is padded past them)."""
+    """Views of the first `n` rows (the step's real ones; a graph's value is padded past them): new views even
+    where nothing is cut, so that trace code never holds a graph's own tensors (kernels.Fused knows those by
+    identity)."""
     def cut(t):
-        return t[:n] if t.dim() and t.shape[0] > n else t
+        return t[:n] if t.dim() else t
 
     if type(value) is tuple and all(type(t) is torch.Tensor for t in value):  # a layer's (hidden, residual)
         return tuple(cut(t) for t in value)

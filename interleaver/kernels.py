@@ -75,8 +75,7 @@ class Fused:
         self.bound = True  # bind a direct launch to its tensors' addresses (False: each one resolves them again)
         self._compiled: dict = {}
         self._bound: dict = {}  # _addresses(...) -> a bound launch (triton_internals.bind)
-        # At a break: (id(hidden), id(residual), id(weights)) -> (weak references to them, rows they hold, launch)
-        self._seen: dict = {}
+        self._seen: dict = {}  # at a break: (id(hidden), id(residual)) -> _Known
 
     def warm(self) -> None:
         """Compile and load the kernel for every activation dtype, with and without a residual, and check its
@@ -112,18 +111,16 @@ class Fused:
                  rows: Optional[int] = None) -> bool:
         """Edit the first `rows` rows of `hidden` (None: all of them) in place; False (nothing done) where the
         kernel does not apply."""
-        if rows is not None and self.direct and self.bound:  # a replayed graph's break
-            seen = self._seen.get((id(hidden), id(residual), id(weights)))
-            if seen is not None and seen[0]() is hidden and seen[1]() is residual and seen[2]() is weights \
-                    and 0 < rows <= seen[3] and seen[4](rows):
-                return True
+        if rows is not None and self.direct and self.bound and self._known_launch(hidden, residual, weights, rows):
+            return True
         n = hidden.shape[0] if rows is None else rows
         at = _addresses(hidden, residual, weights) if self.direct and self.bound else None
         go = self._bound.get(at) if at is not None else None
         # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
-        most = min(hidden.shape[0], weights.shape[0], hidden.shape[0] if residual is None else residual.shape[0])
+        pair_rows = hidden.shape[0] if residual is None else min(hidden.shape[0], residual.shape[0])
+        most = min(pair_rows, weights.shape[0])
         if go is not None and 0 < n <= most and go(n):
-            self._saw(hidden, residual, weights, rows, most, go)
+            self._saw(hidden, residual, weights, rows, at, pair_rows, most, go)
             return True
         if not _fits(hidden, residual, weights, self.basis, n):
             return False
@@ -142,21 +139,35 @@ class Fused:
         if go is None or not go(n):
             triton_internals.launch(compiled, (n, 1, 1), args)
         else:
-            self._saw(hidden, residual, weights, rows, most, go)
+            self._saw(hidden, residual, weights, rows, at, pair_rows, most, go)
         return True
 
-    def _saw(self, hidden, residual, weights, rows, most: int, go) -> None:
+    def _known_launch(self, hidden, residual, weights, rows: int) -> bool:
+        """A break's bound launch, found by its tensors' identity (`_saw`): True if it launched. A step with new
+        weights reads only the weights' own part of the key."""
+        known = self._seen.get((id(hidden), id(residual)))
+        if known is None or known.hidden() is not hidden or known.residual() is not residual:
+            return False
+        if known.weights() is not weights:
+            go = self._bound.get(known.key + _weights_key(weights))
+            if go is None:
+                return False
+            known.weights, known.most, known.go = weakref.ref(weights), min(known.rows, weights.shape[0]), go
+        return 0 < rows <= known.most and known.go(rows)
+
+    def _saw(self, hidden, residual, weights, rows, at: tuple, pair_rows: int, most: int, go) -> None:
         """Remember a break's tensors by identity for its bound launch. A replayed graph hands each break the same
-        tensor objects every replay (vLLM writes their data, never their storage or layout), and a steady decode
-        step keeps its weights tensor, so the next break finds its launch without reading a tensor's attributes,
-        which costs most of a break's host time when the step's first break runs with the caches cold
-        (DEVELOPERS.md). Weak references: a tensor that has gone is never taken for the one now at its id."""
+        tensor objects every replay (vLLM writes their data, never their storage or layout; `_trim` hands trace
+        code views, never these), and a steady decode step keeps its weights tensor, so the next break finds its
+        launch without reading a tensor's attributes, which costs most of a break's host time when the step's
+        first break runs with the caches cold (DEVELOPERS.md). Weak references: a tensor that has gone is never
+        taken for the one now at its id."""
         if rows is None:  # an eager step's trimmed views are new objects every call
             return
         if len(self._seen) >= _SEEN_MAX:
             self._seen.clear()
-        refs = tuple(_none if t is None else weakref.ref(t) for t in (hidden, residual, weights))
-        self._seen[(id(hidden), id(residual), id(weights))] = (*refs, most, go)
+        self._seen[(id(hidden), id(residual))] = _Known(hidden, residual, at[:-_WEIGHTS_KEY], pair_rows, weights,
+                                                        most, go)
 
     def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float) -> bool:
@@ -218,7 +229,7 @@ def folded(table: Fused, hidden: torch.Tensor, residual: Optional[torch.Tensor],
 
 
 _BOUND_MAX = 4096  # bound launches a table keeps: a tap's tensors in each graph size, and the weights' few homes
-_SEEN_MAX = 256  # breaks' tensors a table knows by identity: each graph size's, with the weights of recent steps
+_SEEN_MAX = 256  # breaks' tensors a table knows by identity: a tap's value in each graph size
 
 
 def _none() -> None:
@@ -226,12 +237,31 @@ def _none() -> None:
     return None
 
 
+class _Known:
+    """A break's tensors, known by identity: weak references to them, the key's part that hidden and residual
+    make (`_addresses` less `_weights_key`), the rows they hold with and without the weights, and the launch."""
+
+    __slots__ = ("hidden", "residual", "key", "rows", "weights", "most", "go")
+
+    def __init__(self, hidden, residual, key: tuple, rows: int, weights, most: int, go):
+        self.hidden, self.residual = weakref.ref(hidden), _none if residual is None else weakref.ref(residual)
+        self.key, self.rows, self.weights, self.most, self.go = key, rows, weakref.ref(weights), most, go
+
+
 def _addresses(hidden, residual, weights) -> tuple:
     """Everything a bound launch's arguments depend on but the rows: the tensors' addresses, strides, dtypes and
     the width. (A CUDA address names one device's memory: with unified addressing, no two devices share one.)"""
     r = hidden if residual is None else residual
-    return (hidden.data_ptr(), r.data_ptr(), weights.data_ptr(), hidden.stride(), r.stride(), weights.stride(),
-            hidden.shape[1:], r.shape[1:], residual is None, hidden.dtype, r.dtype, weights.dtype, hidden.is_cuda)
+    return (hidden.data_ptr(), r.data_ptr(), hidden.stride(), r.stride(), hidden.shape[1:], r.shape[1:],
+            residual is None, hidden.dtype, r.dtype, hidden.is_cuda) + _weights_key(weights)
+
+
+def _weights_key(weights) -> tuple:
+    """The weights' part of `_addresses` (its last `_WEIGHTS_KEY` items)."""
+    return weights.data_ptr(), weights.stride(), weights.dtype
+
+
+_WEIGHTS_KEY = 3
 
 
 def _key(hidden, residual, weights) -> tuple:

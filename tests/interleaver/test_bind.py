@@ -81,11 +81,12 @@ def test_a_launch_on_the_same_tensors_reuses_its_binding_over_any_leading_rows(f
 
 def test_a_break_finds_its_launch_by_its_tensors_identity_and_nothing_else(fake_triton, monkeypatch):
     """A replayed graph hands a break the same tensor objects every step: the second break on them launches without
-    reading their addresses. Other objects (a new weights tensor, eager views, a tensor now at a dead one's id) and
-    rows the tensors do not hold go the address way."""
+    reading their attributes, and a step with new weights reads only the weights'. Eager views, a tensor now at a
+    dead one's id, rows the tensors do not hold, an unbound form and a profiler's hooks go the address way."""
     fake, table = fake_triton(), direction_table()
-    looked = []
+    looked, weighed = [], []
     monkeypatch.setattr(kernels, "_addresses", lambda *a, f=kernels._addresses: looked.append(1) or f(*a))
+    monkeypatch.setattr(kernels, "_weights_key", lambda w, f=kernels._weights_key: weighed.append(1) or f(w))
     g = torch.Generator().manual_seed(6)
     h, r, w = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.rand(8, 2, generator=g)
     want = h.clone()
@@ -94,40 +95,64 @@ def test_a_break_finds_its_launch_by_its_tensors_identity_and_nothing_else(fake_
         assert table(h, r, w, rows=rows) is True
     # the JIT's launch and the binding looked the tensors up; the third break knew them
     assert torch.equal(h, want) and fake.bound_rows == [8, 3] and len(looked) == 2
-    w2 = w.clone()
-    table(h, r, w2, rows=8)  # the next step's weights: looked up by address once, then known
+    w2 = w.clone()  # the next step's weights, elsewhere: looked up whole once, then known
     table(h, r, w2, rows=8)
-    assert table(h, r, w, rows=9) is False  # more rows than the tensors hold: refused the address way
-    assert len(looked) == 4 and fake.bound_rows == [8, 3, 8, 8]
+    table(h, r, w2, rows=8)
+    assert len(looked) == 3 and len(fake.binds) == 2
+    weighed.clear()
+    table(h, r, w, rows=8)  # weights where a step's were bound before: only their own part of the key read
+    assert len(looked) == 3 and len(weighed) == 1 and fake.bound_rows == [8, 3, 8, 8, 8]
+    bound = len(fake.bound_rows)
+    assert table(h, r, w[:4], rows=6) is False  # weights at a known address with fewer rows than the step's
+    assert table(h, r, w, rows=9) is False and len(looked) == 5  # more rows than they hold: the address way
+    assert len(fake.bound_rows) == bound
     table(h[:8], r, w)  # an eager call (no rows) on the step's trimmed views: never remembered by identity
     table(h[:8], r, w)
-    assert len(looked) == 6 and len(table._seen) == 2 and len(fake.bound_rows) == 6
-    # A new weights tensor that took a dead one's id: its weak reference tells them apart
-    table._seen[(id(h), id(r), id(w2))] = table._seen.pop((id(h), id(r), id(w)))
-    w3 = w.clone()
-    table._seen[(id(h), id(r), id(w3))] = table._seen.pop((id(h), id(r), id(w2)))
-    in_torch(table, want, r, w2, 8)
-    h_before = h.clone()
-    table(h, r, w3, rows=8)
-    assert len(looked) == 7 and not torch.equal(h, h_before)
-    for i in (0, 1):  # the same for a new hidden or residual at a dead one's id
-        table(h, r, w3, rows=8)  # known again
-        known = [h, r, w3]
+    assert len(looked) == 7 and list(table._seen) == [(id(h), id(r))]
+    for i in (0, 1):  # a new hidden or residual at a dead one's id: its weak reference tells them apart
+        known = [h, r]
         known[i] = known[i].clone()
-        table._seen[tuple(map(id, known))] = table._seen.pop((id(h), id(r), id(w3)))
+        table._seen[tuple(map(id, known))] = table._seen.pop((id(h), id(r)))
         before = len(looked)
-        table(*known, rows=8)
+        table(*known, w, rows=8)
         assert len(looked) == before + 1
-    fake.hooked = True  # a profiler's launch hooks: the known launch declines, the unbound one runs
-    n = len(fake.direct_args)
-    table(h, r, w3, rows=8)
-    assert len(fake.direct_args) == n + 1 and len(fake.bound_rows) == 11
+        table._seen.pop(tuple(map(id, known)))
+        table(h, r, w, rows=8)  # known again
+    n, bound = len(fake.direct_args), len(fake.bound_rows)
+    table.bound = False  # the kernel bench's unbound forms: never served by a binding
+    table(h, r, w, rows=8)
+    table.bound, fake.hooked = True, True  # a profiler's launch hooks: the known launch declines
+    table(h, r, w, rows=8)
+    assert len(fake.direct_args) == n + 2 and len(fake.bound_rows) == bound
     monkeypatch.setattr(kernels, "_SEEN_MAX", 2)
-    fake.hooked, steps = False, [torch.rand(8, 2, generator=g) for _ in range(3)]
+    fake.hooked, values = False, [(torch.randn(8, 16, generator=g), r) for _ in range(3)]  # three graph sizes'
     table._seen.clear()
-    for weights in steps:
-        table(h, r, weights, rows=8)
-    assert list(table._seen) == [(id(h), id(r), id(steps[2]))]  # a full table of known breaks starts again
+    for x, res in values:
+        table(x, res, w, rows=8)
+    assert list(table._seen) == [(id(values[2][0]), id(r))]  # a full table of known breaks starts again
+
+
+@pytest.mark.usefixtures("fake_recording")
+def test_a_recorded_break_reads_its_tensors_attributes_on_its_first_replay_only(fake_triton, monkeypatch):
+    """Through the whole chain (recorded break, _break, at_break, Fused): a graph's break closure hands the same
+    objects every replay, which is what the identity lookup stands on."""
+    fake_triton()
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    looked = []
+    monkeypatch.setattr(kernels, "_addresses", lambda *a, f=kernels._addresses: looked.append(1) or f(*a))
+    edits, inputs = mixed.edits_and_inputs()
+    edits[4] = edits[4][:1]
+    module, il, bank, reqs = mixed.engine(["model.layers.0.output"], edits)
+    module.record()
+    spans, x = mixed.steps(reqs, *inputs)[0]
+    il.step.set(spans, x.shape[0], len(bank.stages), "cpu")
+    il.step.weights = il.step.weights.contiguous()  # as _upload leaves it on a GPU (on CPU, numpy's column order)
+    looked.clear()  # (the engine's start compiled and bound the kernel on tensors of its own)
+    outs = [module(x).clone() for _ in range(3)]  # replays of one step: the first binds, the others know it
+    assert len(looked) == 1 and len(il.programs["model.layers.0.output"]._fused._seen) == 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    il.step.clear()
+    assert not torch.equal(module(x), outs[0])  # the breaks did edit
 
 
 def test_unbound_or_unbindable_direct_launches_go_through_the_compiled_kernel(fake_triton, monkeypatch):
