@@ -132,10 +132,10 @@ def test_the_gpu_table_stage_s_bench_arguments_pass_the_checks():
     cfg = bench_conf(*args.split())  # bench() expands BENCH_ARGS unquoted: split on blanks, quotes kept
     workload.check(cfg)
     assert "b2" in cfg.configs and cfg.lanes[0].cpus == cpus and str(cfg.probe_cpu or "null") == probe
-    # SmolLM2's fastest-pass targets want passes (bench.md's miss by chance): unpaired, 25 a cell at least, within
-    # the session's device time after the 8B shape's cells, which run first
+    # SmolLM2's fastest-pass targets want passes (bench.md's miss by chance): unpaired, 20 a cell at least, within
+    # the session's device time after the GPU tests and the 8B shape's cells, which run first
     smol = cfg.models["smollm2"]
-    assert smol.paired is None and smol.repeats >= 25 and smol.max_timed_s >= 25 * 2.4  # 256 x 256 passes: 2.2-2.4 s
+    assert smol.paired is None and smol.repeats >= 20 and smol.max_timed_s >= 20 * 2.4  # 256 x 256 passes: 2.2-2.4 s
     assert cfg.run == ["llama3_8b", "smollm2"]
     for pattern in cfg.skip:
         assert any(workload.skipped(cfg, m, c, s, b) == pattern for m in cfg.run for c in cfg.configs

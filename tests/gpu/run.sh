@@ -7,7 +7,7 @@
 #   tp     two GPUs (nvidia-h200-x2): the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
-#   table  issue 19's table in one run, the 8B shape then SmolLM2, engines pinned to one L3 cache's CPUs (about 27 minutes)
+#   table  issue 19's table in one run, the 8B shape then SmolLM2, engines pinned to one L3 cache's CPUs (about 25 minutes)
 #   siblings  python -m steer.bench.siblings: which of the machine's CPUs slow one another (a hidden shared core)
 #   kernel python -m steer.bench.kernel: one tap's edit alone, us a tap in a CUDA graph, against the memory floor
 #   host   python -m steer.bench.host: the tap worker's host work per step (the join step, fill_step, replay) on CPU
@@ -91,19 +91,19 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, nearly all of a session's device time (2026-12-04 19:10: SmolLM2
-  # 16.7 minutes at 30 passes a cell at 256 x 256 and 22 s of them at 64 x 128, about 14.5 at the counts here; the
-  # 8B shape 12.4 at 15:46). The 8B shape first, whose targets a run decides, then SmolLM2, whose fastest-pass
-  # verdicts its own A/A control misses (b2/b 0.83 at 19:10), so that a run cut short by the budget loses the noisy
-  # half. Without i and the 8B shape's add@eps (none of the targets issue 19's text names reads them; configs=[h,i]
-  # measures conf/bench.yaml's h over i); the A/A control b2 on SmolLM2 only (the 8B shape's passes spread by 1-5%,
-  # and b2 there would be a third wave of engines). SmolLM2 times its cells unpaired (b a pass per cell per round
-  # like any engine, not one beside each of the others': half the passes for the same count a cell), 25 passes a
-  # cell and at least 15 s of them (about 28 at 64 x 128); without a, h, the faint twins, c's k1 and k8, c's
-  # ablate_all (no target reads them) or traces (their findings stand in README.md); every engine pinned to the
-  # CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of each physical
-  # core, at most 8, so that no engine runs on a core another shares; the host-speed probe on the last CPU whose
-  # core the lane leaves
+  # Issue 19's table in one run, both models, with the GPU tests of the replay path before it, in a session's device
+  # time (2026-12-04 19:10: SmolLM2 16.7 minutes at 30 passes a cell at 256 x 256 and 22 s of them at 64 x 128,
+  # about 12 at the counts here; the 8B shape 12.4 at 15:46). The 8B shape first, whose targets a run decides, then
+  # SmolLM2, whose fastest-pass verdicts its own A/A control misses (b2/b 0.83 at 19:10), so that a run cut short by
+  # the budget loses the noisy half. Without i and the 8B shape's add@eps (none of the targets issue 19's text names
+  # reads them; configs=[h,i] measures conf/bench.yaml's h over i); the A/A control b2 on SmolLM2 only (the 8B
+  # shape's passes spread by 1-5%, and b2 there would be a third wave of engines). SmolLM2 times its cells unpaired
+  # (b a pass per cell per round like any engine, not one beside each of the others': half the passes for the same
+  # count a cell), 20 passes a cell and at least 12 s of them (about 24 at 64 x 128); without a, h, the faint twins,
+  # c's k1 and k8, c's ablate_all (no target reads them) or traces (their findings stand in README.md); every engine
+  # pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of
+  # each physical core, at most 8, so that no engine runs on a core another shares; the host-speed probe on the last
+  # CPU whose core the lane leaves
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
@@ -120,7 +120,7 @@ PY
   read -r CPUS PROBE <<< "$CPUS"
   echo "table: engines on CPUs $CPUS (L3 of CPU 2: $(cat $l3 2>/dev/null)), the host-speed probe on CPU $PROBE"
   BENCH_ARGS="run=[llama3_8b,smollm2] configs=[a,b,b2,c,f,h] max_repeats=100 models.smollm2.paired=null \
-models.smollm2.repeats=25 models.smollm2.min_timed_s=15 models.smollm2.max_timed_s=62 \
+models.smollm2.repeats=20 models.smollm2.min_timed_s=12 models.smollm2.max_timed_s=50 \
 skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*',\
 'smollm2/[ah]/*','smollm2/*/*@eps/*','smollm2/c/k[18]/*','smollm2/c/ablate_all/*'] \
 lanes=[{runs:['*'],cpus:'$CPUS'}] probe_cpu=$PROBE ${BENCH_ARGS:-}" bench
