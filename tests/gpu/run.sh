@@ -91,8 +91,8 @@ serve() {
 }
 
 table() {
-  # Issue 19's table in one run, both models, with the GPU tests of the replay path before it, in a session's device
-  # time (2026-12-04 19:10: SmolLM2 16.7 minutes at 30 passes a cell at 256 x 256 and 22 s of them at 64 x 128,
+  # Issue 19's table in one run, both models, in a session's device time after the replay path's GPU tests (the
+  # `tests` stage first: DEVELOPERS.md) (2026-12-04 19:10: SmolLM2 16.7 minutes at 30 passes a cell at 256 x 256 and 22 s of them at 64 x 128,
   # about 12 at the counts here; the 8B shape 12.4 at 15:46). The 8B shape first, whose targets a run decides, then
   # SmolLM2, whose fastest-pass verdicts its own A/A control misses (b2/b 0.83 at 19:10), so that a run cut short by
   # the budget loses the noisy half. Without i and the 8B shape's add@eps (none of the targets issue 19's text names
