@@ -92,18 +92,18 @@ serve() {
 
 table() {
   # Issue 19's table in one run, both models, in a session's device time after the replay path's GPU tests (the
-  # `tests` stage first: DEVELOPERS.md) (2026-12-04 19:10: SmolLM2 16.7 minutes at 30 passes a cell at 256 x 256 and 22 s of them at 64 x 128,
-  # about 12 at the counts here; the 8B shape 12.4 at 15:46). The 8B shape first, whose targets a run decides, then
-  # SmolLM2, whose fastest-pass verdicts its own A/A control misses (b2/b 0.83 at 19:10), so that a run cut short by
-  # the budget loses the noisy half. Without i and the 8B shape's add@eps (none of the targets issue 19's text names
-  # reads them; configs=[h,i] measures conf/bench.yaml's h over i); the A/A control b2 on SmolLM2 only (the 8B
-  # shape's passes spread by 1-5%, and b2 there would be a third wave of engines). SmolLM2 times its cells unpaired
-  # (b a pass per cell per round like any engine, not one beside each of the others': half the passes for the same
-  # count a cell), 20 passes a cell and at least 12 s of them (about 24 at 64 x 128); without a, h, the faint twins,
-  # c's k1 and k8, c's ablate_all (no target reads them) or traces (their findings stand in README.md); every engine
-  # pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer than 4), one thread of
-  # each physical core, at most 8, so that no engine runs on a core another shares; the host-speed probe on the last
-  # CPU whose core the lane leaves
+  # `tests` stage first: DEVELOPERS.md) (2026-12-04 19:10: SmolLM2 16.7 minutes at 30 passes a cell at 256 x 256 and
+  # 22 s of them at 64 x 128, about 12 at the counts here; the 8B shape 12.4 at 15:46). The 8B shape first, whose
+  # targets a run decides, then SmolLM2, whose fastest-pass verdicts its own A/A control misses (b2/b 0.83 at 19:10),
+  # so that a run cut short by the budget loses the noisy half. Without i and the 8B shape's add@eps (none of the
+  # targets issue 19's text names reads them; configs=[h,i] measures conf/bench.yaml's h over i); the A/A control b2
+  # on SmolLM2 only (the 8B shape's passes spread by 1-5%, and b2 there would be a third wave of engines). SmolLM2
+  # times its cells unpaired (b a pass per cell per round like any engine, not one beside each of the others': half
+  # the passes for the same count a cell), 20 passes a cell and at least 12 s of them (about 24 at 64 x 128); without
+  # a, h, the faint twins, c's k1 and k8, c's ablate_all (no target reads them) or traces (their findings stand in
+  # README.md); every engine pinned to the CPUs that share CPU 2's L3 cache (2-15 where one L3 holds them all or fewer
+  # than 4), one thread of each physical core, at most 8, so that no engine runs on a core another shares; the
+  # host-speed probe on the last CPU whose core the lane leaves
   local l3=/sys/devices/system/cpu/cpu2/cache/index3/shared_cpu_list
   CPUS=$(python - "$l3" <<'PY'
 import os, sys
