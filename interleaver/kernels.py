@@ -117,10 +117,9 @@ class Fused:
         at = _addresses(hidden, residual, weights) if self.direct and self.bound else None
         go = self._bound.get(at) if at is not None else None
         # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
-        pair_rows = hidden.shape[0] if residual is None else min(hidden.shape[0], residual.shape[0])
-        most = min(pair_rows, weights.shape[0])
-        if go is not None and 0 < n <= most and go(n):
-            self._saw(hidden, residual, weights, rows, at, pair_rows, most, go)
+        if go is not None and 0 < n <= min(hidden.shape[0], weights.shape[0],
+                                           hidden.shape[0] if residual is None else residual.shape[0]) and go(n):
+            self._saw(hidden, residual, weights, rows, at, go)
             return True
         if not _fits(hidden, residual, weights, self.basis, n):
             return False
@@ -139,7 +138,7 @@ class Fused:
         if go is None or not go(n):
             triton_internals.launch(compiled, (n, 1, 1), args)
         else:
-            self._saw(hidden, residual, weights, rows, at, pair_rows, most, go)
+            self._saw(hidden, residual, weights, rows, at, go)
         return True
 
     def _known_launch(self, hidden, residual, weights, rows: int) -> bool:
@@ -155,7 +154,7 @@ class Fused:
             known.weights, known.most, known.go = weakref.ref(weights), min(known.rows, weights.shape[0]), go
         return 0 < rows <= known.most and known.go(rows)
 
-    def _saw(self, hidden, residual, weights, rows, at: tuple, pair_rows: int, most: int, go) -> None:
+    def _saw(self, hidden, residual, weights, rows, at: tuple, go) -> None:
         """Remember a break's tensors by identity for its bound launch. A replayed graph hands each break the same
         tensor objects every replay (vLLM writes their data, never their storage or layout; `_trim` hands trace
         code views, never these), and a steady decode step keeps its weights tensor, so the next break finds its
@@ -166,8 +165,7 @@ class Fused:
             return
         if len(self._seen) >= _SEEN_MAX:
             self._seen.clear()
-        self._seen[(id(hidden), id(residual))] = _Known(hidden, residual, at[:-_WEIGHTS_KEY], pair_rows, weights,
-                                                        most, go)
+        self._seen[(id(hidden), id(residual))] = _Known(hidden, residual, at[:-_WEIGHTS_KEY], weights, go)
 
     def edit_norm(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], weights: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float) -> bool:
@@ -243,9 +241,10 @@ class _Known:
 
     __slots__ = ("hidden", "residual", "key", "rows", "weights", "most", "go")
 
-    def __init__(self, hidden, residual, key: tuple, rows: int, weights, most: int, go):
+    def __init__(self, hidden, residual, key: tuple, weights, go):
         self.hidden, self.residual = weakref.ref(hidden), _none if residual is None else weakref.ref(residual)
-        self.key, self.rows, self.weights, self.most, self.go = key, rows, weakref.ref(weights), most, go
+        self.rows = hidden.shape[0] if residual is None else min(hidden.shape[0], residual.shape[0])
+        self.key, self.weights, self.most, self.go = key, weakref.ref(weights), min(self.rows, weights.shape[0]), go
 
 
 def _addresses(hidden, residual, weights) -> tuple:

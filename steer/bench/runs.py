@@ -278,9 +278,9 @@ def _profiled(section: Dict) -> Dict:
     if not section["seconds"]:
         return {"calls": section["calls"]}
     out = {"us_per_call": 1e6 * section["seconds"] / section["calls"], "calls": section["calls"]}
-    for name, q in (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99)):
-        if section.get("hist"):
-            out[name] = round(clock.quantile(section["hist"], q), 1)
+    if section["hist"]:
+        out.update({name: round(clock.quantile(section["hist"], q), 1)
+                    for name, q in (("p50_us", 0.5), ("p90_us", 0.9), ("p99_us", 0.99))})
     return out
 
 

@@ -132,6 +132,16 @@ def test_a_break_finds_its_launch_by_its_tensors_identity_and_nothing_else(fake_
     assert list(table._seen) == [(id(values[2][0]), id(r))]  # a full table of known breaks starts again
 
 
+def test_a_break_known_by_identity_launches_no_more_rows_than_its_weights_hold(fake_triton):
+    fake, table = fake_triton(), direction_table()
+    g = torch.Generator().manual_seed(7)
+    h, r, w = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g), torch.rand(4, 2, generator=g)
+    for _ in range(3):  # through the JIT, bound, then known by identity
+        assert table(h, r, w, rows=4) is True
+    assert fake.bound_rows == [4, 4] and len(table._seen) == 1
+    assert table(h, r, w, rows=6) is False and fake.bound_rows == [4, 4]  # hidden holds 8 rows, the weights 4
+
+
 @pytest.mark.usefixtures("fake_recording")
 def test_a_recorded_break_reads_its_tensors_attributes_on_its_first_replay_only(fake_triton, monkeypatch):
     """Through the whole chain (recorded break, _break, at_break, Fused): a graph's break closure hands the same
