@@ -89,6 +89,29 @@ class RequestEdits:
         return self._dense[1]
 
 
+class ParsedArgs:
+    """Requests' edits parsed once per distinct `extra_args["steer"]` string: requests on one preset carry the
+    same string, and a join step of 256 of them would otherwise parse it 256 times (9 us each). Strings with
+    vectors of their own are parsed each time: their entries grow in the worker that reads them."""
+
+    _MAX = 1024
+
+    def __init__(self) -> None:
+        self._seen: Dict[str, Optional[RequestEdits]] = {}
+
+    def __call__(self, args) -> Optional[RequestEdits]:
+        if not isinstance(args, str):
+            return RequestEdits.from_args(args)
+        if args in self._seen:
+            return self._seen[args]
+        edits = RequestEdits.from_args(args)
+        if edits is None or not edits.inline:
+            if len(self._seen) >= self._MAX:
+                self._seen.clear()
+            self._seen[args] = edits
+        return edits
+
+
 @dataclass(frozen=True)
 class Span:
     """One request's rows in a step: `count` rows from `start`, the first at sequence position `position`."""
@@ -220,6 +243,7 @@ class BatchEdits:
     def __init__(self, edits: Sequence[Optional[RequestEdits]], prompt_lens: np.ndarray, n_stages: int,
                  order: Optional[np.ndarray] = None):
         self.edits = list(edits)
+        self.n_stages, self.order = n_stages, order
         self.capture = [i for i, e in enumerate(self.edits) if e is not None and e.capture]
         self.plen = np.asarray(prompt_lens, dtype=np.int64).copy()
         steered = [i for i, e in enumerate(self.edits) if e is not None and e.entries]
@@ -232,12 +256,44 @@ class BatchEdits:
                     self.plen[i] = self.edits[i].prompt_len
             self.dense = dense if order is None else dense[:, :, order]
 
+    def replaced(self, n: int, rows: Dict[int, Tuple[Optional[RequestEdits], int]]) -> "BatchEdits":
+        """This batch cut or grown to `n` requests with `rows` (index -> (edits, prompt length)) new, the others
+        kept: vLLM keeps each request in its row until one leaves and moves the last ones into the gaps, so a
+        step where a few join or leave costs those few rows, not a batch of them (a new object: a steady step
+        knows its batch by identity)."""
+        out = BatchEdits.__new__(BatchEdits)
+        out.n_stages, out.order = self.n_stages, self.order
+        keep = min(n, len(self.edits))
+        out.edits = self.edits[:keep] + [None] * (n - keep)
+        out.plen = np.zeros(n, dtype=np.int64)
+        out.plen[:keep] = self.plen[:keep]
+        for i, (e, plen) in rows.items():
+            out.edits[i], out.plen[i] = e, plen
+        out.capture = sorted({i for i in self.capture if i < keep and i not in rows}
+                             | {i for i, (e, _) in rows.items() if e is not None and e.capture})
+        steered = [i for i, (e, _) in rows.items() if e is not None and e.entries]
+        out.dense = None
+        if self.n_stages and (self.dense is not None or steered):
+            out.dense = np.zeros((n, 3, self.n_stages), dtype=np.float32)
+            if self.dense is not None:
+                out.dense[:keep] = self.dense[:keep]
+                out.dense[list(rows)] = 0.0
+            for i in steered:
+                s = out.edits[i].strengths(self.n_stages)
+                out.dense[i] = s if self.order is None else s[:, self.order]
+                if out.edits[i].prompt_len is not None:
+                    out.plen[i] = out.edits[i].prompt_len
+        return out
+
 
 class StepRows:
     """The current step's row facts, read by every tap's replay: how many rows are real, and each weight
     column's per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
 
     _RING = 4  # pinned staging buffers in turn: a step's copy is done long before its buffer comes round again
+    # Weights a step's rows expand to past which the device expands them (a gather: one more launch, and no
+    # [rows, columns] matrix built and copied on the host: 2.7 ms of a join step of 256 x 32 rows at 64 columns)
+    _GATHER_FROM = 16384
 
     def __init__(self) -> None:
         self.order: Optional[np.ndarray] = None  # column -> stage id (None: column i is stage i)
@@ -245,7 +301,7 @@ class StepRows:
         # rows past the step's are kept at 0, so padding rows get no edit.
         self.static: Optional[torch.Tensor] = None
         self._high = 0  # rows of `static` written by the last step
-        self._pinned: List[Optional[torch.Tensor]] = [None] * self._RING
+        self._pinned: List[Optional[tuple]] = [None] * self._RING  # (the buffer, numpy's view of it)
         self._turn = 0
         # (batch, rows, weights, used, all_used) of the last decode step whose rows were all generated tokens: the
         # next such step of the same batch has the same weights, already on the device (and in `static`).
@@ -287,11 +343,18 @@ class StepRows:
             if steady and last is not None and last[0] is batch and last[1] == num_tokens:
                 self.weights, self.used, self.all_used = last[2:]
                 return  # `static` still holds these rows
-            w = _weights(starts, counts, positions, batch, num_tokens, decode)
-            self.used = w.any(0)
+            if decode:
+                w = _weights(positions, batch)
+                self.used = w.any(0)
+            else:  # a step with prompt rows: its requests' two rows of weights, and each row's pick of them
+                table, src = _row_sources(starts, counts, positions, batch, num_tokens)
+                picked = np.zeros(len(table), dtype=bool)
+                picked[src] = True
+                self.used = table[picked].any(0)
+                w = table[src] if src.size * table.shape[1] <= self._GATHER_FROM else None
             self.all_used = bool(self.used.all())
             if self.all_used or self.used.any():
-                self.weights = self._upload(w, device)
+                self.weights = self._upload(w, device) if w is not None else self._gather(table, src, device)
             self._steady = (batch, num_tokens, self.weights, self.used, self.all_used) if steady else None
         if self.static is not None:
             self._to_static(num_tokens)
@@ -325,37 +388,58 @@ class StepRows:
         self._high = end
 
     def _upload(self, w: np.ndarray, device) -> torch.Tensor:
-        host = torch.from_numpy(w)
-        if torch.device(device).type != "cuda":
-            return host.to(device)
-        # A pageable copy would make the host wait for the GPU to drain; a pinned one is queued and returns.
+        return self._stage([w], device)[0]
+
+    def _gather(self, table: np.ndarray, src: np.ndarray, device) -> torch.Tensor:
+        """`table[src]`, expanded on the device from what it is made of: a prefill of 256 requests x 32 tokens at
+        64 columns ships 2 x 256 rows and 8,192 indices, not the 2 MB matrix they expand to."""
+        t, i = self._stage([table, src], device)
+        return t.index_select(0, i)
+
+    def _stage(self, arrays: Sequence[np.ndarray], device) -> List[torch.Tensor]:
+        """The arrays on the device through one buffer of the ring and one copy, each at an 8-byte boundary so
+        that it can be viewed as its own dtype there (the same code on CPU, where the copy is a copy too). Filled
+        through numpy: a torch op a write costs more than the write."""
+        offsets, size = [], 0
+        for a in arrays:
+            offsets.append(size)
+            size += -(-a.nbytes // 8) * 8
         slot = self._turn % self._RING
         self._turn += 1
-        buf = self._pinned[slot]
-        if buf is None or buf.numel() < host.numel():
-            buf = self._pinned[slot] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.float32).pin_memory()
-        staged = buf[: host.numel()].view(host.shape)
-        staged.copy_(host)
-        return staged.to(device, non_blocking=True)
+        if self._pinned[slot] is None or self._pinned[slot][0].numel() < size:
+            buf = torch.empty(max(size, 1 << 18), dtype=torch.uint8)
+            # A pageable copy would make the host wait for the GPU to drain; a pinned one is queued and returns.
+            buf = buf.pin_memory() if torch.device(device).type == "cuda" else buf
+            self._pinned[slot] = (buf, buf.numpy())
+        buf, raw = self._pinned[slot]
+        for a, at in zip(arrays, offsets):
+            raw[at : at + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        dev = buf[:size].to(device, non_blocking=True, copy=True)
+        return [dev[at : at + a.nbytes].view(_DTYPES[a.dtype]).view(a.shape) for a, at in zip(arrays, offsets)]
 
 
-def _weights(starts, counts, positions, batch: BatchEdits, num_tokens, decode: bool) -> np.ndarray:
-    """The `[num_tokens, columns]` float32 weights of a step (`decode`: one row per request, in order)."""
+_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.int64}
+
+
+def _weights(positions: np.ndarray, batch: BatchEdits) -> np.ndarray:
+    """The `[requests, columns]` float32 weights of a decode step (one row per request, in order)."""
+    dense = batch.dense
+    is_prompt = (positions < batch.plen)[:, None]
+    return dense[:, 0] + np.where(is_prompt, dense[:, 1], dense[:, 2])
+
+
+def _row_sources(starts, counts, positions, batch: BatchEdits, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:
+    """A step's weights as a gather: `table` (`[2n + 1, columns]`: each request's weights on its prompt rows, then
+    on its generated rows, then zeros for rows no request owns) and `src` (`[num_tokens]`, each row's table row)."""
     dense, plen = batch.dense, batch.plen
-    if decode:
-        is_prompt = (positions < plen)[:, None]
-        return dense[:, 0] + np.where(is_prompt, dense[:, 1], dense[:, 2])
     n = counts.size
     owner = np.repeat(np.arange(n), counts)
     offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    rows = starts[owner] + offset
-    # Each row takes its request's prompt or generated weights: one gather from those 2n rows, not arithmetic on a
-    # [rows, 3, columns] copy (a prefill of 256 requests x 32 tokens at 64 columns: 12-17 ms that way, 7 ms this)
-    table = np.concatenate([dense[:, 0] + dense[:, 1], dense[:, 0] + dense[:, 2]])
-    src = np.where(positions[owner] + offset < plen[owner], owner, owner + n)
-    w = np.zeros((num_tokens, dense.shape[2]), dtype=np.float32)
-    w[rows] = table[src]
-    return w
+    table = np.concatenate([dense[:, 0] + dense[:, 1], dense[:, 0] + dense[:, 2],
+                            np.zeros((1, dense.shape[2]), dtype=np.float32)])
+    src = np.full(num_tokens, 2 * n, dtype=np.int64)
+    src[starts[owner] + offset] = np.where(positions[owner] + offset < plen[owner], owner, owner + n)
+    return table, src
 
 
 def _digest(t: Optional[torch.Tensor]) -> str:

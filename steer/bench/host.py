@@ -52,8 +52,10 @@ class _Runner:
 
 def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb: int = 0) -> dict:
     """Microseconds of fill_step in the step `n` requests steered by `scen_name` join (32 prompt rows each), then
-    per decode step of fill_step and of one tap's replay. `cold_mb`: read that many MB of other memory before each
-    step, as an engine's step runs its taps' code once between much else (0: the same code back to back, hot)."""
+    per decode step of fill_step and of one tap's replay, and per serving step (one request leaves, a new one
+    takes its row: `churn_us`, and `churn_ways`, how fill_step went on those steps). `cold_mb`: read that many MB
+    of other memory before each step, as an engine's step runs its taps' code once between much else (0: the
+    same code back to back, hot)."""
     if cold_mb < 0:
         raise ValueError(f"cold_mb: {cold_mb} MB of other memory to read; expected 0 or more")
     other = np.ones(cold_mb << 17) if cold_mb else None  # float64: 1 MB is 2 ** 17 of them
@@ -86,8 +88,30 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
         il.replay(loc, (runner.x.clone(), runner.x))
         t2 = time.perf_counter()
         fill, replay = fill + t1 - t0, replay + t2 - t1
+    # Serving's steps: one request leaves and a new one takes its row, its 32 prompt rows beside the others' one
+    ids, computed = runner.input_batch.req_ids, runner.input_batch.num_computed_tokens_cpu
+    churn, ways, counts = 0.0, {}, np.ones(n, dtype=np.int64)
+    for step in range(steps):
+        k, new = step % n, f"j{step}"
+        runner.requests[new] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(
+            extra_args={"steer": per_request[k].to_args()}))
+        gone, ids[k] = ids[k], new
+        del runner.requests[gone]
+        counts[:] = 1
+        counts[k] = 32
+        runner.query_start_loc.np[1:] = np.cumsum(counts)
+        computed += 1
+        computed[k] = 0
+        if other is not None:
+            other.sum()
+        t0 = time.perf_counter()
+        way = worker.fill_step(int(counts.sum()), finished=[gone])
+        churn += time.perf_counter() - t0
+        ways[way] = ways.get(way, 0) + 1
+        computed[k] = 31
     return {"requests": n, "scenario": scen_name, "cold_mb": cold_mb, "join_us": 1e6 * join,
-            "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps}
+            "fill_step_us": 1e6 * fill / steps, "replay_us": 1e6 * replay / steps, "churn_us": 1e6 * churn / steps,
+            "churn_ways": ways}
 
 
 def _megabytes(text: str) -> int:
@@ -118,13 +142,14 @@ def main(argv=None) -> None:
     if a.cold_mb is None:
         a.cold_mb = min(2 * _llc_mb(), 128) or 64
     torch.set_num_threads(1)
-    print(f"{'requests':>8} {'scenario':>8} {'caches':>6} {'join step us':>13} {'fill_step us':>13} {'replay us':>10}")
+    print(f"{'requests':>8} {'scenario':>8} {'caches':>6} {'join step us':>13} {'fill_step us':>13} {'replay us':>10} "
+          f"{'churn step us':>14}")
     for n in a.requests:
         for s in a.scenarios:
             for cold in sorted({0, a.cold_mb}):
                 r = measure(n, s, cold_mb=cold)
                 print(f"{n:>8} {s:>8} {'cold' if cold else 'hot':>6} {r['join_us']:>13.1f} {r['fill_step_us']:>13.1f} "
-                      f"{r['replay_us']:>10.1f}")
+                      f"{r['replay_us']:>10.1f} {r['churn_us']:>14.1f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,18 @@ from steer.bench import host
 def test_the_host_bench_times_the_join_step_the_workers_row_mapping_and_a_taps_program(scen):
     r = host.measure(8, scen, hidden=16, steps=3)
     assert (r["requests"], r["scenario"]) == (8, scen)
-    assert r["join_us"] > 0 and r["fill_step_us"] > 0 and r["replay_us"] > 0
+    assert r["join_us"] > 0 and r["fill_step_us"] > 0 and r["replay_us"] > 0 and r["churn_us"] > 0
+    assert r["churn_ways"] == {"batch": 3}  # each serving step has a new request to look up
+
+
+def test_a_serving_step_updates_the_rows_that_changed_and_keeps_the_rest(monkeypatch):
+    from interleaver.bank import BatchEdits
+
+    whole = []
+    init = BatchEdits.__init__
+    monkeypatch.setattr(BatchEdits, "__init__", lambda self, *a: whole.append(1) or init(self, *a))
+    host.measure(8, "k8", hidden=16, steps=5)
+    assert len(whole) == 1  # the join step's; each of the 5 serving steps updated one row
 
 
 def test_the_host_bench_times_each_case_with_its_caches_hot_and_cold(capsys):
@@ -19,6 +30,7 @@ def test_the_host_bench_times_each_case_with_its_caches_hot_and_cold(capsys):
     host.main(["--requests", "4", "--scenarios", "add", "--cold-mb", "1"])
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[:3] for row in rows] == [["4", "add", "hot"], ["4", "add", "cold"]]
+    assert all(len(row.split()) == 7 for row in rows)  # with the serving step's column
 
 
 def test_cold_caches_read_a_sane_amount_of_other_memory(tmp_path):

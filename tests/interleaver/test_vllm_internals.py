@@ -1,6 +1,7 @@
 """The tap worker's bookkeeping on CPU, against a stand-in for vLLM's runner: taps installed at load, each
 step's rows mapped from the runner's own buffers (query_start_loc, num_computed_tokens, extra_args)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,84 @@ def test_an_id_resubmitted_into_its_freed_slot_is_looked_up_again(worker):
     torch.testing.assert_close(step(worker.model_runner, [("a", 1, 5, 4, {"steer": add.to_args()})], x), x + v[0])
     out = step(worker.model_runner, [("a", 1, 6, 4, None)], x, finished={"a"})  # a new "a", unsteered
     assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("gather_from", [0, None])
+def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatch, gather_from):
+    """Under serving load requests join and leave at most steps, and vLLM moves the last ones into the gaps. The
+    worker builds its batch whole only where more than a quarter of the rows are new, and otherwise updates those
+    rows alone; either way each row gets what its own request asks, checked against a direct sum of its entries
+    over 80 steps of random joins (prompts in chunks), finishes and moves. Prompt rows' weights are expanded on
+    the host, or on the device from each request's two rows (`gather_from` 0: every step with prompt rows)."""
+    from interleaver.bank import BatchEdits, StepRows
+
+    if gather_from is not None:
+        monkeypatch.setattr(StepRows, "_GATHER_FROM", gather_from)
+
+    whole = []  # the batches built whole, and those updated
+    init = BatchEdits.__init__
+    monkeypatch.setattr(BatchEdits, "__init__", lambda self, *a: whole.append(1) or init(self, *a))
+    updated, replaced = [], BatchEdits.replaced
+    monkeypatch.setattr(BatchEdits, "replaced", lambda self, *a: updated.append(1) or replaced(self, *a))
+    rng = np.random.default_rng(7)
+    vs, loc = torch.randn(3, H), tap_location("layers.0")
+    bank = EditBank()
+    # Vector 2 sits second in the tap's edit list but is registered first, so the weight columns are not in id
+    # order; a request of the last kind ends its prompt early (a scoring pass fed its continuation as prompt).
+    first = bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, vs[2:3])]), start=1)
+    specs = [((), None), (((0, 1.0, Tokens.both),), None), (((1, 2.0, Tokens.generated),), None),
+             (((0, -0.5, Tokens.prompt), (2, 1.0, Tokens.both)), None), (((1, 1.0, Tokens.generated),), 1)]
+
+    def entries(k, s, rows):
+        e = compile_edit(EditKind.add, s, vs[k : k + 1], tokens=rows)
+        return [(first[0][0], s, rows.value)] if k == 2 else bank.register(loc, stage_edits([e]))
+
+    args = [None] + [{"steer": RequestEdits([e for k, s, rows in spec for e in entries(k, s, rows)],
+                                            prompt_len=ends).to_args()} for spec, ends in specs[1:]]
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    runner = worker.model_runner
+    runner.query_start_loc.np = np.zeros(65, dtype=np.int32)
+    runner.input_batch.num_computed_tokens_cpu = np.zeros(64, dtype=np.int64)
+    live, slots, last, born, expected_whole = {}, [], [], 0, 0  # live: rid -> [spec, prompt length, computed]
+    for _ in range(80):
+        done = [r for r in slots if live[r][2] >= live[r][1] and rng.random() < 0.15]
+        slots = [r if r not in done else None for r in slots]
+        for _ in range(rng.integers(0, 3)):
+            born += 1
+            rid = f"r{born}"
+            live[rid] = [int(rng.integers(0, len(specs))), int(rng.integers(2, 7)), 0]
+            if None in slots:  # a new request takes the first gap
+                slots[slots.index(None)] = rid
+            else:
+                slots.append(rid)
+        while None in slots:  # vLLM's condense: the last request into the first gap
+            tail = slots.pop()
+            if tail is not None:
+                slots[slots.index(None)] = tail
+        if len(slots) > 1 and rng.random() < 0.1:
+            i, j = rng.choice(len(slots), 2, replace=False)
+            slots[i], slots[j] = slots[j], slots[i]
+        if not slots:
+            continue
+        reqs, want = [], []
+        for rid in slots:
+            spec, plen, done_ = live[rid]
+            ends = specs[spec][1] or plen
+            n = int(rng.integers(1, plen - done_ + 1)) if done_ < plen else 1  # a prompt in chunks, then one a step
+            reqs.append((rid, n, done_, plen, args[spec]))
+            for pos in range(done_, done_ + n):
+                want.append(sum((s * vs[k] for k, s, rows in specs[spec][0] if rows == Tokens.both
+                                 or (rows == Tokens.prompt) == (pos < ends)), torch.zeros(H)))
+        m = min(len(slots), len(last))
+        fresh = sum(a != b or b in done for a, b in zip(slots[:m], last[:m])) + len(slots) - m
+        if slots != last or done:
+            expected_whole += not last or 4 * fresh > len(slots)
+        x = torch.randn(len(want), H)
+        torch.testing.assert_close(step(runner, reqs, x, finished=done), x + torch.stack(want))
+        for rid, n, *_ in reqs:
+            live[rid][2] += n
+        last = list(slots)
+    assert len(whole) == expected_whole and 10 < expected_whole < 40 and len(updated) > 20
 
 
 def test_an_in_graph_worker_serves_only_its_declared_stages():
