@@ -5,7 +5,8 @@ where it runs on them, and never the application that drives it (a vLLM worker i
 map each step's flat token rows to the requests that own them and the edits (`StageEdit`) they carry.
 """
 
-from interleaver.bank import EditBank, RequestEdits, Span, StepRows
+from interleaver.bank import EditBank, RequestEdits
+from interleaver.rows import Span, StepRows
 from interleaver.interleaver import VLLMInterleaver
 from interleaver.program import TapProgram
 from interleaver.stage import Kind, Rows, StageEdit

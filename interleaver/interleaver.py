@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 
 from interleaver import nnsight_internals, vllm_internals
-from interleaver.bank import StepRows
+from interleaver.rows import StepRows
 from interleaver.nnsight_internals import Interleaver, OutOfOrderError
 from interleaver.program import TapProgram
 

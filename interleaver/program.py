@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from interleaver import kernels
-from interleaver.bank import Stage, StepRows
+from interleaver.bank import Stage
+from interleaver.rows import StepRows
 from interleaver.stage import PROJECT, Kind
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from interleaver.bank import StepRows
+from interleaver.rows import StepRows
 from interleaver.program import TapProgram
 
 Replay = Callable[[], None]

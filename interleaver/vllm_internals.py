@@ -154,8 +154,11 @@ class _TapWorkerMixin:
 
         def execute_model(*a, **k):
             # Requests finished since the last step free their own vectors' stages (read here: a step that
-            # schedules nothing may never prepare inputs)
-            done = getattr(a[0] if a else k.get("scheduler_output"), "finished_req_ids", None)
+            # schedules nothing may never prepare inputs). A streaming session's request comes back as new under
+            # its id, with new sampling params and prompt (vLLM's _update_streaming_request): the one looked up ended.
+            so = a[0] if a else k.get("scheduler_output")
+            done = list(getattr(so, "finished_req_ids", None) or ())
+            done += [r.req_id for r in getattr(so, "scheduled_new_reqs", None) or () if r.req_id in self.steer_requests]
             if done:
                 self._steer_finished(done)
             try:

@@ -32,7 +32,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-from interleaver.bank import EditBank, RequestEdits, Span, StepRows, layout
+from interleaver.bank import EditBank, RequestEdits, layout
+from interleaver.rows import Span, StepRows
 from interleaver.program import TapProgram
 from steer.bench.workload import scenario
 from steer.engine.vllm import stage_edit

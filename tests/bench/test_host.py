@@ -14,13 +14,15 @@ def test_the_host_bench_times_the_join_step_the_workers_row_mapping_and_a_taps_p
 
 
 def test_a_serving_step_updates_the_rows_that_changed_and_keeps_the_rest(monkeypatch):
-    from interleaver.bank import BatchEdits
+    from interleaver.bank import BatchEdits, RequestEdits
 
-    whole = []
-    init = BatchEdits.__init__
+    whole, parsed = [], []
+    init, parse = BatchEdits.__init__, RequestEdits.from_args.__func__
     monkeypatch.setattr(BatchEdits, "__init__", lambda self, *a: whole.append(1) or init(self, *a))
+    monkeypatch.setattr(RequestEdits, "from_args", classmethod(lambda cls, d: parsed.append(d) or parse(cls, d)))
     host.measure(8, "k8", hidden=16, steps=5)
     assert len(whole) == 1  # the join step's; each of the 5 serving steps updated one row
+    assert len(parsed) == len(set(parsed)) == 8  # k8: 8 requests, 8 vectors, each string parsed once
 
 
 def test_the_host_bench_times_each_case_with_its_caches_hot_and_cold(capsys):

@@ -65,9 +65,10 @@ def tap_worker(config=None, taps=(("layers.0", True),)):
     return w
 
 
-def step(runner, reqs, x, finished=()):
+def step(runner, reqs, x, finished=(), new=()):
     """Schedule reqs = [(req_id, rows, computed, prompt_len, extra_args)] and run one step (`finished`: the
-    requests vLLM reports finished since the last step)."""
+    requests vLLM reports finished since the last step; `new`: those it schedules as new, its
+    `scheduled_new_reqs`)."""
     runner.input_batch.num_reqs = len(reqs)
     runner.input_batch.req_ids[:] = [r[0] for r in reqs]  # in place, as vLLM keeps its list
     counts = [r[1] for r in reqs]
@@ -77,4 +78,5 @@ def step(runner, reqs, x, finished=()):
         runner.requests[rid] = SimpleNamespace(num_prompt_tokens=plen,
                                                sampling_params=SimpleNamespace(extra_args=extra))
     runner.x = x
-    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts), finished_req_ids=set(finished)))
+    return runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=sum(counts), finished_req_ids=set(finished),
+                                                scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new]))

@@ -1,9 +1,6 @@
-"""The bank's host side: requests' edits parsed once per distinct string, and a step's arrays staged to the device."""
+"""The bank's host side: requests' edits parsed once per distinct string."""
 
-import numpy as np
-import torch
-
-from interleaver.bank import ParsedArgs, RequestEdits, StepRows
+from interleaver.bank import ParsedArgs, RequestEdits
 
 
 def test_requests_on_one_preset_share_one_parse_and_their_own_vectors_never_do(monkeypatch):
@@ -23,16 +20,3 @@ def test_requests_on_one_preset_share_one_parse_and_their_own_vectors_never_do(m
     for i in range(ParsedArgs._MAX + 5):
         cache(RequestEdits([(i, 1.0, "both")]).to_args())
     assert len(cache._seen) <= ParsedArgs._MAX and len(parsed) == n + ParsedArgs._MAX + 5
-
-
-def test_a_steps_arrays_reach_the_device_whole_through_one_staging_buffer():
-    rows = StepRows()
-    table = np.arange(15, dtype=np.float32).reshape(5, 3)  # 60 bytes: the index after it starts at 64
-    src = np.array([4, 0, 0, 3, 1, 2, 4], dtype=np.int64)
-    got = rows._gather(table, src, "cpu")
-    assert torch.equal(got, torch.from_numpy(table[src])) and got.is_contiguous()
-    w = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
-    kept = rows._upload(w, "cpu")
-    for _ in range(StepRows._RING):  # the ring's buffers come round again: what was handed out is a copy
-        rows._upload(np.zeros((3, 2), dtype=np.float32), "cpu")
-    assert torch.equal(kept, torch.from_numpy(w))

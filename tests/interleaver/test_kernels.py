@@ -77,7 +77,8 @@ def test_the_triton_kernel_equals_the_torch_form(residual, dtype, hidden, centre
 
 
 def test_a_program_counts_which_form_edited(fused):
-    from interleaver.bank import EditBank, RequestEdits, Span, StepRows
+    from interleaver.bank import EditBank, RequestEdits
+    from interleaver.rows import Span, StepRows
 
     bank = EditBank()
     req = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])))

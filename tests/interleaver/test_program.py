@@ -3,7 +3,8 @@
 import numpy as np
 import torch
 
-from interleaver.bank import EditBank, RequestEdits, Span, StepRows, layout
+from interleaver.bank import EditBank, RequestEdits, layout
+from interleaver.rows import Span, StepRows
 from interleaver.program import TapProgram
 from steer.edit import compile_edit
 from steer.engine.vllm import stage_edits

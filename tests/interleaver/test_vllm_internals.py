@@ -5,12 +5,20 @@ import numpy as np
 import pytest
 import torch
 
-from interleaver.bank import EditBank, RequestEdits
+from interleaver.bank import EditBank, RequestEdits, encode_vector
 from interleaver.vllm_internals import tap_location
 from stand_in import H, step, tap_worker
 from steer.edit import compile_edit
 from steer.engine.vllm import stage_edits
 from steer.schema import EditKind, Tokens
+
+
+def _serving(worker, *edits):
+    """A request's edits for each of `edits` at the tap after layer 0, the worker serving their stages."""
+    bank = EditBank()
+    out = [RequestEdits(bank.register(tap_location("layers.0"), stage_edits([e]))) for e in edits]
+    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    return out
 
 
 def test_steps_map_rows_to_requests_and_clear_after(worker):
@@ -90,10 +98,7 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
     """The worker looks a batch's edits up once and reuses them while the same requests are scheduled: rows
     still move from prompt to generated, and a request that joins is served from its first step."""
     v = torch.randn(1, H)
-    bank = EditBank()
-    gen = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v,
-                                                                              tokens=Tokens.generated)])))
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    [gen] = _serving(worker, compile_edit(EditKind.add, 1.0, v, tokens=Tokens.generated))
     x = torch.randn(2, H)
     a = ("a", 1, 3, 4, {"steer": gen.to_args()})
     out = step(worker.model_runner, [a, ("b", 1, 0, 1, None)], x)  # a's position 3 < 4: still its prompt
@@ -108,11 +113,11 @@ def test_a_batch_kept_across_steps_follows_positions_and_membership(worker):
 def test_steady_decode_steps_reuse_the_device_weights(worker, monkeypatch):
     """Once every row of a batch is a generated token, a decode step's weights are the last step's: the same
     device tensor serves, computed once, until a row is a prompt token again or the batch changes."""
-    import interleaver.bank
+    import interleaver.rows
 
     computed = []
-    weights = interleaver.bank._weights
-    monkeypatch.setattr(interleaver.bank, "_weights", lambda *a: computed.append(a) or weights(*a))
+    weights = interleaver.rows._weights
+    monkeypatch.setattr(interleaver.rows, "_weights", lambda *a: computed.append(a) or weights(*a))
     v = torch.randn(1, H)
     bank = EditBank()
     both = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
@@ -172,7 +177,8 @@ def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatc
     rows alone; either way each row gets what its own request asks, checked against a direct sum of its entries
     over 80 steps of random joins (prompts in chunks), finishes and moves. Prompt rows' weights are expanded on
     the host, or on the device from each request's two rows (`gather_from` 0: every step with prompt rows)."""
-    from interleaver.bank import BatchEdits, StepRows
+    from interleaver.bank import BatchEdits
+    from interleaver.rows import StepRows
 
     if gather_from is not None:
         monkeypatch.setattr(StepRows, "_GATHER_FROM", gather_from)
@@ -182,26 +188,35 @@ def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatc
     monkeypatch.setattr(BatchEdits, "__init__", lambda self, *a: whole.append(1) or init(self, *a))
     updated, replaced = [], BatchEdits.replaced
     monkeypatch.setattr(BatchEdits, "replaced", lambda self, *a: updated.append(1) or replaced(self, *a))
+    gathered, gather = [], StepRows._gather
+    monkeypatch.setattr(StepRows, "_gather", lambda self, *a: gathered.append(1) or gather(self, *a))
     rng = np.random.default_rng(7)
-    vs, loc = torch.randn(3, H), tap_location("layers.0")
+    vs, loc = torch.randn(4, H), tap_location("layers.0")
     bank = EditBank()
     # Vector 2 sits second in the tap's edit list but is registered first, so the weight columns are not in id
-    # order; a request of the last kind ends its prompt early (a scoring pass fed its continuation as prompt).
+    # order. Kinds of request: unsteered; steered on all, generated or prompt rows; one whose prompt ends early (a
+    # scoring pass fed its continuation as prompt); two that keep the tap's rows; one that brings its own vector
+    # (vector 3: a stage of its own while such a request is in flight, which moves the weight columns).
     first = bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, vs[2:3])]), start=1)
-    specs = [((), None), (((0, 1.0, Tokens.both),), None), (((1, 2.0, Tokens.generated),), None),
-             (((0, -0.5, Tokens.prompt), (2, 1.0, Tokens.both)), None), (((1, 1.0, Tokens.generated),), 1)]
+    keeps = {"capture": [loc], "key": "kept"}
+    specs = [((), None, {}), (((0, 1.0, Tokens.both),), None, {}), (((1, 2.0, Tokens.generated),), None, {}),
+             (((0, -0.5, Tokens.prompt), (2, 1.0, Tokens.both)), None, {}), (((1, 1.0, Tokens.generated),), 1, {}),
+             ((), None, keeps), (((0, 1.0, Tokens.both),), None, keeps), (((3, 0.5, Tokens.both),), None, None)]
+    own = 7
 
     def entries(k, s, rows):
         e = compile_edit(EditKind.add, s, vs[k : k + 1], tokens=rows)
         return [(first[0][0], s, rows.value)] if k == 2 else bank.register(loc, stage_edits([e]))
 
-    args = [None] + [{"steer": RequestEdits([e for k, s, rows in spec for e in entries(k, s, rows)],
-                                            prompt_len=ends).to_args()} for spec, ends in specs[1:]]
+    args = [None] + [{"steer": RequestEdits([e for k, s, rows in spec for e in entries(k, s, rows)], prompt_len=ends,
+                                            **more).to_args()} for spec, ends, more in specs[1:own]]
+    args.append({"steer": RequestEdits(inline=[(loc, 0, 0.5, "both", encode_vector(vs[3].numpy()))]).to_args()})
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     runner = worker.model_runner
     runner.query_start_loc.np = np.zeros(65, dtype=np.int32)
     runner.input_batch.num_computed_tokens_cpu = np.zeros(64, dtype=np.int64)
     live, slots, last, born, expected_whole = {}, [], [], 0, 0  # live: rid -> [spec, prompt length, computed]
+    holding = 0  # requests in flight with their own vector: its stage exists while there is one
     for _ in range(80):
         done = [r for r in slots if live[r][2] >= live[r][1] and rng.random() < 0.15]
         slots = [r if r not in done else None for r in slots]
@@ -220,27 +235,70 @@ def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatc
         if len(slots) > 1 and rng.random() < 0.1:
             i, j = rng.choice(len(slots), 2, replace=False)
             slots[i], slots[j] = slots[j], slots[i]
+        mine = sum(live[r][0] == own for r in done)
+        moved = 0 < holding == mine  # the last request with its own vector left: its stage goes
+        holding -= mine
         if not slots:
             continue
-        reqs, want = [], []
+        reqs, want, kept_rows = [], [], []
         for rid in slots:
             spec, plen, done_ = live[rid]
             ends = specs[spec][1] or plen
             n = int(rng.integers(1, plen - done_ + 1)) if done_ < plen else 1  # a prompt in chunks, then one a step
             reqs.append((rid, n, done_, plen, args[spec]))
+            if specs[spec][2] == keeps:
+                kept_rows.extend(range(len(want), len(want) + n))
             for pos in range(done_, done_ + n):
                 want.append(sum((s * vs[k] for k, s, rows in specs[spec][0] if rows == Tokens.both
                                  or (rows == Tokens.prompt) == (pos < ends)), torch.zeros(H)))
+        joining = sum(live[r][0] == own and live[r][2] == 0 for r in slots)
+        moved |= holding == 0 < joining  # the first request with its own vector: a stage for it
+        holding += joining
         m = min(len(slots), len(last))
         fresh = sum(a != b or b in done for a, b in zip(slots[:m], last[:m])) + len(slots) - m
         if slots != last or done:
-            expected_whole += not last or 4 * fresh > len(slots)
+            expected_whole += not last or 4 * fresh > len(slots) or moved
         x = torch.randn(len(want), H)
-        torch.testing.assert_close(step(runner, reqs, x, finished=done), x + torch.stack(want))
+        out = step(runner, reqs, x, finished=done)
+        torch.testing.assert_close(out, x + torch.stack(want))
+        # no request steers: no weights to build, updated or not
+        assert (worker.steer_batch.dense is None) == (not any(specs[live[r][0]][0] for r in slots))
+        kept = worker.steer_take_kept().get(loc, {}).get("kept", [])
+        torch.testing.assert_close(torch.tensor([r for block in kept for r in block]).reshape(-1, H),
+                                   out[kept_rows])  # the tap's rows as edited, in batch order
         for rid, n, *_ in reqs:
             live[rid][2] += n
         last = list(slots)
+    assert (gather_from == 0) == bool(gathered)
     assert len(whole) == expected_whole and 10 < expected_whole < 40 and len(updated) > 20
+
+
+def test_a_batch_whose_last_steered_request_left_builds_no_weights(worker):
+    """The one steered request of five leaves and an unsteered one takes its row: the batch, updated rather than
+    built whole, has no weights left to build or ship, as a batch of unsteered requests built whole has none."""
+    [add] = _serving(worker, compile_edit(EditKind.add, 1.0, torch.randn(1, H)))
+    others = [(f"u{i}", 1, 5, 4, None) for i in range(4)]
+    step(worker.model_runner, [("s", 1, 5, 4, {"steer": add.to_args()})] + others, torch.randn(5, H))
+    assert worker.steer_batch.dense is not None
+    batch = worker.steer_batch
+    x = torch.randn(5, H)
+    assert torch.equal(step(worker.model_runner, [("t", 1, 0, 1, None)] + others, x, finished=["s"]), x)
+    assert worker.steer_batch is not batch and worker.steer_batch.dense is None
+
+
+def test_a_streaming_request_updated_under_its_id_is_looked_up_again(worker):
+    """A streaming session's request comes back among vLLM's new requests under the same id, in the same row, with
+    new sampling params and a prompt that now holds its earlier output: its new edits and prompt length serve."""
+    v = torch.randn(1, H)
+    [gen] = _serving(worker, compile_edit(EditKind.add, 1.0, v, tokens=Tokens.generated))
+    x = torch.randn(2, H)
+    b = ("b", 1, 6, 4, None)
+    torch.testing.assert_close(step(worker.model_runner, [("s", 1, 5, 4, {"steer": gen.to_args()}), b], x)[0],
+                               x[0] + v[0])
+    out = step(worker.model_runner, [("s", 1, 6, 8, {"steer": gen.to_args()}), b], x, new=["s"])
+    assert torch.equal(out, x)  # position 6 is in its new prompt of 8: no generated row yet
+    out = step(worker.model_runner, [("s", 1, 8, 8, None), b], x)
+    torch.testing.assert_close(out[0], x[0] + v[0])
 
 
 def test_an_in_graph_worker_serves_only_its_declared_stages():
