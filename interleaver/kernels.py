@@ -117,8 +117,7 @@ class Fused:
         at = _addresses(hidden, residual, weights) if self.direct and self.bound else None
         go = self._bound.get(at) if at is not None else None
         # The addresses, strides, dtypes and widths are the key's; of the shapes, only the rows can differ
-        if go is not None and 0 < n <= min(hidden.shape[0], weights.shape[0],
-                                           hidden.shape[0] if residual is None else residual.shape[0]) and go(n):
+        if go is not None and 0 < n <= min(_rows_held(hidden, residual), weights.shape[0]) and go(n):
             self._saw(hidden, residual, weights, rows, at, go)
             return True
         if not _fits(hidden, residual, weights, self.basis, n):
@@ -243,8 +242,13 @@ class _Known:
 
     def __init__(self, hidden, residual, key: tuple, weights, go):
         self.hidden, self.residual = weakref.ref(hidden), _none if residual is None else weakref.ref(residual)
-        self.rows = hidden.shape[0] if residual is None else min(hidden.shape[0], residual.shape[0])
+        self.rows = _rows_held(hidden, residual)
         self.key, self.weights, self.most, self.go = key, weakref.ref(weights), min(self.rows, weights.shape[0]), go
+
+
+def _rows_held(hidden, residual) -> int:
+    """The rows a launch can edit in `hidden` beside `residual`."""
+    return hidden.shape[0] if residual is None else min(hidden.shape[0], residual.shape[0])
 
 
 def _addresses(hidden, residual, weights) -> tuple:

@@ -43,6 +43,11 @@ class _Runner:
     def get_model(self):
         return self.model
 
+    def add(self, rid: str, steer: str) -> None:
+        """Request `rid`, 32 prompt tokens, asking for `steer` (RequestEdits.to_args)."""
+        self.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(
+            extra_args={"steer": steer}))
+
     def _prepare_inputs(self, scheduler_output):
         return None
 
@@ -59,6 +64,11 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
     if cold_mb < 0:
         raise ValueError(f"cold_mb: {cold_mb} MB of other memory to read; expected 0 or more")
     other = np.ones(cold_mb << 17) if cold_mb else None  # float64: 1 MB is 2 ** 17 of them
+
+    def chill() -> None:  # evict the caches before a timed step, where they are to be cold
+        if other is not None:
+            other.sum()
+
     runner = _Runner(n, hidden)
     worker = HostWorker(runner, [(_TAP, True)])
     bank, loc = EditBank(), tap_location(_TAP)
@@ -66,12 +76,10 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
     per_request = [RequestEdits(bank.register(loc, [stage_edit(e)])) for e in edits]  # one stage per distinct edit
     worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
     for i, rid in enumerate(runner.input_batch.req_ids):
-        args = {"steer": per_request[i].to_args()}
-        runner.requests[rid] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(extra_args=args))
+        runner.add(rid, per_request[i].to_args())
     # The step they join in: each request's 32 prompt rows, its edits looked up and every row's weights built
     runner.query_start_loc.np[:] = np.arange(n + 1) * 32
-    if other is not None:
-        other.sum()
+    chill()
     t0 = time.perf_counter()
     worker.fill_step(32 * n)
     join = time.perf_counter() - t0
@@ -80,8 +88,7 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
     fill = replay = 0.0
     for step in range(steps):
         runner.input_batch.num_computed_tokens_cpu[:] = 32 + step
-        if other is not None:
-            other.sum()
+        chill()
         t0 = time.perf_counter()
         worker.fill_step(n)
         t1 = time.perf_counter()
@@ -93,8 +100,7 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
     churn, ways, counts = 0.0, {}, np.ones(n, dtype=np.int64)
     for step in range(steps):
         k, new = step % n, f"j{step}"
-        runner.requests[new] = SimpleNamespace(num_prompt_tokens=32, sampling_params=SimpleNamespace(
-            extra_args={"steer": per_request[k].to_args()}))
+        runner.add(new, per_request[k].to_args())
         gone, ids[k] = ids[k], new
         del runner.requests[gone]
         counts[:] = 1
@@ -102,8 +108,7 @@ def measure(n: int, scen_name: str, hidden: int = 64, steps: int = 200, cold_mb:
         runner.query_start_loc.np[1:] = np.cumsum(counts)
         computed += 1
         computed[k] = 0
-        if other is not None:
-            other.sum()
+        chill()
         t0 = time.perf_counter()
         way = worker.fill_step(int(counts.sum()), finished=[gone])
         churn += time.perf_counter() - t0
