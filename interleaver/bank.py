@@ -242,10 +242,8 @@ class BatchEdits:
         self.dense: Optional[np.ndarray] = None  # [requests, 3 (both, prompt, generated), columns]
         if steered and n_stages:
             dense = np.zeros((len(self.edits), 3, n_stages), dtype=np.float32)
-            for i in steered:
-                dense[i] = self.edits[i].strengths(n_stages)
-                if self.edits[i].prompt_len is not None:
-                    self.plen[i] = self.edits[i].prompt_len
+            for i in steered:  # the columns reordered once for the whole table, not per row
+                self._fill(dense, i, self.edits[i], None)
             self.dense = dense if order is None else dense[:, :, order]
 
     def replaced(self, n: int, rows: Dict[int, Tuple[Optional[RequestEdits], int]]) -> "BatchEdits":
@@ -273,11 +271,14 @@ class BatchEdits:
                 out.dense[:keep] = self.dense[:keep]
                 out.dense[list(rows)] = 0.0
             for i in steered:
-                s = out.edits[i].strengths(self.n_stages)
-                out.dense[i] = s if self.order is None else s[:, self.order]
-                if out.edits[i].prompt_len is not None:
-                    out.plen[i] = out.edits[i].prompt_len
+                out._fill(out.dense, i, out.edits[i], self.order)
         return out
+
+    def _fill(self, dense: np.ndarray, i: int, e: RequestEdits, order: Optional[np.ndarray]) -> None:
+        s = e.strengths(self.n_stages)
+        dense[i] = s if order is None else s[:, order]
+        if e.prompt_len is not None:
+            self.plen[i] = e.prompt_len
 
 
 def _digest(t: Optional[torch.Tensor]) -> str:
