@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from steer import engine as engines
-from steer import prompt, tiny
+from steer import inputs, prompt, tiny
 from steer.errors import ConfigError
 from steer.extract import Recipe
 from steer.model import ModelSpec, spec as model_spec
@@ -32,6 +32,7 @@ class Job:
     plan: Optional[Plan] = None  # task=steer
     cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
     result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
+    vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken as they load
     error: Optional[BaseException] = None
 
 
@@ -41,18 +42,20 @@ def validate(cfg: SteerConf, out_dir: Path) -> Job:
     _check_engine(cfg, engine)
     _check_gen_and_prompts(cfg)
     spec = model_spec(cfg.model, cfg.cache_dir)
+    _check_positions(cfg, spec, engine)
     prompt.check(cfg.prompts.chat, spec.chat_template)
     job = Job(cfg, spec, Path(out_dir), engine)
     if cfg.task == Task.steer:
         job.plan = build(cfg, spec)
         job.taps = list(job.plan.taps.values())
+        job.vectors = inputs.vectors(cfg)
     elif cfg.task == Task.select:
         from steer import select
 
         for cell in select.grid(cfg, spec.layers):
             plan = build(cell, spec)
             job.cells.append(Job(cell, spec, job.out_dir / select.cell_name(cell), engine,
-                                 list(plan.taps.values()), plan))
+                                 list(plan.taps.values()), plan, vectors=inputs.vectors(cell)))
     else:
         job.taps = [resolve(cfg.tap, spec)]
     return job
@@ -102,6 +105,16 @@ def _check_gen_and_prompts(cfg: SteerConf) -> None:
         if not list(getattr(cfg.prompts, name)):
             raise ConfigError(f"prompts.{name}", "is empty; give at least one prompt")
     Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
+
+
+def _check_positions(cfg: SteerConf, spec: ModelSpec, engine: str) -> None:
+    """The continuation must leave room for a prompt in the model's positions (vLLM's max_model_len where set):
+    said here, not once the weights have loaded (run._fit checks each prompt against the engine's own limit)."""
+    limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
+    new = cfg.gen.max_new_tokens
+    if limit is not None and new >= limit:
+        raise ConfigError("gen.max_new_tokens", f"{new} new tokens leave no room for a prompt: {spec.name} has "
+                                                f"{limit} positions")
 
 
 def engine_key(job: Job) -> str:

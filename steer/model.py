@@ -34,6 +34,7 @@ class ModelSpec:
     # Whether the tokenizer has a chat template, where that is known without loading it (None: known only once an
     # engine loads the tokenizer, e.g. a hub model read online).
     chat_template: Optional[bool] = None
+    positions: Optional[int] = None  # the config's max_position_embeddings (None: it names none)
 
     def layer_path(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -56,8 +57,10 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         config, source = _pretrained_config(where, conf.revision, field)
         template = prompt.template_in_dir(source) if Path(source).is_dir() else None
     layers_path, modules = _modules(config)
+    positions = getattr(config, "max_position_embeddings", None)
     return ModelSpec(conf.name, source, conf.revision, _DTYPES[conf.dtype], config.hidden_size,
-                     config.num_hidden_layers, layers_path, modules, template)
+                     config.num_hidden_layers, layers_path, modules, template,
+                     int(positions) if positions else None)
 
 
 def _pretrained_config(where: str, revision: str | None, field: str):
@@ -83,7 +86,7 @@ def _pretrained_config(where: str, revision: str | None, field: str):
         except Exception as e:  # hub errors: a gated model, a wrong id or revision
             raise ConfigError(field, f"could not read the config of {where!r} from {endpoint} (a gated model "
                                      f"needs `hf auth login` and its licence accepted): {_first_line(e)}") from e
-    snapshot = _cached_snapshot(where, revision)
+    snapshot = cached_snapshot(where, revision)
     if snapshot is not None:
         try:
             return AutoConfig.from_pretrained(snapshot), snapshot
@@ -136,7 +139,7 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
     return bool(answered)
 
 
-def _cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
+def cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
     """The cached snapshot directory of `repo_id` at `revision` if its config.json is in the local cache."""
     from huggingface_hub import try_to_load_from_cache
 

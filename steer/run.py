@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from steer import metrics, results
+from steer import inputs, metrics, results, rundir
 from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default, extract_to
 from steer.job import Job, engine_for, validate  # noqa: F401 (validate: the tests' name for it)
@@ -30,6 +30,7 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False) -
     """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path).
     With `defer` (the packed launcher), a steer or extract job is returned validated, for the launcher to run
     with the other jobs that share its engine."""
+    rundir.clear_stale(out_dir)  # a run into a directory that held one: none of its results may stand beside ours
     job = validate(cfg, out_dir)
     if cfg.task == Task.select:
         from steer import select
@@ -92,6 +93,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
+            inputs.write(w.job.out_dir, w.job.vectors, inputs.model(w.job.cfg, w.job.spec))
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:

@@ -12,6 +12,10 @@ from omegaconf import DictConfig
 
 from steer.errors import ConfigError
 
+# What a job writes as its results: a job run again in its directory must not keep the old ones meanwhile (nor
+# beside its error, should it fail). metrics.json comes last and marks the job complete.
+STALE = ("metrics.json", "results.jsonl", "inputs.json", "error.txt")
+
 _held: List[int] = []  # open descriptors of the directories this process holds (released when it exits)
 
 
@@ -26,6 +30,14 @@ def hold(run_dir: Path) -> None:
         raise ConfigError("hydra.run.dir", f"{str(run_dir)!r} is in use by another steer run; wait for it to end "
                                            f"or choose another directory") from None
     _held.append(fd)
+
+
+def clear_stale(run_dir: Path) -> None:
+    """Remove the results a job that ran in `run_dir` before left there."""
+    for name in STALE:
+        path = Path(run_dir) / name
+        if path.is_file():
+            path.unlink()
 
 
 class RunDirLock(Callback):

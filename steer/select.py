@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
-from steer import results
+from steer import results, rundir
 from steer.errors import ConfigError
 from steer.schema import SteerConf, TapConf, Task
 
@@ -65,6 +65,7 @@ def run(job, console: Console) -> Dict:
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
     for cell in jobs:
         cell.out_dir.mkdir(parents=True, exist_ok=True)
+        rundir.clear_stale(cell.out_dir)
     console.print(f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} "
                   f"scales) in one packed sweep")
     with jobs_mod.engine_for(jobs) as engine:

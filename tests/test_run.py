@@ -41,6 +41,36 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
         assert e.value.field == override.split("=")[0] and says in str(e.value)
 
 
+def test_a_run_into_a_directory_that_held_one_keeps_none_of_its_results(tmp_path, cache_dir, console):
+    import pytest
+
+    from steer.errors import ConfigError
+    from steer.rundir import STALE
+
+    d = tmp_path / "run"
+    d.mkdir()
+    for name in STALE:
+        (d / name).write_text("the last run's")
+    with pytest.raises(ConfigError):  # fails validation: its error.txt must not stand beside the old metrics
+        run.main(compose("tap.layer=99", *QUICK), d, console)
+    assert [name for name in STALE if (d / name).exists()] == []
+
+
+def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_path, cache_dir, monkeypatch):
+    import pytest
+
+    from steer import job
+    from steer.errors import ConfigError
+
+    monkeypatch.setattr(job, "engine_for", lambda jobs: pytest.fail("an engine was started"))
+    for limit, overrides in [(2048, ["gen.max_new_tokens=2048"]),
+                             (64, ["model=tiny", "gen.max_new_tokens=64", "model.tiny.max_positions=64"])]:
+        with pytest.raises(ConfigError) as e:
+            run.validate(compose(*overrides, *QUICK), tmp_path)
+        assert e.value.field == "gen.max_new_tokens" and f"tiny has {limit} positions" in str(e.value)
+    run.validate(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
+
+
 def _job(cfg, d):
     d.mkdir()
     return run.validate(cfg, d)

@@ -6,8 +6,9 @@ would (its run directory, `.hydra/`, its log) while steer validates it without r
 that can share an engine (same model, engine and engine settings) and runs each group with one engine, the jobs'
 edits as per-request edits in the same batches, in packs of `pack_size` jobs. Each job's directory comes out as
 if it had run alone. Groups after the first run in a process of their own. A job whose directory is complete
-(its metrics.json exists, and its saved .hydra/config.yaml is the config asked for now) is skipped unless `force`
-is set, so a sweep that was stopped resumes where it left off.
+(its metrics.json exists, its saved .hydra/config.yaml is the config asked for now, and the files its inputs.json
+names, its vectors and its model's, read as they did) is skipped unless `force` is set, so a sweep that was stopped
+resumes where it left off.
 
 A job that fails (error.txt in its directory, no metrics.json) does not stop the others: every pack runs, the
 report is written, and the sweep then exits 1. Ctrl-C writes the report of the jobs that finished and exits 130.
@@ -27,6 +28,8 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from steer import rundir
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,12 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
         if force:
             return ""
         changed = config_changes(job_dir, cfg)
-        return None if changed is None else f" (config changed: {changed}, rerunning)"
+        if changed is not None:
+            return f" (config changed: {changed}, rerunning)"
+        from steer import inputs
+
+        changed = inputs.recorded_changes(job_dir)  # the same config may read files that have changed since
+        return None if changed is None else f" (inputs changed: {changed}, rerunning)"
     if (job_dir / "error.txt").is_file():
         return " (failed before, rerunning)"
     if (job_dir / ".hydra" / "config.yaml").is_file():  # set up before, stopped (Ctrl-C, a kill) before its metrics
@@ -63,7 +71,6 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
 
 # Config keys that do not change a job's results: a finished job made with other values of these is still done.
 IGNORED = ("progress", "cache_dir")
-STALE = ("metrics.json", "results.jsonl", "error.txt")  # what a job that is run again must not keep meanwhile
 
 
 def _comparable(cfg: DictConfig) -> Dict[str, Any]:
@@ -168,9 +175,7 @@ class PackedLauncher(Launcher):
         if note is None:
             log.info(f"\t#{idx} : {shown} (complete, skipped)")
             return _done(cfg, overrides, job_dir), job_dir, shown
-        for name in STALE:  # a rerun that stops part way must not leave the old results beside the new config
-            if (job_dir / name).is_file():
-                (job_dir / name).unlink()
+        rundir.clear_stale(job_dir)  # a rerun that stops part way must not leave the old results beside the new config
         log.info(f"\t#{idx} : {shown}{note}")
         ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")

@@ -10,6 +10,7 @@ import time
 from helpers import TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, summary_rows as summary, sweep_jobs as jobs
 
 from hydra_plugins.steer_launcher import packed
+from steer import inputs
 from hydra_plugins.steer_launcher.packed import complete
 
 QUICK = ["engine=hf", "gen.max_new_tokens=4", TWO_PROMPTS]
@@ -45,7 +46,10 @@ def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
     (tmp_path / "error.txt").write_text("boom")
     assert packed.resume_note(tmp_path, cfg) == " (failed before, rerunning)"
     (tmp_path / "metrics.json").write_text("{}")
-    assert packed.resume_note(tmp_path, cfg) is None  # complete, the same config: skipped
+    # complete, the same config, but no record of what it read (written before inputs.json was): run again
+    assert packed.resume_note(tmp_path, cfg) == " (inputs changed: no record of its inputs, rerunning)"
+    inputs.write(tmp_path, {}, {"kind": "tiny", "source": None, "revision": None})
+    assert packed.resume_note(tmp_path, cfg) is None  # complete, the same config and inputs: skipped
     assert packed.resume_note(tmp_path, _cfg("tap.layer=2")) == " (config changed: tap.layer 1 -> 2, rerunning)"
     assert packed.resume_note(tmp_path, cfg, force=True) == ""
 
@@ -64,6 +68,26 @@ def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec)
         assert "layer: 2" in (j / ".hydra" / "config.yaml").read_text()
         assert float(r["kl_mean"]) == json.loads((j / "metrics.json").read_text())["kl_mean"]
     res = run_cli(args + ["tap.layer=2"], tmp_path, cache_dir)  # the same sweep again: nothing to do
+    assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+
+
+def test_resume_reruns_jobs_whose_vector_file_was_rewritten(tmp_path, cache_dir, tiny_spec):
+    import torch
+    from safetensors.torch import save_file
+
+    sweep, vec = tmp_path / "sweep", tmp_path / "v.safetensors"
+    save_file({"direction": torch.ones(tiny_spec.hidden)}, str(vec))
+    args = ["-m", "edit.scale=1,2", *QUICK, f"edit.vector.path={vec}", f"hydra.sweep.dir={sweep}"]
+    assert run_cli(args, tmp_path, cache_dir).returncode == 0
+    before = [json.loads((j / "metrics.json").read_text()) for j in jobs(sweep)]
+    save_file({"direction": -50 * torch.ones(tiny_spec.hidden)}, str(vec))  # the same path, another vector
+    res = run_cli(args, tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "(complete, skipped)" not in out and out.count(f"(inputs changed: vector {vec}, rerunning)") == 2
+    after = [json.loads((j / "metrics.json").read_text()) for j in jobs(sweep)]
+    assert all(a["proj_steered"] != b["proj_steered"] for a, b in zip(after, before))
+    res = run_cli(args, tmp_path, cache_dir)  # and nothing changed since: both done
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 

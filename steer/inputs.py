@@ -1,0 +1,105 @@
+"""What a job reads beside its config, fingerprinted: its vector files (by content) and its model's files (by
+size and modification time; hashing gigabytes of weights on every resume would cost more than the jobs).
+
+A config names a vector by its path and a model by its directory or hub id, so a sweep resumed after a vector
+file was rewritten, a checkpoint retrained in place or a hub model updated would otherwise count its old jobs as
+done. Each job writes its fingerprint (inputs.json) before its metrics; a resume re-reads exactly what the
+fingerprint names and reruns the job where anything differs.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from steer.model import ModelSpec, cached_snapshot
+from steer.plan import entries
+from steer.schema import SteerConf, Task
+
+FILE = "inputs.json"
+_HASHED = 1 << 20  # model files up to this size (configs, tokenizers) are hashed too, not only stat'ed
+
+
+def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
+    """Each vector file's sha256 by its configured path: taken when the job is validated, which is when its
+    vectors are loaded (a file rewritten while a sweep runs is then told apart from the one the job read)."""
+    paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
+    return {p: _sha256(Path(p).expanduser()) for p in dict.fromkeys(paths)}
+
+
+def model(cfg: SteerConf, spec: ModelSpec) -> Dict[str, Any]:
+    """The model's files as they are now: taken once the engine has loaded them (a hub model's snapshot exists
+    then)."""
+    return _model(*_where(cfg, spec), spec.revision)
+
+
+def changes(recorded: Dict[str, Any]) -> Optional[str]:
+    """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`."""
+    diffs = [f"vector {p}" for p, digest in recorded.get("vectors", {}).items()
+             if _sha256(Path(p).expanduser()) != digest]
+    model = recorded.get("model", {})
+    if _model(model.get("kind"), model.get("source"), model.get("revision")) != model:
+        diffs.append(f"model {model.get('source')}")
+    return ", ".join(diffs) or None
+
+
+def write(out_dir: Path, vector_digests: Dict[str, Optional[str]], model_files: Dict[str, Any]) -> None:
+    from steer import results
+
+    results.write_json(Path(out_dir) / FILE, {"vectors": vector_digests, "model": model_files})
+
+
+def recorded_changes(job_dir: Path) -> Optional[str]:
+    """What changed since the job in `job_dir` ran (None: nothing); "no record" where it wrote no inputs.json."""
+    path = Path(job_dir) / FILE
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "no record of its inputs"
+    return changes(recorded)
+
+
+def _where(cfg: SteerConf, spec: ModelSpec):
+    """(kind, source): ("tiny", None), ("hub", its id) or ("dir", the directory the weights load from)."""
+    m = cfg.model
+    if m.source == "tiny":
+        return "tiny", None
+    if m.source == "hub":
+        return "hub", m.name
+    if m.source != "gguf" and not Path(m.source).expanduser().is_dir():
+        return "hub", m.source
+    return "dir", spec.source
+
+
+def _model(kind: Optional[str], source: Optional[str], revision: Optional[str]) -> Dict[str, Any]:
+    """The model's files: those of its directory (the converted GGUF's, a local checkpoint's) or, for a hub id,
+    of the snapshot its revision resolves to in the local cache now (a newer one once the hub's was fetched). The
+    tiny model's are written from its recipe, which the config holds: nothing to read."""
+    out: Dict[str, Any] = {"kind": kind, "source": source, "revision": revision}
+    if kind == "tiny" or source is None:
+        return out
+    where: Optional[Path] = Path(source).expanduser()
+    if kind == "hub":
+        snapshot = cached_snapshot(source, revision)
+        out["snapshot"] = snapshot
+        where = Path(snapshot) if snapshot else None
+    if where is not None and where.is_dir():
+        out["files"] = {f.name: _stat(f) for f in sorted(where.iterdir()) if f.is_file()}
+    return out
+
+
+def _stat(f: Path) -> list:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns] + ([_sha256(f)] if st.st_size <= _HASHED else [])
+
+
+def _sha256(path: Path) -> Optional[str]:
+    """The file's sha256, None where it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return h.hexdigest()

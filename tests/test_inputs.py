@@ -1,0 +1,75 @@
+"""A job's inputs beside its config (steer/inputs.py): what a resume re-reads to tell a finished job from a stale
+one."""
+
+import json
+import os
+
+import torch
+from helpers import compose
+from safetensors.torch import save_file
+
+from steer import inputs
+from steer.model import spec as model_spec
+
+
+def _vector(path, seed):
+    save_file({"direction": torch.randn(64, generator=torch.Generator().manual_seed(seed))}, str(path))
+
+
+def test_a_rewritten_or_missing_vector_file_is_named_and_an_untouched_one_is_not(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _vector(a, 0)
+    _vector(b, 1)
+    cfg = compose(f"edit.vector.path={a}", f"+extra_edits=[{{tap:{{layer:0}},edit:{{vector:{{path:'{b}'}}}}}}]")
+    digests = inputs.vectors(cfg)
+    assert list(digests) == [str(a), str(b)] and None not in digests.values()
+    recorded = {"vectors": digests, "model": {"kind": "tiny", "source": None, "revision": None}}
+    assert inputs.changes(recorded) is None
+    _vector(b, 2)
+    assert inputs.changes(recorded) == f"vector {b}"
+    a.unlink()
+    assert inputs.changes(recorded) == f"vector {a}, vector {b}"
+
+
+def test_the_default_direction_and_an_extraction_read_no_vector_file():
+    assert inputs.vectors(compose()) == {}
+    assert inputs.vectors(compose("task=extract")) == {}
+
+
+def test_a_local_checkpoint_changed_in_place_is_named(tmp_path, tiny_spec, cache_dir):
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_spec.source, ckpt)
+    cfg = compose(f"model.source={ckpt}", f"cache_dir={cache_dir}")
+    spec = model_spec(cfg.model, cfg.cache_dir)
+    recorded = {"vectors": {}, "model": inputs.model(cfg, spec)}
+    assert recorded["model"]["kind"] == "dir" and "config.json" in recorded["model"]["files"]
+    assert inputs.changes(json.loads(json.dumps(recorded))) is None  # as read back from inputs.json
+    weights = next(ckpt.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # retrained: same size, newer
+    assert inputs.changes(recorded) == f"model {ckpt}"
+
+
+def test_a_hub_model_is_named_once_its_revision_resolves_to_another_cached_snapshot(tmp_path, monkeypatch):
+    from steer.inputs import _model
+
+    repo = tmp_path / "hub" / "models--org--name"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text(json.dumps({"commit": commit}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    recorded = _model("hub", "org/name", None)
+    assert recorded["snapshot"].endswith("a" * 40) and "config.json" in recorded["files"]
+    assert inputs.changes({"model": recorded}) is None
+    (repo / "refs" / "main").write_text("b" * 40)  # the hub's newer snapshot fetched into the cache
+    assert inputs.changes({"model": recorded}) == "model org/name"
+
+
+def test_a_job_dir_without_inputs_json_counts_as_changed(tmp_path):
+    assert inputs.recorded_changes(tmp_path) == "no record of its inputs"
+    inputs.write(tmp_path, {}, {"kind": "tiny", "source": None, "revision": None})
+    assert inputs.recorded_changes(tmp_path) is None
