@@ -7,6 +7,7 @@ one job or a packed group of jobs that share an engine, through the same code.
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -114,7 +115,7 @@ def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) ->
     taps = sorted({t.path for job in jobs for t in job.taps})  # the pack's: its requests share the batches
     work = []
     for job in jobs:
-        job_log(job).info("engine %s on %s, taps %s", engine.name, job.spec.source, taps)
+        job_log(job).info("engine %s on %s in pid %d, taps %s", engine.name, job.spec.source, os.getpid(), taps)
         try:
             if job.cfg.task == Task.extract:
                 job.result = _extract(job, engine, console)

@@ -91,3 +91,17 @@ def run_cli(args, cwd, cache_dir, timeout=600):
     env = cli_env(cache_dir)
     return subprocess.run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+class DiesWhenRun:
+    """A sweep job whose group's process is killed (as the OOM killer would) the moment it starts running it;
+    importable by a spawned process, as a test's own class is not."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    @property
+    def cfg(self):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -57,6 +57,16 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
     assert vecs[0].shape[-1] == tiny_spec.hidden and torch.equal(*vecs)
 
 
+def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
+    sweep = tmp_path / "sweep"  # vLLM settings tell the groups apart, which the HF engine then ignores: cheap
+    res = run_cli(["-m", "vllm.max_model_len=null,512", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "2 jobs to run in 2 engine group(s)" in res.stdout + res.stderr
+    pids = [int(line.split(" in pid ")[1].split(",")[0]) for j in jobs(sweep)
+            for line in (j / "steer.log").read_text().splitlines() if " - engine " in line]
+    assert all(complete(j) for j in jobs(sweep)) and len(set(pids)) == 2
+
+
 def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = SWEEP + QUICK + ["hydra.launcher.pack_size=1", f"hydra.sweep.dir={sweep}"]

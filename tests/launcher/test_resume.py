@@ -136,6 +136,24 @@ def test_run_group_fails_every_job_when_its_engine_does_not_start(tmp_path, monk
     assert all((j.out_dir / "error.txt").is_file() for j in js)
 
 
+def test_a_group_whose_process_dies_fails_its_jobs_and_the_sweep_goes_on(tmp_path):
+    import threading
+
+    from helpers import DiesWhenRun
+
+    js = [DiesWhenRun(tmp_path / str(i)) for i in range(2)]
+    for j in js:
+        j.out_dir.mkdir()
+    out = []
+    t = threading.Thread(target=lambda: out.append(packed._in_own_process(js, 2)), daemon=True)
+    t.start()
+    t.join(120)
+    assert out, "the launcher still waits for a group whose process was killed"
+    assert [m["error"] for m in out[0]] == ["RuntimeError: the process running this engine group ended (exit code "
+                                            "-9) before it reported its jobs"] * 2
+    assert all("exit code -9" in (j.out_dir / "error.txt").read_text() for j in js)
+
+
 def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"
     (sweep / "1" / "results.jsonl").mkdir(parents=True)  # job 1 cannot write its results: it fails after generating
