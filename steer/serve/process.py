@@ -67,10 +67,29 @@ def running(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env
             time.sleep(1)
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        end_session(proc)
+
+
+def end_session(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to every process of `proc`'s session, then SIGKILL to those left after `grace` seconds. Also once
+    `proc` itself has exited: a server's engine process can outlive its API server and hold the GPU."""
+    if not _signal_session(proc, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()  # reaped, the leader no longer counts as a member of its session
+        if not _signal_session(proc, 0):
+            return
+        time.sleep(0.1)
+    _signal_session(proc, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> bool:
+    """Send `sig` to the process group `proc` leads (0: only ask whether any member is left)."""
+    try:
+        os.killpg(proc.pid, sig)
+        return True
+    except ProcessLookupError:
+        proc.poll()
+        return False
