@@ -107,6 +107,8 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
             _summary(console, w.job.spec.name, w.plan, agg, rows, w.job.out_dir)
         if on_done:
             on_done(w.job)
+    for job in jobs:  # a sweep of thousands of jobs in one process must not hold a file open for each
+        close_log(job.out_dir)
     return [job.result for job in jobs]
 
 
@@ -207,6 +209,7 @@ def record_failure(out_dir: Path, e: BaseException) -> None:
     if Path(out_dir).is_dir():
         results.write_text(Path(out_dir) / "error.txt", text.rstrip() + "\n")
         _dir_log(Path(out_dir)).error("failed: %s", text.rstrip())
+        close_log(Path(out_dir))
 
 
 def job_log(job: Job) -> logging.Logger:
@@ -223,6 +226,14 @@ def _dir_log(out_dir: Path) -> logging.Logger:
         logger.setLevel(logging.INFO)
         logger.propagate = False  # Hydra's root handler writes the same file in a single run
     return logger
+
+
+def close_log(out_dir: Path) -> None:
+    """Close the run directory's steer.log (a later line opens it again, appending)."""
+    logger = logging.getLogger(f"steer.job.{Path(out_dir).resolve()}")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def describe(plan: Plan) -> str:

@@ -71,6 +71,27 @@ def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_
     run.validate(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
 
 
+def test_a_pack_leaves_no_log_file_open_and_a_later_line_still_lands(tmp_path, cache_dir, console):
+    import os
+
+    def open_logs():
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out += [fd] if os.readlink(f"/proc/self/fd/{fd}").endswith("steer.log") else []
+            except OSError:  # the descriptor listdir itself held
+                pass
+        return out
+
+    jobs = [_job(compose("gen.max_new_tokens=2", *QUICK), tmp_path / str(i)) for i in range(3)]
+    run.execute(jobs, console)
+    assert open_logs() == []
+    run.job_log(jobs[0]).info("a later line")
+    run.close_log(jobs[0].out_dir)
+    log = (tmp_path / "0" / "steer.log").read_text()
+    assert "wrote results.jsonl" in log and log.endswith("a later line\n")
+
+
 def _job(cfg, d):
     d.mkdir()
     return run.validate(cfg, d)
