@@ -29,7 +29,7 @@ def app(cfg: DictConfig):
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     try:
-        conf = OmegaConf.to_object(cfg)
+        conf = schema.to_object(cfg)
         packed = hc.mode == RunMode.MULTIRUN and OmegaConf.select(hc, "launcher._target_") == PACKED
         return run.main(conf, out_dir, console, defer=packed)
     except ConfigError as e:

@@ -1,12 +1,16 @@
 """The typed config schema. Hydra merges every YAML file onto these dataclasses, so an unknown key, a wrong
 type or an unknown edit kind fails at composition, before anything is loaded."""
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from steer.errors import ConfigError
 
 from steer.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
 
@@ -211,3 +215,34 @@ class SteerConf:
 def register() -> None:
     """Register the schema under the name conf/config.yaml puts first in its defaults list."""
     ConfigStore.instance().store(name="steer_schema", node=SteerConf)
+
+
+def to_object(cfg: DictConfig):
+    """The composed config as its dataclasses (steer's, the server's or the bench's), refusing a key its schema does
+    not have. Hydra lets `+edit.scael=2` add one to a typed node (its own error for `edit.scael=2` suggests the
+    `+`), and OmegaConf.to_object would then drop it without a word."""
+    for key, node in _unknown(cfg, ""):
+        known = sorted(f.name for f in dataclasses.fields(OmegaConf.get_type(node)))
+        near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+        hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{near[0]}? " if near else ""
+        raise ConfigError(key, f"is not a setting of this config; {hint}the settings there are: {', '.join(known)}")
+    return OmegaConf.to_object(cfg)
+
+
+def _unknown(node, prefix: str):
+    """(dotted key, the typed node holding it) for each key that a dataclass-typed node holds but does not declare."""
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            if isinstance(item, (DictConfig, ListConfig)):
+                yield from _unknown(item, f"{prefix}[{i}]")
+        return
+    kind = OmegaConf.get_type(node)
+    declared = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    for key in node.keys():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if declared is not None and key not in declared:
+            yield name, node
+            continue
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            yield from _unknown(child, name)

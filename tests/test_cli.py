@@ -109,7 +109,10 @@ def test_a_malformed_yaml_config_is_one_line_naming_file_line_and_column(tmp_pat
 
 @pytest.mark.parametrize("args,says", [(["edit.scal=3"], "Key 'scal' not in 'EditConf'"),
                                        (["edit=nope"], "Could not find 'edit/nope'"),
-                                       (["edit.scale=[1"], "no viable alternative at input '[1'")])
+                                       (["edit.scale=[1"], "no viable alternative at input '[1'"),
+                                       # what Hydra's own message for the first suggests: added, then refused
+                                       (["+edit.scal=3"], "edit.scal: is not a setting of this config; did you "
+                                                          "mean edit.scale?")])
 def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says):
     res = run_cli(args, tmp_path, cache_dir)
     assert res.returncode == 2

@@ -4,7 +4,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from helpers import CONF, compose, compose_conf
+from helpers import CONF, compose, compose_conf, on_tiny
 from steer.schema import EditKind, SteerConf
 
 # conf/preset/ belongs to conf/serve.yaml (python -m steer.serve): tests/serve/test_serve_presets.py checks it.
@@ -48,6 +48,25 @@ def test_issue_commands_compose():
 def test_bad_overrides_fail_at_composition(override):
     with pytest.raises((ConfigCompositionException, ValidationError)):
         compose(override)
+
+
+@pytest.mark.parametrize("name,overrides,near", [
+    ("config", ["+edit.scael=2"], "edit.scale"),
+    ("config", ["+gen.tempreature=1"], "gen.temperature"),
+    ("config", ["+experiment=joy_two_taps", "+extra_edits.0.edit.scael=3"], "extra_edits[0].edit.scale"),
+    ("serve", ["+serve.porrt=8001"], "serve.port"),
+    ("bench", ["+models.tiny.repeets=3"], "models.tiny.repeats"),
+    ("config", ["+nonsense=1"], None)])
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_naming_the_nearest(name, overrides, near):
+    from steer.errors import ConfigError
+    from steer.schema import to_object
+
+    key = overrides[-1][1:].split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        to_object(compose_conf(name, on_tiny(overrides) if name == "config" else overrides))
+    assert e.value.field == key.replace(".0.", "[0].")
+    assert (near or key) in str(e.value) and ("did you mean" in str(e.value)) == (near is not None)
+    to_object(compose_conf(name, on_tiny(overrides[:-1]) if name == "config" else overrides[:-1]))  # the rest is fine
 
 
 @pytest.mark.parametrize("launcher,key,value", [("slurm_gpu", "gpus_per_node", 1), ("local_procs", "timeout_min", 60),

@@ -21,12 +21,13 @@ from typing import List
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
 from steer.bench import hostspeed, nvml, schema, waves
 from steer.errors import ConfigError
+from steer.schema import to_object
 
 schema.register()
 
@@ -34,9 +35,9 @@ schema.register()
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="bench")
 def app(cfg: DictConfig) -> None:
     console = Console(stderr=True, soft_wrap=True)
-    conf = OmegaConf.to_object(cfg)
     command = " ".join(["python -m steer.bench", *effective(HydraConfig.get().overrides.task)])
     try:
+        conf = to_object(cfg)
         run(conf, Path(HydraConfig.get().runtime.output_dir), console, command)
     except ConfigError as e:
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)

@@ -203,13 +203,13 @@ def main(argv=None) -> None:
     if a.nvml and read is None:
         raise SystemExit(f"--nvml: the GPU's clock and power cannot be read ({why})")
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from steer.bench import schema
+    from steer.schema import to_object
 
     schema.register()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="bench", overrides=a.overrides))
+        cfg = to_object(compose(config_name="bench", overrides=a.overrides))
     if a.model not in cfg.models:
         raise SystemExit(f"--model: expected one of {', '.join(cfg.models)}, got {a.model!r}")
     if a.nvml and not (math.isfinite(cfg.gpu_sample_s) and cfg.gpu_sample_s > 0):

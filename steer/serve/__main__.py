@@ -5,11 +5,12 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
 from steer.errors import ConfigError, run_app
+from steer.schema import to_object
 from steer.serve import schema
 
 schema.register()
@@ -21,7 +22,7 @@ def app(cfg: DictConfig) -> None:
 
     console = Console(stderr=True, soft_wrap=True)
     try:
-        conf = OmegaConf.to_object(cfg)
+        conf = to_object(cfg)
         start.main(conf, Path(HydraConfig.get().runtime.output_dir), console)
     except ConfigError as e:
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
