@@ -6,6 +6,9 @@ A job directory counts once its metrics.json exists (written last, atomically): 
 error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
 parameters are the overrides that differ between jobs: each plot puts the first on the x axis and draws one line
 per combination of the others. A directory with no such job is an error (exit 2), and nothing is written.
+
+A sweep run again into the same directory with fewer jobs leaves the earlier sweep's other job directories there;
+the packed launcher lists its own sweep's in `.jobs`, and the report then holds those alone.
 """
 
 import argparse
@@ -22,6 +25,7 @@ from steer import results
 
 METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")  # plotted first
 NOT_PLOTTED = ("prompts",)  # metrics.json keys that are counts, not metrics
+JOBS = ".jobs"  # the names of the job directories of the sweep launched last into the directory, a line each
 
 
 class NoJobs(ValueError):
@@ -32,8 +36,7 @@ def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
     """One row per finished or failed job under `sweep_dir`, in job order: its number, its overrides, `status`
     (`ok` or `failed`), then metrics.json's keys or the `error` (in that order: `swept` and `metrics` rely on it)."""
     rows = []
-    jobs = {p.parent for name in ("metrics.json", "error.txt") for p in Path(sweep_dir).glob(f"*/{name}")}
-    for job in sorted(jobs, key=lambda p: _job_key(p.name)):
+    for job in sorted(_jobs(Path(sweep_dir))[0], key=lambda p: _job_key(p.name)):
         over = job / ".hydra" / "overrides.yaml"
         row: Dict[str, Any] = {"job": job.name}
         for o in (OmegaConf.load(over) if over.exists() else []):
@@ -48,6 +51,23 @@ def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
             row["error"] = _error_line((job / "error.txt").read_text(errors="replace"))
         rows.append(row)
     return rows
+
+
+def _jobs(sweep_dir: Path):
+    """(the finished or failed job directories of the sweep, how many others of an earlier sweep are left out)."""
+    jobs = {p.parent for name in ("metrics.json", "error.txt") for p in sweep_dir.glob(f"*/{name}")}
+    listed = sweep_dir / JOBS
+    if not listed.is_file():
+        return jobs, 0
+    mine = set(listed.read_text().split())
+    return {j for j in jobs if j.name in mine}, sum(j.name not in mine for j in jobs)
+
+
+def list_jobs(sweep_dir: Path, names: List[str], append: bool = False) -> None:
+    """Name the sweep's job directories (`append`: a later batch of the same sweep)."""
+    listed = Path(sweep_dir) / JOBS
+    before = listed.read_text().split() if append and listed.is_file() else []
+    results.write_text(listed, "".join(f"{n}\n" for n in dict.fromkeys(before + list(names))))
 
 
 def _error_line(text: str) -> str:
@@ -142,7 +162,13 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
         raise NoJobs(f"{sweep_dir} holds no finished or failed job: no <job>/metrics.json or <job>/error.txt in it")
     params = swept(rows)
     return {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
-            "swept": params}
+            "swept": params, "left_out": _jobs(Path(sweep_dir))[1]}
+
+
+def left_out(out: Dict[str, Any]) -> str:
+    """What a report line adds where the directory holds job directories of an earlier sweep."""
+    n = out.get("left_out", 0)
+    return f"; {n} job director{'y' if n == 1 else 'ies'} of an earlier sweep here left out" if n else ""
 
 
 def _num(v: Any) -> Any:
@@ -168,7 +194,7 @@ def main(argv=None) -> int:
     except NoJobs as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{out['jobs']} jobs, swept {out['swept']}: {out['summary']}, {len(out['plots'])} plots")
+    print(f"{out['jobs']} jobs, swept {out['swept']}: {out['summary']}, {len(out['plots'])} plots{left_out(out)}")
     return 0
 
 

@@ -36,4 +36,6 @@ class SummaryCallback(Callback):
             if out is None:
                 print(f"summary: none written (no job in {sweep_dir} finished or failed)")
             else:
-                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots)")
+                from steer.report import left_out
+
+                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})")

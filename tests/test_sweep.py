@@ -117,3 +117,20 @@ def test_metrics_are_told_from_overrides_whatever_their_names(tmp_path):
     assert {p.name for p in out["plots"]} == {"kl_mean.png", "tokens_per_s.png", "ppl_steered.png"}
     rows = list(csv.DictReader(out["summary"].open()))
     assert [(r["prompts"], r["prompts (metric)"]) for r in rows] == [("refusal", "6")] * 4
+
+
+def test_a_smaller_sweep_into_the_same_directory_reports_its_own_jobs_alone(tmp_path, capsys):
+    from hydra_plugins.steer_launcher.packed import _list_jobs
+    from steer.report import main
+
+    for n in range(6):  # an earlier sweep of six
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
+    assert build(tmp_path)["jobs"] == 6  # no list of its own: every job directory there
+    _list_jobs(tmp_path, [tmp_path / "0"], 0)
+    _list_jobs(tmp_path, [tmp_path / "1"], 1)  # the sweeper's second batch of the same sweep
+    out = build(tmp_path)
+    assert [r["job"] for r in job_rows(tmp_path)] == ["0", "1"] and out["jobs"] == 2 and out["left_out"] == 4
+    assert main([str(tmp_path)]) == 0
+    assert "4 job directories of an earlier sweep here left out" in capsys.readouterr().out
+    _list_jobs(tmp_path, [tmp_path / str(n) for n in range(6)], 0)  # the first sweep again: all of it
+    assert build(tmp_path)["left_out"] == 0

@@ -132,6 +132,7 @@ class PackedLauncher(Launcher):
         try:
             returns, failed = self._launch(job_overrides, initial_job_idx, sweep_dir, job_dirs)
         except KeyboardInterrupt:
+            _list_jobs(sweep_dir, job_dirs, initial_job_idx)
             _interrupted(sweep_dir, job_dirs, len(job_overrides))
         if failed:
             # Hydra's sweeper would raise the first failure as a traceback, before the report: say it here, exit 1.
@@ -160,6 +161,7 @@ class PackedLauncher(Launcher):
             elif isinstance(ret.return_value, Job):  # validated, waiting for its engine group
                 jobs.append(ret.return_value)
                 pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
+        _list_jobs(sweep_dir, job_dirs, initial_job_idx)
         return returns, failed + self._run_groups(jobs, pending)
 
     def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[JobReturn, Path, str]:
@@ -212,11 +214,22 @@ def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: st
     return f"#{idx}"
 
 
+def _list_jobs(sweep_dir: Path, job_dirs: List[Path], initial_job_idx: int) -> None:
+    # The report then leaves out the job directories an earlier, larger sweep left in the same sweep dir.
+    from steer import report
+
+    report.list_jobs(sweep_dir, [d.name for d in job_dirs if d.parent == sweep_dir], append=initial_job_idx > 0)
+
+
 def _report(sweep_dir: Path) -> str:
     from steer import sweep
 
+    from steer.report import left_out
+
     out = sweep.write_report(sweep_dir)
-    return f"summary written to {out['summary']}" if out else f"no summary written (no job in {sweep_dir} finished)"
+    if not out:
+        return f"no summary written (no job in {sweep_dir} finished)"
+    return f"summary written to {out['summary']}{left_out(out)}"
 
 
 def _interrupted(sweep_dir: Path, job_dirs: List[Path], total: int) -> None:
