@@ -7,10 +7,11 @@ few seconds, else from the local cache, else the run fails at once with one mess
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import FrozenSet, Optional, Tuple
+from types import MappingProxyType
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -35,6 +36,9 @@ class ModelSpec:
     # engine loads the tokenizer, e.g. a hub model read online).
     chat_template: Optional[bool] = None
     positions: Optional[int] = None  # the config's max_position_embeddings (None: it names none)
+    # What each module outputs where known from the config alone: the width of its (first) output tensor's rows, or
+    # what it is instead ("never called", a container; "a BaseModelOutputWithPast"). Absent: not known.
+    outputs: Mapping[str, Union[int, str]] = field(default_factory=dict, compare=False, hash=False)
 
     def layer_path(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -56,11 +60,11 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         field, where = ("model.name", conf.name) if conf.source == "hub" else ("model.source", conf.source)
         config, source = _pretrained_config(where, conf.revision, field)
         template = prompt.template_in_dir(source) if Path(source).is_dir() else None
-    layers_path, modules = _modules(config)
+    layers_path, modules, outputs = _modules(config)
     positions = getattr(config, "max_position_embeddings", None)
     return ModelSpec(conf.name, source, conf.revision, _DTYPES[conf.dtype], config.hidden_size,
                      config.num_hidden_layers, layers_path, modules, template,
-                     int(positions) if positions else None)
+                     int(positions) if positions else None, outputs)
 
 
 def _pretrained_config(where: str, revision: str | None, field: str):
@@ -152,12 +156,12 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
     return str(Path(found).parent) if isinstance(found, str) else None
 
 
-def _modules(config) -> Tuple[str, FrozenSet[str]]:
+def _modules(config) -> Tuple[str, FrozenSet[str], Mapping[str, Union[int, str]]]:
     return _module_tree(config.to_json_string())
 
 
 @lru_cache(maxsize=8)
-def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str]]:
+def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Mapping[str, Union[int, str]]]:
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -171,4 +175,34 @@ def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str]]:
     if not stacks:
         raise ConfigError("model", f"found no list of {config.num_hidden_layers} decoder layers in "
                                    f"{type(model).__name__}")
-    return stacks[0], frozenset(names)
+    return stacks[0], frozenset(names), MappingProxyType(_outputs(model, names))
+
+
+def _outputs(model: torch.nn.Module, names: Dict[str, torch.nn.Module]) -> Dict[str, Union[int, str]]:
+    """What each module outputs, from one forward pass of the model on the meta device (shapes, no data): the
+    width of a tensor's rows (the first element's, for a tuple, as the engines' hooks take it), else what it is.
+    Where an architecture's forward cannot run on meta tensors, what the modules' own types say."""
+    seen: Dict[str, Union[int, str]] = {}
+
+    def hook(name):
+        def record(module, args, output):
+            first = output[0] if isinstance(output, (tuple, list)) and output else output
+            seen[name] = first.shape[-1] if isinstance(first, torch.Tensor) else f"a {type(output).__name__}"
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in names.items()]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:  # not every forward runs on meta tensors: what the module types say is still worth checking
+        seen = {n: m.out_features if isinstance(m, torch.nn.Linear) else m.embedding_dim
+                for n, m in names.items() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    else:
+        seen.update({n: "never called in a forward pass" for n in names if n not in seen})
+    finally:
+        for h in handles:
+            h.remove()
+    for n, m in names.items():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            seen[n] = f"a {type(m).__name__}, never called in a forward pass"
+    return seen

@@ -33,4 +33,14 @@ def resolve(conf: TapConf, spec: ModelSpec, field: str = "tap") -> Tap:
     layer_paths = {spec.layer_path(i): i for i in range(spec.layers)}
     if conf.path in layer_paths:
         return Tap(f"layer{layer_paths[conf.path]}", conf.path, residual=True)
+    out = spec.outputs.get(conf.path)
+    if isinstance(out, str):
+        raise ConfigError(f"{field}.path", f"{conf.path!r} is {out}, with no rows of its own to edit: tap a module "
+                                           f"whose output is a tensor of the model's hidden size ({spec.hidden}), "
+                                           f"such as {spec.layer_path(0)} or {spec.layer_path(0)}.mlp")
+    if out is not None and out != spec.hidden:
+        raise ConfigError(f"{field}.path", f"{conf.path!r} outputs rows of {out} values, and an edit changes rows of "
+                                           f"the model's hidden size ({spec.hidden}): tap a module whose output is "
+                                           f"that wide (a decoder layer, a norm, an attention or MLP block, their "
+                                           f"output projections)")
     return Tap(conf.path, conf.path, residual=False)

@@ -37,3 +37,42 @@ def test_path_naming_no_module(tiny_spec):
 def test_empty_tap(tiny_spec):
     with pytest.raises(ConfigError, match="names no location"):
         resolve(TapConf(), tiny_spec)
+
+
+@pytest.mark.parametrize("path,says", [
+    ("model.layers", "is a ModuleList, never called in a forward pass, with no rows of its own to edit"),
+    ("model", "is a BaseModelOutputWithPast, with no rows of its own to edit"),
+    ("lm_head", "outputs rows of 512 values, and an edit changes rows of the model's hidden size (256)"),
+    ("model.layers.1.mlp.gate_proj", "outputs rows of 512 values"),
+    ("model.rotary_emb", "outputs rows of 64 values")])
+def test_a_path_whose_output_is_no_hidden_wide_tensor_is_refused_before_any_weights(tiny_spec, path, says):
+    with pytest.raises(ConfigError) as e:
+        resolve(TapConf(path=path), tiny_spec)
+    assert e.value.field == "tap.path" and says in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["model.layers.1.mlp", "model.layers.1.self_attn", "model.layers.1.self_attn.o_proj",
+                                  "model.layers.1.mlp.down_proj", "model.layers.1.input_layernorm", "model.norm",
+                                  "model.embed_tokens"])
+def test_a_path_whose_output_is_hidden_wide_is_a_tap(tiny_spec, path):
+    assert resolve(TapConf(path=path), tiny_spec).path == path and tiny_spec.outputs[path] == tiny_spec.hidden
+
+
+def test_where_a_forward_cannot_run_on_meta_tensors_the_module_types_still_say_what_they_output():
+    import torch
+
+    from steer.model import _outputs
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+            self.head = torch.nn.Linear(8, 3)
+            self.act = torch.nn.SiLU()
+
+        def forward(self, input_ids):
+            raise RuntimeError("needs real data")
+
+    model = Broken()
+    out = _outputs(model, {n: m for n, m in model.named_modules() if n})
+    assert out == {"layers": "a ModuleList, never called in a forward pass", "layers.0": 8, "head": 3}
