@@ -165,9 +165,13 @@ def extract_to(path: str | Path, key: str, engine, tap: Tap, positive: List[str]
 def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str],
                    recipe: Recipe = Recipe()) -> torch.Tensor:
     """The default direction at `tap`: extracted once per (model, tap, prompt sets, recipe with its chat mode
-    resolved), then read from cache."""
+    resolved), then read from cache. The model is its weights as loaded: its files (a checkpoint retrained in
+    place, a hub revision's newer snapshot make a new direction) and dtype."""
+    from steer import inputs
+
     recipe = resolve(recipe, engine, positive, negative)
-    blob = json.dumps([engine.spec.source, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
+    model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]
+    blob = json.dumps([model, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
     path = Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
     if not path.exists():
         extract_to(path, "direction", engine, tap, positive, negative, recipe)

@@ -33,6 +33,11 @@ def model(cfg: SteerConf, spec: ModelSpec) -> Dict[str, Any]:
     return _model(*_where(cfg, spec), spec.revision)
 
 
+def weights(spec: ModelSpec) -> Dict[str, Any]:
+    """The files of the model an engine loaded from `spec` (its directory's, or a hub id's cached snapshot's)."""
+    return _model("dir" if Path(spec.source).expanduser().is_dir() else "hub", spec.source, spec.revision)
+
+
 def changes(recorded: Dict[str, Any]) -> Optional[str]:
     """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`."""
     diffs = [f"vector {p}" for p, digest in recorded.get("vectors", {}).items()

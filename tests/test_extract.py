@@ -131,3 +131,32 @@ def test_bad_recipes_fail_before_the_engine_runs(hf_engine, tiny_spec):
         direction(hf_engine, tap, POS, NEG, Recipe(chat="true"))
     assert e.value.field == "prompts.chat"
     assert Recipe.from_conf(ExtractConf(), True).chat == "true"  # Hydra hands a YAML boolean over as a bool
+
+
+def test_cached_default_is_keyed_on_the_models_files_and_dtype(hf_engine, tiny_spec, tmp_path):
+    import dataclasses
+    import os
+    import shutil
+
+    class As:  # the same engine, described as another model
+        def __init__(self, spec):
+            self.spec = spec
+
+        def __getattr__(self, name):
+            return getattr(hf_engine, name)
+
+    tap = resolve(TapConf(layer=2), tiny_spec)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_spec.source, ckpt)
+
+    def cached():
+        return len(list((tmp_path / "cache" / "vectors").glob("*.safetensors")))
+
+    for n, spec in enumerate([tiny_spec, dataclasses.replace(tiny_spec, dtype=torch.bfloat16),
+                              dataclasses.replace(tiny_spec, source=str(ckpt))], start=1):
+        cached_default(str(tmp_path / "cache"), As(spec), tap, POS, NEG)
+        assert cached() == n
+    weights = next(ckpt.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # retrained in place
+    cached_default(str(tmp_path / "cache"), As(dataclasses.replace(tiny_spec, source=str(ckpt))), tap, POS, NEG)
+    assert cached() == 4
