@@ -16,7 +16,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from steer import inputs, metrics, results, rundir
@@ -24,6 +23,7 @@ from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default, extract_to
 from steer.job import Job, engine_for, validate  # noqa: F401 (validate: the tests' name for it)
 from steer.plan import Plan
+from steer.progress import bar as progress_bar
 from steer.schema import SteerConf, Task
 
 
@@ -172,7 +172,7 @@ def _generate(engine, work: List[_Work], conts: Dict[tuple, List[int]], console:
     settings in one batch."""
     if not work:
         return
-    with _progress(console, work[0].job.cfg.progress) as progress:
+    with progress_bar(console, work[0].job.cfg.progress) as progress:
         task = progress.add_task(f"generating ({engine.name}, {len(work)} job{'s' * (len(work) > 1)})",
                                  total=sum(2 * len(w.prompts) for w in work))
         by_gen: Dict[str, List[_Work]] = {}
@@ -316,11 +316,6 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
     return row
-
-
-def _progress(console: Console, enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, disable=not enabled, transient=False)
 
 
 def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,

@@ -244,16 +244,15 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
     """Run one engine group, `pack_size` jobs at a time; each pack's files are written when it finishes. A pack
     that fails as a whole (its engine did not start, say) fails its jobs, and the next pack runs."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from steer import progress as progress_bar
     from steer import run
     from steer.job import engine_for
 
     console = Console(stderr=True)
     out = []
-    with Progress(TextColumn("sweep jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not jobs[0].cfg.progress) as progress:
-        task = progress.add_task("jobs", total=len(jobs))
+    with progress_bar.bar(console, jobs[0].cfg.progress) as progress:
+        task = progress.add_task("sweep jobs", total=len(jobs))
         try:
             with engine_for(jobs) as engine:
                 for start in range(0, len(jobs), pack_size):
