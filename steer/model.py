@@ -10,8 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from types import MappingProxyType
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Union
+from typing import Dict, FrozenSet, Optional, Tuple, Union
 
 import torch
 
@@ -38,7 +37,8 @@ class ModelSpec:
     positions: Optional[int] = None  # the config's max_position_embeddings (None: it names none)
     # What each module outputs where known from the config alone: the width of its (first) output tensor's rows, or
     # what it is instead ("never called", a container; "a BaseModelOutputWithPast"). Absent: not known.
-    outputs: Mapping[str, Union[int, str]] = field(default_factory=dict, compare=False, hash=False)
+    # A plain dict (read-only by convention): a job's spec is pickled into the process of a later engine group.
+    outputs: Dict[str, Union[int, str]] = field(default_factory=dict, compare=False, hash=False)
 
     def layer_path(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -156,12 +156,13 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
     return str(Path(found).parent) if isinstance(found, str) else None
 
 
-def _modules(config) -> Tuple[str, FrozenSet[str], Mapping[str, Union[int, str]]]:
-    return _module_tree(config.to_json_string())
+def _modules(config) -> Tuple[str, FrozenSet[str], Dict[str, Union[int, str]]]:
+    layers_path, names, outputs = _module_tree(config.to_json_string())
+    return layers_path, names, dict(outputs)  # a copy: the cached one is shared
 
 
 @lru_cache(maxsize=8)
-def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Mapping[str, Union[int, str]]]:
+def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Dict[str, Union[int, str]]]:
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,7 +176,7 @@ def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Mapping[str, Un
     if not stacks:
         raise ConfigError("model", f"found no list of {config.num_hidden_layers} decoder layers in "
                                    f"{type(model).__name__}")
-    return stacks[0], frozenset(names), MappingProxyType(_outputs(model, names))
+    return stacks[0], frozenset(names), _outputs(model, names)
 
 
 def _outputs(model: torch.nn.Module, names: Dict[str, torch.nn.Module]) -> Dict[str, Union[int, str]]:

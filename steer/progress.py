@@ -1,15 +1,12 @@
 """Progress of a run or a sweep: rich's bar on a terminal; elsewhere (output sent to a file, a job scheduler's log,
-CI) a line at each tenth of the work and in the log, since rich draws nothing there until the work is done."""
+CI) a line at each tenth of the work, since rich draws nothing there until the work is done."""
 
-import logging
 import time
 from types import SimpleNamespace
 from typing import Union
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-log = logging.getLogger("steer.progress")
 
 
 def bar(console: Console, enabled: bool = True) -> Union[Progress, "Lines"]:
@@ -50,4 +47,3 @@ class Lines:
             t.shown = step
             line = f"{t.description}: {completed:g}/{t.total:g} ({time.monotonic() - t.start:.0f} s)"
             self.console.print(line, highlight=False, markup=False)
-            log.info(line)

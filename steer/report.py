@@ -59,14 +59,14 @@ def _jobs(sweep_dir: Path):
     listed = sweep_dir / JOBS
     if not listed.is_file():
         return jobs, 0
-    mine = set(listed.read_text().split())
+    mine = set(listed.read_text().splitlines())  # a name may hold spaces (a subdir from override_dirname)
     return {j for j in jobs if j.name in mine}, sum(j.name not in mine for j in jobs)
 
 
 def list_jobs(sweep_dir: Path, names: List[str], append: bool = False) -> None:
     """Name the sweep's job directories (`append`: a later batch of the same sweep)."""
     listed = Path(sweep_dir) / JOBS
-    before = listed.read_text().split() if append and listed.is_file() else []
+    before = listed.read_text().splitlines() if append and listed.is_file() else []
     results.write_text(listed, "".join(f"{n}\n" for n in dict.fromkeys(before + list(names))))
 
 

@@ -12,9 +12,10 @@ from omegaconf import DictConfig
 
 from steer.errors import ConfigError
 
-# What a job writes as its results: a job run again in its directory must not keep the old ones meanwhile (nor
-# beside its error, should it fail). metrics.json comes last and marks the job complete.
-STALE = ("metrics.json", "results.jsonl", "inputs.json", "error.txt")
+# What a job writes as its results (task=select: its selection): a job run again in its directory must not keep
+# the old ones meanwhile (nor beside its error, should it fail). metrics.json comes last and marks a job complete.
+STALE = ("metrics.json", "results.jsonl", "inputs.json", "error.txt", "selection.json", "selection.md",
+         "selection.png")
 
 _held: List[int] = []  # open descriptors of the directories this process holds (released when it exits)
 

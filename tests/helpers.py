@@ -105,3 +105,11 @@ class DiesWhenRun:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaisesWhenRun(DiesWhenRun):
+    """A sweep job whose group's process raises the moment it starts running it."""
+
+    @property
+    def cfg(self):
+        raise ValueError("no config here")

@@ -134,3 +134,6 @@ def test_a_smaller_sweep_into_the_same_directory_reports_its_own_jobs_alone(tmp_
     assert "4 job directories of an earlier sweep here left out" in capsys.readouterr().out
     _list_jobs(tmp_path, [tmp_path / str(n) for n in range(6)], 0)  # the first sweep again: all of it
     assert build(tmp_path)["left_out"] == 0
+    job(tmp_path, "lr=1 x", ["lr=1 x"], {"kl_mean": 1.0})  # a name with a space (a subdir from override_dirname)
+    _list_jobs(tmp_path, [tmp_path / "lr=1 x"], 0)
+    assert [r["job"] for r in job_rows(tmp_path)] == ["lr=1 x"]

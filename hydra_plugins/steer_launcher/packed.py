@@ -283,35 +283,43 @@ def _pack_failed(job, e: Exception) -> dict:
 
 
 def _in_own_process(jobs: list, pack_size: int) -> List[dict]:
-    """run_group in a fresh process. A process that dies (the OOM killer, a CUDA abort) fails the jobs it had not
-    finished, as an engine that does not start would, and the sweep goes on."""
+    """run_group in a fresh process. A process that dies (the OOM killer, a CUDA abort) or raises fails the jobs
+    it had not finished, as an engine that does not start would, and the sweep goes on."""
     # vLLM does not reliably free GPU memory when an engine is dropped: a second engine gets a fresh process. A
     # Process and a pipe, not a Pool: a Pool replaces a worker that dies and its apply() then waits forever.
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_group_child, args=(jobs, pack_size, send))
-    proc.start()
-    send.close()  # the child holds the only writing end: its death ends recv() with EOFError
     try:
+        proc.start()
+        send.close()  # the child holds the only writing end: its death ends recv() with EOFError
         try:
-            return receive.recv()
+            ok, out = receive.recv()
         except EOFError:
             proc.join()
-            died = RuntimeError(f"the process running this engine group ended (exit code {proc.exitcode}) before it "
-                                f"reported its jobs")
-            return [_pack_failed(job, died) for job in jobs]
+            ok, out = False, (f"the process running this engine group ended (exit code {proc.exitcode}) before it "
+                              f"reported its jobs")
+        if ok:
+            return out
+        return [_pack_failed(job, RuntimeError(out)) for job in jobs]
     finally:
         if proc.is_alive():  # Ctrl-C: the launcher writes the report and ends the group
             proc.terminate()
-        proc.join()
+        if proc.pid is not None:
+            proc.join()
         receive.close()
 
 
 def _group_child(jobs: list, pack_size: int, send) -> None:
     # It ignores Ctrl-C: the launcher, told too, writes the report and ends it (no second traceback from it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    send.send(run_group(jobs, pack_size))
-    send.close()
+    try:
+        send.send((True, run_group(jobs, pack_size)))
+    except BaseException as e:  # what went wrong, for the jobs' error.txt, rather than an exit code alone
+        send.send((False, f"the process running this engine group raised {type(e).__name__}: {e}\n"
+                          + "".join(traceback.format_exception(e)).rstrip()))
+    finally:
+        send.close()
 
 
 def _done(cfg: DictConfig, overrides: Sequence[str], job_dir: Path) -> JobReturn:

@@ -209,7 +209,10 @@ def main(argv=None) -> None:
 
     schema.register()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
-        cfg = to_object(compose(config_name="bench", overrides=a.overrides))
+        try:
+            cfg = to_object(compose(config_name="bench", overrides=a.overrides))
+        except ConfigError as e:
+            raise SystemExit(f"error {e}") from None
     if a.model not in cfg.models:
         raise SystemExit(f"--model: expected one of {', '.join(cfg.models)}, got {a.model!r}")
     if a.nvml and not (math.isfinite(cfg.gpu_sample_s) and cfg.gpu_sample_s > 0):

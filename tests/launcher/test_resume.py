@@ -154,6 +154,28 @@ def test_a_group_whose_process_dies_fails_its_jobs_and_the_sweep_goes_on(tmp_pat
     assert all("exit code -9" in (j.out_dir / "error.txt").read_text() for j in js)
 
 
+def test_a_group_whose_process_raises_fails_its_jobs_with_the_error(tmp_path):
+    from helpers import RaisesWhenRun
+
+    js = [RaisesWhenRun(tmp_path / str(i)) for i in range(2)]
+    for j in js:
+        j.out_dir.mkdir()
+    out = packed._in_own_process(js, 2)
+    assert [m["error"].splitlines()[0] for m in out] == [
+        "RuntimeError: the process running this engine group raised ValueError: no config here"] * 2
+    assert all("Traceback" in (j.out_dir / "error.txt").read_text() for j in js)
+
+
+def test_a_validated_job_crosses_into_a_spawned_process(tmp_path, cache_dir, tiny_spec):
+    import pickle
+
+    from helpers import compose
+    from steer.job import validate
+
+    job = validate(compose("tap.path=model.layers.1.mlp"), tmp_path)
+    assert job.spec.outputs and pickle.loads(pickle.dumps(job)).spec.outputs == job.spec.outputs
+
+
 def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"
     (sweep / "1" / "results.jsonl").mkdir(parents=True)  # job 1 cannot write its results: it fails after generating
