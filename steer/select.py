@@ -10,6 +10,7 @@ selection.md, selection.json and selection.png (a layers x scales heat map of th
 
 import copy
 import io
+import logging
 import math
 import shlex
 from pathlib import Path
@@ -22,6 +23,7 @@ from steer import results, rundir
 from steer.errors import ConfigError
 from steer.schema import SteerConf, TapConf, Task
 
+log = logging.getLogger(__name__)
 PACK = 16  # jobs per batch, as the packed launcher's default
 
 
@@ -66,8 +68,10 @@ def run(job, console: Console) -> Dict:
     for cell in jobs:
         cell.out_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_stale(cell.out_dir)
-    console.print(f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} "
-                  f"scales) in one packed sweep")
+    say = (f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} scales) in one "
+           f"packed sweep, each in its own directory here")
+    console.print(say)
+    log.info(say)  # the run's steer.log (each pair's own says how it ran)
     with jobs_mod.engine_for(jobs) as engine:
         for start in range(0, len(jobs), PACK):
             runs.execute(jobs[start : start + PACK], console, summary=False, engine=engine)
@@ -75,6 +79,11 @@ def run(job, console: Console) -> Dict:
     best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
                "command": _command(best) if best else None}
+    if best:
+        log.info("best: layer %s, scale %g (gain %.3g, ppl x%.2f): %s", best["layer"], best["scale"], best["gain"],
+                 best["ppl_ratio"], summary["command"])
+    else:
+        log.info("no pair kept perplexity within the cap")
     results.write_json(out_dir / "selection.json", summary)
     results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary["command"]))
     _heatmap(out_dir / "selection.png", cfg, table, best)

@@ -56,9 +56,14 @@ def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smoll
     assert all(m["proj_steered"] < 1e-3 * max(m["proj_baseline"], 1.0) for m in out), out
 
 
-def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path):
+def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path, caplog):
+    import logging
+
     cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "eval.sentiment=true")
-    summary = run.main(cfg, tmp_path, Console(file=io.StringIO()))
+    with caplog.at_level(logging.INFO, logger="steer.select"):
+        summary = run.main(cfg, tmp_path, Console(file=io.StringIO()))
+    said = [r.getMessage() for r in caplog.records if r.name == "steer.select"]
+    assert said[0].startswith("select: 9 pairs") and said[-1].endswith(summary["command"])
     best = summary["best"]
     assert best is not None and best["ppl_ratio"] <= 2.0 and best["gain"] > 0
     assert best["gain"] == max(c["gain"] for c in summary["cells"] if c["ok"])
