@@ -9,6 +9,7 @@ fingerprint names and reruns the job where anything differs.
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -99,7 +100,17 @@ def _stat(f: Path) -> list:
 
 
 def _sha256(path: Path) -> Optional[str]:
-    """The file's sha256, None where it cannot be read."""
+    """The file's sha256, None where it cannot be read. Memoised by the file's identity, size and modification
+    time: a resumed sweep of a thousand jobs that share one vector file reads it once."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return _sha256_of(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4096)
+def _sha256_of(path: str, ino: int, size: int, mtime_ns: int) -> Optional[str]:
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
