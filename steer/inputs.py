@@ -99,6 +99,11 @@ def _stat(f: Path) -> list:
     return [st.st_size, st.st_mtime_ns] + ([_sha256(f)] if st.st_size <= _HASHED else [])
 
 
+def digest(path: Path) -> Optional[str]:
+    """A file's sha256 as inputs.json records it (None: unreadable)."""
+    return _sha256(Path(path).expanduser())
+
+
 def _sha256(path: Path) -> Optional[str]:
     """The file's sha256, None where it cannot be read. Memoised by the file's identity, size and modification
     time: a resumed sweep of a thousand jobs that share one vector file reads it once."""

@@ -55,6 +55,15 @@ def _extract(job: Job, engine, console: Console) -> Dict:
     return {"vector": str(out), "key": cfg.extract.key, "tap": tap.name}
 
 
+def _record_extraction(job: Job) -> None:
+    """An extraction's record, as a steer job's: inputs.json (the model's files, and the vector it wrote: a sweep
+    resumed after that file was changed or removed extracts it again), then metrics.json (where it wrote what),
+    whose presence marks the job complete."""
+    out = job.result["vector"]
+    inputs.write(job.out_dir, {out: inputs.digest(out)}, inputs.model(job.cfg, job.spec))
+    results.write_json(job.out_dir / "metrics.json", job.result)
+
+
 @dataclass
 class _Work:
     job: Job
@@ -121,6 +130,7 @@ def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) ->
         try:
             if job.cfg.task == Task.extract:
                 job.result = _extract(job, engine, console)
+                _record_extraction(job)
                 if on_done:
                     on_done(job)
             else:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
     """Rebuild the sweep's report (see steer.report.build) with Ctrl-C held off until it is written; None where
-    no job of the sweep finished or failed (a sweep of extract jobs, one stopped before its first pack)."""
+    no job of the sweep finished or failed (one stopped before its first pack)."""
     from steer import report
 
     main = threading.current_thread() is threading.main_thread()

@@ -54,7 +54,10 @@ def test_extract_then_steer_with_the_file(tmp_path, cache_dir):
     ok(run_cli(["task=extract", "tap=layer2", f"extract.out={out}", "extract.key=joy"], tmp_path, cache_dir))
     ok(run_cli(["edit=ablate", "tap=layer2", f"edit.vector.path={out}", "edit.vector.key=joy",
                 "edit.tokens=generated", "gen.max_new_tokens=4"], tmp_path, cache_dir))
-    m = json.loads(next((tmp_path / "outputs").rglob("metrics.json")).read_text())
+    records = [json.loads(p.read_text()) for p in (tmp_path / "outputs").rglob("metrics.json")]
+    [extracted] = [r for r in records if "vector" in r]  # the extraction's record: where it wrote what
+    [m] = [r for r in records if "vector" not in r]
+    assert extracted == {"vector": str(out), "key": "joy", "tap": "layer2"}
     assert m["proj_steered"] <= 1e-3 * m["proj_baseline"]
 
 

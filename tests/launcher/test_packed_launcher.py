@@ -55,6 +55,15 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
 
     vecs = [load_file(str(d / "vector.safetensors"))["direction"] for d in (sweep / "1", single)]
     assert vecs[0].shape[-1] == tiny_spec.hidden and torch.equal(*vecs)
+    assert [r["vector"] for r in summary_rows(sweep)] == [str(j / "vector.safetensors") for j in jobs(sweep)]
+
+    # Resumed: done while the vector each wrote reads as written; one removed is extracted again.
+    (sweep / "0" / "vector.safetensors").unlink()
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert f"(inputs changed: vector {sweep / '0' / 'vector.safetensors'}, rerunning)" in out
+    assert out.count("(complete, skipped)") == 1 and (sweep / "0" / "vector.safetensors").is_file()
 
 
 def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
