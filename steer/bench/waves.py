@@ -221,12 +221,14 @@ class Process:
         self.process.join(timeout)
 
     def kill(self) -> None:
-        """Kill the process and everything it started (its engine core) if it is still running."""
-        if self.process.is_alive():
-            self.killed = True
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # killed before it led its own group
+        """Kill the process and everything it started (its engine core), also once the process itself has ended:
+        an engine core that outlives it holds its GPU memory."""
+        alive = self.process.is_alive()
+        self.killed = self.killed or alive
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # killed before it led its own group, or nothing left of it
+            if alive:
                 self.process.kill()
         self.process.join()
         self._conn.close()

@@ -1,6 +1,7 @@
 """The bench's scheduler: engines start a wave at a time and are timed in rounds, one at a time (fake engines; two
 tests with real child processes)."""
 
+import os
 import time
 
 import pytest
@@ -224,3 +225,31 @@ def test_a_finished_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     assert finished == ["a"] and engines[0].killed and not engines[0].alive()
     assert not _running(grandchild)
     assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
+
+
+def _dies_leaving_its_grandchild(path, ready, turns):
+    """Starts a grandchild (its engine core) and dies without ending it."""
+    import subprocess
+    import sys
+
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(path, "w") as f:
+        f.write(str(grandchild.pid))
+    ready.set()
+    os._exit(3)
+
+
+def test_a_process_that_died_is_killed_with_what_it_started(tmp_path):
+    import multiprocessing
+
+    p = waves.Process(multiprocessing.get_context("spawn"), _dies_leaving_its_grandchild, (str(tmp_path / "pid"),))
+    deadline = time.monotonic() + 60
+    while p.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "pid").read_text())
+    assert not p.alive() and _running(grandchild)
+    p.kill()
+    deadline = time.monotonic() + 10
+    while _running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(grandchild) and p.exitcode == 3 and not p.killed  # it had ended: not killed running
