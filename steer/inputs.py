@@ -25,7 +25,7 @@ def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
     """Each vector file's sha256 by its configured path: taken when the job is validated, which is when its
     vectors are loaded (a file rewritten while a sweep runs is then told apart from the one the job read)."""
     paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
-    return {p: _sha256(Path(p).expanduser()) for p in dict.fromkeys(paths)}
+    return {p: digest(p) for p in dict.fromkeys(paths)}
 
 
 def model(cfg: SteerConf, spec: ModelSpec) -> Dict[str, Any]:
@@ -41,8 +41,7 @@ def weights(spec: ModelSpec) -> Dict[str, Any]:
 
 def changes(recorded: Dict[str, Any]) -> Optional[str]:
     """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`."""
-    diffs = [f"vector {p}" for p, digest in recorded.get("vectors", {}).items()
-             if _sha256(Path(p).expanduser()) != digest]
+    diffs = [f"vector {p}" for p, was in recorded.get("vectors", {}).items() if digest(p) != was]
     model = recorded.get("model", {})
     if _model(model.get("kind"), model.get("source"), model.get("revision")) != model:
         diffs.append(f"model {model.get('source')}")
@@ -96,22 +95,18 @@ def _model(kind: Optional[str], source: Optional[str], revision: Optional[str]) 
 
 def _stat(f: Path) -> list:
     st = f.stat()
-    return [st.st_size, st.st_mtime_ns] + ([_sha256(f)] if st.st_size <= _HASHED else [])
+    return [st.st_size, st.st_mtime_ns] + ([digest(f)] if st.st_size <= _HASHED else [])
 
 
-def digest(path: Path) -> Optional[str]:
-    """A file's sha256 as inputs.json records it (None: unreadable)."""
-    return _sha256(Path(path).expanduser())
-
-
-def _sha256(path: Path) -> Optional[str]:
-    """The file's sha256, None where it cannot be read. Memoised by the file's identity, size and modification
-    time: a resumed sweep of a thousand jobs that share one vector file reads it once."""
+def digest(path) -> Optional[str]:
+    """A file's sha256 as inputs.json records it, None where it cannot be read. Memoised by the file's identity,
+    size and modification time: a resumed sweep of a thousand jobs that share one vector file reads it once."""
+    path = Path(path).expanduser()
     try:
-        st = Path(path).stat()
+        st = path.stat()
     except OSError:
         return None
-    return _sha256_of(str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    return _sha256_of(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=4096)

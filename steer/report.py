@@ -35,8 +35,12 @@ class NoJobs(ValueError):
 def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
     """One row per finished or failed job under `sweep_dir`, in job order: its number, its overrides, `status`
     (`ok` or `failed`), then metrics.json's keys or the `error` (in that order: `swept` and `metrics` rely on it)."""
+    return _rows(_jobs(Path(sweep_dir))[0])
+
+
+def _rows(jobs) -> List[Dict[str, Any]]:
     rows = []
-    for job in sorted(_jobs(Path(sweep_dir))[0], key=lambda p: _job_key(p.name)):
+    for job in sorted(jobs, key=lambda p: _job_key(p.name)):
         over = job / ".hydra" / "overrides.yaml"
         row: Dict[str, Any] = {"job": job.name}
         for o in (OmegaConf.load(over) if over.exists() else []):
@@ -157,12 +161,13 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
 def build(sweep_dir: Path) -> Dict[str, Any]:
     """Rebuild summary.csv and the plots of `sweep_dir`; return what was written. NoJobs, and nothing written,
     where no job finished or failed."""
-    rows = job_rows(Path(sweep_dir))
+    jobs, others = _jobs(Path(sweep_dir))
+    rows = _rows(jobs)
     if not rows:
         raise NoJobs(f"{sweep_dir} holds no finished or failed job: no <job>/metrics.json or <job>/error.txt in it")
     params = swept(rows)
     return {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
-            "swept": params, "left_out": _jobs(Path(sweep_dir))[1]}
+            "swept": params, "left_out": others}
 
 
 def left_out(out: Dict[str, Any]) -> str:

@@ -11,7 +11,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from steer.errors import ConfigError
-
 from steer.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
 
 

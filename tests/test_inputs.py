@@ -76,14 +76,14 @@ def test_a_job_dir_without_inputs_json_counts_as_changed(tmp_path):
 
 
 def test_a_vector_file_is_read_once_while_it_stays_as_it_was(tmp_path):
-    from steer.inputs import _sha256, _sha256_of
+    from steer.inputs import _sha256_of, digest
 
     a = tmp_path / "a.safetensors"
     _vector(a, 0)
-    first = _sha256(a)
+    first = digest(a)
     misses = _sha256_of.cache_info().misses
-    assert [_sha256(a) for _ in range(100)] == [first] * 100 and _sha256_of.cache_info().misses == misses
+    assert [digest(a) for _ in range(100)] == [first] * 100 and _sha256_of.cache_info().misses == misses
     _vector(a, 1)  # rewritten: a new identity or time, read again
     st = a.stat()
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    assert _sha256(a) != first and _sha256_of.cache_info().misses == misses + 1
+    assert digest(a) != first and _sha256_of.cache_info().misses == misses + 1

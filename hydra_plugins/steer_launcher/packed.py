@@ -223,7 +223,6 @@ def _list_jobs(sweep_dir: Path, job_dirs: List[Path], initial_job_idx: int) -> N
 
 def _report(sweep_dir: Path) -> str:
     from steer import sweep
-
     from steer.report import left_out
 
     out = sweep.write_report(sweep_dir)
