@@ -107,6 +107,23 @@ class DiesWhenRun:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class DiesLeavingAChild(DiesWhenRun):
+    """A sweep job whose group's process starts a child (as vLLM starts its engine core: here forked, so it also
+    holds the group's pipe open), writes the child's pid to out_dir/child.pid and is killed."""
+
+    @property
+    def cfg(self):
+        import signal
+        import time
+
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(300)
+            os._exit(0)
+        (self.out_dir / "child.pid").write_text(str(pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class RaisesWhenRun(DiesWhenRun):
     """A sweep job whose group's process raises the moment it starts running it."""
 

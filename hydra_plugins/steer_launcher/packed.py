@@ -71,6 +71,7 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
 
 # Config keys that do not change a job's results: a finished job made with other values of these is still done.
 IGNORED = ("progress", "cache_dir")
+EXIT_S = 60.0  # for an engine group's process to end once it has reported (its engine is closed by then)
 
 
 def _comparable(cfg: DictConfig) -> Dict[str, Any]:
@@ -282,31 +283,48 @@ def _pack_failed(job, e: Exception) -> dict:
 
 
 def _in_own_process(jobs: list, pack_size: int) -> List[dict]:
-    """run_group in a fresh process. A process that dies (the OOM killer, a CUDA abort) or raises fails the jobs
-    it had not finished, as an engine that does not start would, and the sweep goes on."""
+    """run_group in a fresh process. A process that dies (the OOM killer, a CUDA abort), raises or does not start
+    fails the jobs it had not finished, as an engine that does not start would, and the sweep goes on."""
     # vLLM does not reliably free GPU memory when an engine is dropped: a second engine gets a fresh process. A
-    # Process and a pipe, not a Pool: a Pool replaces a worker that dies and its apply() then waits forever.
+    # Process and a pipe, not a Pool: a Pool replaces a worker that dies and its apply() then waits forever. The
+    # process leads a group of its own, ended whole afterwards: its engine core must not outlive it.
+    from steer import procgroup
+
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_group_child, args=(jobs, pack_size, send))
+    proc = ctx.Process(target=procgroup.lead, args=(_group_child, jobs, pack_size, send))
+    reported = False
     try:
-        proc.start()
-        send.close()  # the child holds the only writing end: its death ends recv() with EOFError
         try:
-            ok, out = receive.recv()
-        except EOFError:
-            proc.join()
-            ok, out = False, (f"the process running this engine group ended (exit code {proc.exitcode}) before it "
-                              f"reported its jobs")
+            proc.start()
+        except Exception as e:  # its jobs did not pickle, or no process could be made
+            return [_pack_failed(job, e) for job in jobs]
+        finally:
+            send.close()  # the child holds its own copy
+        ok, out = _receive(receive, proc)
+        reported = ok is not None
         if ok:
             return out
         return [_pack_failed(job, RuntimeError(out)) for job in jobs]
     finally:
-        if proc.is_alive():  # Ctrl-C: the launcher writes the report and ends the group
-            proc.terminate()
         if proc.pid is not None:
-            proc.join()
+            proc.join(EXIT_S if reported else 0)  # one that reported ends by itself; Ctrl-C ends it now
+            procgroup.kill(proc)
         receive.close()
+
+
+def _receive(receive, proc) -> tuple:
+    """What the group's process sent: (True, results) or (False, its traceback); (None, why) where it ended first.
+    Polled, not a bare recv(): a process it started may hold the pipe open after it died."""
+    try:
+        while not receive.poll(1.0):
+            if not proc.is_alive() and not receive.poll(0):
+                raise EOFError
+        return receive.recv()
+    except EOFError:
+        proc.join()
+        return None, (f"the process running this engine group ended (exit code {proc.exitcode}) before it reported "
+                      f"its jobs")
 
 
 def _group_child(jobs: list, pack_size: int, send) -> None:

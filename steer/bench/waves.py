@@ -25,12 +25,12 @@ Each engine process leads a process group of its own, and once finished it gets 
 """
 
 import functools
-import os
-import signal
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, TypeVar
+
+from steer import procgroup
 
 G = TypeVar("G")
 
@@ -194,7 +194,7 @@ class Process:
     def __init__(self, ctx, target, args: tuple):
         self._ready = ctx.Event()
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_lead_group, args=(target, *args, self._ready, Turns(child)))
+        self.process = ctx.Process(target=procgroup.lead, args=(target, *args, self._ready, Turns(child)))
         self.killed = False  # still running when the scheduler was done with it
         self.process.start()
         child.close()  # the child holds its own copy: the pipe reads as closed once the child is gone
@@ -223,14 +223,8 @@ class Process:
     def kill(self) -> None:
         """Kill the process and everything it started (its engine core), also once the process itself has ended:
         an engine core that outlives it holds its GPU memory."""
-        alive = self.process.is_alive()
-        self.killed = self.killed or alive
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # killed before it led its own group, or nothing left of it
-            if alive:
-                self.process.kill()
-        self.process.join()
+        self.killed = self.killed or self.process.is_alive()
+        procgroup.kill(self.process)
         self._conn.close()
         _LIVE.discard(self)
 
@@ -267,8 +261,3 @@ def kill_all() -> None:
     terminal's Ctrl-C does not reach them, and each holds GPU memory."""
     for p in list(_LIVE):
         p.kill()
-
-
-def _lead_group(target, *args) -> None:
-    os.setpgid(0, 0)
-    target(*args)

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from helpers import TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, summary_rows as summary, sweep_jobs as jobs
 
@@ -152,6 +153,32 @@ def test_a_group_whose_process_dies_fails_its_jobs_and_the_sweep_goes_on(tmp_pat
     assert [m["error"] for m in out[0]] == ["RuntimeError: the process running this engine group ended (exit code "
                                             "-9) before it reported its jobs"] * 2
     assert all("exit code -9" in (j.out_dir / "error.txt").read_text() for j in js)
+
+
+def test_a_group_whose_process_dies_leaving_a_child_is_ended_whole(tmp_path):
+    import time
+
+    from helpers import DiesLeavingAChild
+
+    job = DiesLeavingAChild(tmp_path)
+    t0 = time.monotonic()
+    out = packed._in_own_process([job], 1)
+    assert time.monotonic() - t0 < 60, "the launcher waited for the child that holds the group's pipe"
+    assert "before it reported its jobs" in out[0]["error"]
+    pid = int((tmp_path / "child.pid").read_text())
+    status, deadline = Path(f"/proc/{pid}/status"), time.monotonic() + 10  # SIGKILL is sent, not yet taken
+    while time.monotonic() < deadline and status.exists() and "zombie" not in status.read_text():
+        time.sleep(0.1)
+    assert not status.exists() or "zombie" in status.read_text(), "the group's engine core outlived it"
+
+
+def test_a_group_whose_jobs_cannot_reach_its_process_fails_them(tmp_path):
+    class Unpicklable:  # a test's own class: a spawned process cannot import it
+        out_dir = tmp_path
+
+    out = packed._in_own_process([Unpicklable()], 1)
+    assert out[0]["error"].startswith(("AttributeError", "PicklingError"))
+    assert "pickle" in (tmp_path / "error.txt").read_text()
 
 
 def test_a_group_whose_process_raises_fails_its_jobs_with_the_error(tmp_path):
