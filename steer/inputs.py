@@ -22,15 +22,14 @@ _HASHED = 1 << 20  # model files up to this size (configs, tokenizers) are hashe
 
 
 def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
-    """Each vector file's sha256 by its configured path: taken when the job is validated, which is when its
-    vectors are loaded (a file rewritten while a sweep runs is then told apart from the one the job read)."""
+    """Each vector file's sha256 by its configured path: taken when the job is validated, just before its vectors
+    load (a file rewritten while a sweep runs is then told apart from the one the job read)."""
     paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
     return {p: digest(p) for p in dict.fromkeys(paths)}
 
 
 def model(cfg: SteerConf, spec: ModelSpec) -> Dict[str, Any]:
-    """The model's files as they are now: taken once the engine has loaded them (a hub model's snapshot exists
-    then)."""
+    """The model's files as they are now (job.engine_for takes them as the jobs' engine starts)."""
     return _model(*_where(cfg, spec), spec.revision)
 
 

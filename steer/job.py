@@ -32,7 +32,8 @@ class Job:
     plan: Optional[Plan] = None  # task=steer
     cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
     result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
-    vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken as they load
+    vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
+    model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
     error: Optional[BaseException] = None
 
 
@@ -46,16 +47,17 @@ def validate(cfg: SteerConf, out_dir: Path) -> Job:
     prompt.check(cfg.prompts.chat, spec.chat_template)
     job = Job(cfg, spec, Path(out_dir), engine)
     if cfg.task == Task.steer:
+        job.vectors = inputs.vectors(cfg)  # first: a file rewritten while it loads then reads as changed on resume
         job.plan = build(cfg, spec)
         job.taps = list(job.plan.taps.values())
-        job.vectors = inputs.vectors(cfg)
     elif cfg.task == Task.select:
         from steer import select
 
         for cell in select.grid(cfg, spec.layers):
+            digests = inputs.vectors(cell)
             plan = build(cell, spec)
             job.cells.append(Job(cell, spec, job.out_dir / select.cell_name(cell), engine,
-                                 list(plan.taps.values()), plan, vectors=inputs.vectors(cell)))
+                                 list(plan.taps.values()), plan, vectors=digests))
     else:
         job.taps = [resolve(cfg.tap, spec)]
     return job
@@ -131,5 +133,13 @@ def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
     if first.cfg.model.source == "tiny":
         tiny.ensure_tiny(first.cfg.cache_dir, first.cfg.model.tiny)
     taps = {t.path: t for job in jobs for t in job.taps} if first.engine == "vllm" else {}
+    # The model's files before they load: a checkpoint saved in place while the jobs run then reads as changed on
+    # resume, as it should (taken after, the jobs' record would name weights they never saw). A hub model fetched
+    # by this start has no snapshot before it: that one is taken once the engine holds it.
+    files = inputs.model(first.cfg, first.spec)
     with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values())) as engine:
+        if files.get("kind") == "hub" and not files.get("snapshot"):
+            files = inputs.model(first.cfg, first.spec)
+        for job in jobs:
+            job.model_files = files
         yield engine

@@ -60,8 +60,14 @@ def _record_extraction(job: Job) -> None:
     resumed after that file was changed or removed extracts it again), then metrics.json (where it wrote what),
     whose presence marks the job complete."""
     out = job.result["vector"]
-    inputs.write(job.out_dir, {out: inputs.digest(out)}, inputs.model(job.cfg, job.spec))
+    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job))
     results.write_json(job.out_dir / "metrics.json", job.result)
+
+
+def _model_files(job: Job) -> Dict:
+    """The model's files as the job's engine found them at its start (job.engine_for), else as they are now (an
+    engine a caller made itself)."""
+    return job.model_files if job.model_files is not None else inputs.model(job.cfg, job.spec)
 
 
 @dataclass
@@ -103,7 +109,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
-            inputs.write(w.job.out_dir, w.job.vectors, inputs.model(w.job.cfg, w.job.spec))
+            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job))
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:

@@ -233,7 +233,7 @@ def _unknown(node, prefix: str):
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
             if isinstance(item, (DictConfig, ListConfig)):
-                yield from _unknown(item, f"{prefix}[{i}]")
+                yield from _unknown(item, f"{prefix}.{i}")  # as an override spells it: extra_edits.0.edit.scale
         return
     kind = OmegaConf.get_type(node)
     declared = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None

@@ -29,6 +29,13 @@ def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
 
 
 class SummaryCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
+        # and one left there by an earlier packed sweep would hide this sweep's other jobs from its report.
+        from steer.report import JOBS
+
+        Path(config.hydra.sweep.dir, JOBS).unlink(missing_ok=True)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.exists():

@@ -87,3 +87,31 @@ def test_a_vector_file_is_read_once_while_it_stays_as_it_was(tmp_path):
     st = a.stat()
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert digest(a) != first and _sha256_of.cache_info().misses == misses + 1
+
+
+def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_path, tiny_spec, cache_dir,
+                                                                         monkeypatch):
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from steer import run
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_spec.source, ckpt)
+    cfg = compose(f"model.source={ckpt}", "model.name=mine", f"cache_dir={cache_dir}", "engine=hf",
+                  "gen.max_new_tokens=2", "prompts.steer=['Hi there']", "progress=false")
+    score = run._score
+
+    def score_then_save(*args):  # the trainer saves a checkpoint into the directory while the job scores
+        rows = score(*args)
+        weights = next(ckpt.glob("*.safetensors"))
+        st = weights.stat()
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        return rows
+
+    monkeypatch.setattr(run, "_score", score_then_save)
+    (tmp_path / "job").mkdir()
+    run.main(cfg, tmp_path / "job", Console(file=io.StringIO()))
+    assert inputs.recorded_changes(tmp_path / "job") == f"model {ckpt}"

@@ -137,3 +137,16 @@ def test_a_smaller_sweep_into_the_same_directory_reports_its_own_jobs_alone(tmp_
     job(tmp_path, "lr=1 x", ["lr=1 x"], {"kl_mean": 1.0})  # a name with a space (a subdir from override_dirname)
     _list_jobs(tmp_path, [tmp_path / "lr=1 x"], 0)
     assert [r["job"] for r in job_rows(tmp_path)] == ["lr=1 x"]
+
+
+def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.steer_launcher.packed import _list_jobs
+    from steer.sweep import SummaryCallback
+
+    for n in range(3):
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
+    _list_jobs(tmp_path, [tmp_path / "0", tmp_path / "1"], 0)  # an earlier packed sweep of two
+    SummaryCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert build(tmp_path)["jobs"] == 3  # a later sweep of three by a launcher that lists none: all of them

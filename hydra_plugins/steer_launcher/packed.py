@@ -163,6 +163,10 @@ class PackedLauncher(Launcher):
                 jobs.append(ret.return_value)
                 pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
         _list_jobs(sweep_dir, job_dirs, initial_job_idx)
+        for job, error in _sharing_an_output(jobs, returns, initial_job_idx):
+            jobs.remove(job)
+            idx, shown, ret = pending[str(job.out_dir)]
+            failed.append(_say_failed(idx, shown, ret, job.out_dir, _pack_failed(job, error)["error"]))
         return returns, failed + self._run_groups(jobs, pending)
 
     def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[JobReturn, Path, str]:
@@ -204,6 +208,30 @@ class PackedLauncher(Launcher):
                 else:
                     ret.return_value = m
         return failed
+
+
+def _sharing_an_output(jobs: list, returns: List[JobReturn], first_idx: int) -> list:
+    """The extractions waiting to run that write the same `extract.out` as another job of the sweep, each with the
+    error that says so: a vector file is written whole, so each would replace the others' (and a resumed sweep
+    would find each one's record stale in turn)."""
+    from steer.errors import ConfigError
+
+    writers: Dict[Path, List[int]] = {}
+    for idx, ret in enumerate(returns, start=first_idx):
+        out = OmegaConf.select(ret.cfg, "extract.out") if OmegaConf.select(ret.cfg, "task") == "extract" else None
+        if out:
+            writers.setdefault(Path(str(out)).expanduser().resolve(), []).append(idx)
+    refused = []
+    for job in jobs:
+        out = job.cfg.extract.out if job.cfg.task == "extract" else None
+        shared = writers.get(Path(str(out)).expanduser().resolve(), []) if out else []
+        if len(shared) > 1:
+            names = ", ".join(f"#{i}" for i in shared)
+            refused.append((job, ConfigError("extract.out", f"jobs {names} of this sweep all write {out}, and each "
+                                             f"writes the whole file: give each its own (e.g. extract.out='vectors/"
+                                             f"layer${{tap.layer}}.safetensors'), or leave it unset (each job's "
+                                             f"directory)")))
+    return refused
 
 
 def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: str) -> str:

@@ -66,6 +66,22 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
     assert out.count("(complete, skipped)") == 1 and (sweep / "0" / "vector.safetensors").is_file()
 
 
+def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(tmp_path, cache_dir):
+    sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
+                  tmp_path, cache_dir)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "0 jobs to run" in res.stdout + res.stderr and not shared.exists()
+    for j in jobs(sweep):
+        error = (j / "error.txt").read_text()
+        assert f"ConfigError: extract.out: jobs #0, #1 of this sweep all write {shared}" in error
+    own = str(tmp_path / "v${tap.layer}.safetensors")  # one file each: they run
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out='{own}'", f"hydra.sweep.dir={sweep}"],
+                  tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "v1.safetensors").is_file() and (tmp_path / "v2.safetensors").is_file()
+
+
 def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"  # vLLM settings tell the groups apart, which the HF engine then ignores: cheap
     res = run_cli(["-m", "vllm.max_model_len=null,512", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
