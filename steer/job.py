@@ -133,12 +133,12 @@ def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
     if first.cfg.model.source == "tiny":
         tiny.ensure_tiny(first.cfg.cache_dir, first.cfg.model.tiny)
     taps = {t.path: t for job in jobs for t in job.taps} if first.engine == "vllm" else {}
-    # The model's files before they load: a checkpoint saved in place while the jobs run then reads as changed on
-    # resume, as it should (taken after, the jobs' record would name weights they never saw). A hub model fetched
-    # by this start has no snapshot before it: that one is taken once the engine holds it.
+    # A local model's files before they load: a checkpoint saved in place while the jobs run then reads as changed
+    # on resume, as it should (taken after, the jobs' record would name weights they never saw). A hub model's once
+    # the engine holds it: the start may fetch them into a snapshot that validation left with its config alone.
     files = inputs.model(first.cfg, first.spec)
     with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values())) as engine:
-        if files.get("kind") == "hub" and not files.get("snapshot"):
+        if files.get("kind") == "hub":
             files = inputs.model(first.cfg, first.spec)
         for job in jobs:
             job.model_files = files

@@ -14,10 +14,9 @@ def lead(target, *args) -> None:
 
 def kill(process) -> None:
     """SIGKILL every process of the group `process` (a started multiprocessing Process) leads, then reap it."""
-    alive = process.is_alive()
-    try:
+    try:  # first: is_alive() reaps an ended leader, and its pid could then name another's group
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # killed before it led its own group, or nothing left of it
-        if alive:
+        if process.is_alive():
             process.kill()
     process.join()

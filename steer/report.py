@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from omegaconf import OmegaConf
+import yaml
 
 from steer import results
 
@@ -43,7 +43,9 @@ def _rows(jobs) -> List[Dict[str, Any]]:
     for job in sorted(jobs, key=lambda p: _job_key(p.name)):
         over = job / ".hydra" / "overrides.yaml"
         row: Dict[str, Any] = {"job": job.name}
-        for o in (OmegaConf.load(over) if over.exists() else []):
+        # As written: an override may hold an interpolation (`extract.out=v${tap.layer}.safetensors`), which
+        # OmegaConf would try to resolve against the list.
+        for o in (yaml.safe_load(over.read_text()) or [] if over.exists() else []):
             key, _, value = str(o).partition("=")
             row[key] = value
         if (job / "metrics.json").is_file():

@@ -115,3 +115,29 @@ def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_pat
     (tmp_path / "job").mkdir()
     run.main(cfg, tmp_path / "job", Console(file=io.StringIO()))
     assert inputs.recorded_changes(tmp_path / "job") == f"model {ckpt}"
+
+
+def test_a_hub_models_record_holds_the_files_its_engine_fetched(tmp_path, monkeypatch, tiny_spec):
+    from contextlib import contextmanager
+
+    from steer import job as job_mod
+    from steer.job import Job
+
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")  # what validation's config read left there
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    @contextmanager
+    def fetching_engine(*args):  # the engine's start downloads the weights into the snapshot
+        (snapshot / "model.safetensors").write_bytes(b"weights")
+        yield object()
+
+    monkeypatch.setattr(job_mod.engines, "make", fetching_engine)
+    job = Job(compose("model.source=org/name", "model.name=org/name", "engine=hf"), tiny_spec, tmp_path, "hf")
+    with job_mod.engine_for([job]):
+        pass
+    assert set(job.model_files["files"]) == {"config.json", "model.safetensors"}
+    assert inputs.changes({"vectors": {}, "model": job.model_files}) is None  # a resume finds it as it was

@@ -150,3 +150,9 @@ def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
     _list_jobs(tmp_path, [tmp_path / "0", tmp_path / "1"], 0)  # an earlier packed sweep of two
     SummaryCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     assert build(tmp_path)["jobs"] == 3  # a later sweep of three by a launcher that lists none: all of them
+
+
+def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
+    for n in range(2):
+        job(tmp_path, n, [f"tap.layer={n}", "extract.out=v${tap.layr}.safetensors"], {"kl_mean": n / 10})
+    assert [r["extract.out"] for r in job_rows(tmp_path)] == ["v${tap.layr}.safetensors"] * 2

@@ -163,7 +163,7 @@ class PackedLauncher(Launcher):
                 jobs.append(ret.return_value)
                 pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
         _list_jobs(sweep_dir, job_dirs, initial_job_idx)
-        for job, error in _sharing_an_output(jobs, returns, initial_job_idx):
+        for job, error in _sharing_an_output(jobs, [pending[str(j.out_dir)][0] for j in jobs]):
             jobs.remove(job)
             idx, shown, ret = pending[str(job.out_dir)]
             failed.append(_say_failed(idx, shown, ret, job.out_dir, _pack_failed(job, error)["error"]))
@@ -210,23 +210,24 @@ class PackedLauncher(Launcher):
         return failed
 
 
-def _sharing_an_output(jobs: list, returns: List[JobReturn], first_idx: int) -> list:
-    """The extractions waiting to run that write the same `extract.out` as another job of the sweep, each with the
-    error that says so: a vector file is written whole, so each would replace the others' (and a resumed sweep
-    would find each one's record stale in turn)."""
+def _sharing_an_output(jobs: list, numbers: List[int]) -> list:
+    """(job, error) for each extraction waiting to run that writes the same `extract.out` as another: a vector file
+    is written whole, so each would replace the others' (and a resumed sweep would find each one's record stale in
+    turn). Read from the jobs' own resolved configs (a path may interpolate the job's settings); `numbers`: the
+    jobs' numbers in the sweep."""
     from steer.errors import ConfigError
 
     writers: Dict[Path, List[int]] = {}
-    for idx, ret in enumerate(returns, start=first_idx):
-        out = OmegaConf.select(ret.cfg, "extract.out") if OmegaConf.select(ret.cfg, "task") == "extract" else None
-        if out:
-            writers.setdefault(Path(str(out)).expanduser().resolve(), []).append(idx)
+    outs = [Path(job.cfg.extract.out).expanduser().resolve() if job.cfg.task == "extract" and job.cfg.extract.out
+            else None for job in jobs]
+    for i, out in enumerate(outs):
+        if out is not None:
+            writers.setdefault(out, []).append(i)
     refused = []
-    for job in jobs:
-        out = job.cfg.extract.out if job.cfg.task == "extract" else None
-        shared = writers.get(Path(str(out)).expanduser().resolve(), []) if out else []
+    for job, out in zip(jobs, outs):
+        shared = writers.get(out, []) if out is not None else []
         if len(shared) > 1:
-            names = ", ".join(f"#{i}" for i in shared)
+            names = ", ".join(f"#{numbers[i]}" for i in shared)
             refused.append((job, ConfigError("extract.out", f"jobs {names} of this sweep all write {out}, and each "
                                              f"writes the whole file: give each its own (e.g. extract.out='vectors/"
                                              f"layer${{tap.layer}}.safetensors'), or leave it unset (each job's "
@@ -335,10 +336,13 @@ def _in_own_process(jobs: list, pack_size: int) -> List[dict]:
             return out
         return [_pack_failed(job, RuntimeError(out)) for job in jobs]
     finally:
-        if proc.pid is not None:
-            proc.join(EXIT_S if reported else 0)  # one that reported ends by itself; Ctrl-C ends it now
-            procgroup.kill(proc)
-        receive.close()
+        try:
+            if proc.pid is not None:
+                proc.join(EXIT_S if reported else 0)  # one that reported ends by itself; Ctrl-C ends it now
+        finally:  # also after a Ctrl-C in that wait: the terminal's does not reach a group of its own
+            if proc.pid is not None:
+                procgroup.kill(proc)
+            receive.close()
 
 
 def _receive(receive, proc) -> tuple:
@@ -349,7 +353,7 @@ def _receive(receive, proc) -> tuple:
             if not proc.is_alive() and not receive.poll(0):
                 raise EOFError
         return receive.recv()
-    except EOFError:
+    except (EOFError, OSError):  # ended, or ended mid-message
         proc.join()
         return None, (f"the process running this engine group ended (exit code {proc.exitcode}) before it reported "
                       f"its jobs")
