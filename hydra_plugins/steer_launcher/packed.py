@@ -86,7 +86,7 @@ def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
     if isinstance(node, dict) and node:
         return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     if isinstance(node, list) and node and all(isinstance(x, dict) for x in node):
-        return {k: v for i, x in enumerate(node) for k, v in _flat(x, f"{prefix[:-1]}[{i}].").items()}
+        return {k: v for i, x in enumerate(node) for k, v in _flat(x, f"{prefix}{i}.").items()}  # as overrides say
     return {prefix[:-1]: node}
 
 

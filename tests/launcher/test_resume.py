@@ -33,6 +33,9 @@ def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
     assert changed == "tap.layer 1 -> 2, edit.scale 4.0 -> 0.0"
     assert packed.config_changes(tmp_path, _cfg("+experiment=joy_two_taps", "tap.layer=1", "edit.scale=4")).startswith(
         "extra_edits [] -> ")
+    OmegaConf.save(_cfg("+experiment=joy_two_taps"), tmp_path / ".hydra" / "config.yaml")
+    changed = packed.config_changes(tmp_path, _cfg("+experiment=joy_two_taps", "extra_edits.0.edit.scale=3"))
+    assert changed.startswith("extra_edits.0.edit.scale ") and changed.endswith(" -> 3.0")  # as an override names it
     assert packed.config_changes(tmp_path / "nope", _cfg()) == "no saved config"
 
 
