@@ -78,10 +78,14 @@ def list_jobs(sweep_dir: Path, names: List[str], append: bool = False) -> None:
 
 def _error_line(text: str) -> str:
     """error.txt's message: its first line, or the last line of a traceback (the exception itself)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     if not lines:
         return ""
-    return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    if not lines[0].startswith("Traceback"):
+        return lines[0].strip()
+    # The exception's own line: the last one not indented (OmegaConf's messages go on with indented `full_key:`
+    # and `object_type=` lines, which alone say nothing)
+    return [line for line in lines if not line[0].isspace()][-1]
 
 
 def _overrides(row: Dict[str, Any]) -> List[str]:

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from steer.errors import ConfigError
 from steer.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
@@ -225,7 +226,12 @@ def to_object(cfg: DictConfig):
         near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
         hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{near[0]}? " if near else ""
         raise ConfigError(key, f"is not a setting of this config; {hint}the settings there are: {', '.join(known)}")
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # an interpolation that does not resolve (`v${tap.layr}`), a missing value
+        if not getattr(e, "full_key", None):
+            raise
+        raise ConfigError(e.full_key, str(e).splitlines()[0]) from e
 
 
 def _unknown(node, prefix: str):

@@ -74,3 +74,12 @@ def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_naming_the_neare
 def test_launcher_configs_compose(launcher, key, value):
     cfg = compose_conf("config", [f"hydra/launcher={launcher}"], return_hydra_config=True)
     assert cfg.hydra.launcher[key] == value
+
+
+def test_an_interpolation_that_does_not_resolve_is_refused_naming_its_field():
+    from steer.errors import ConfigError
+    from steer.schema import to_object
+
+    with pytest.raises(ConfigError) as e:
+        to_object(compose_conf("config", on_tiny(["edit.vector.path=vecs/l${tap.layerr}.safetensors"])))
+    assert e.value.field == "edit.vector.path" and str(e.value).endswith("Interpolation key 'tap.layerr' not found")

@@ -156,3 +156,13 @@ def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
         job(tmp_path, n, [f"tap.layer={n}", "extract.out=v${tap.layr}.safetensors"], {"kl_mean": n / 10})
     assert [r["extract.out"] for r in job_rows(tmp_path)] == ["v${tap.layr}.safetensors"] * 2
+
+
+def test_a_failed_jobs_error_is_the_exceptions_own_line_not_its_indented_tail(tmp_path):
+    job(tmp_path, 0, ["edit.scale=1"], None)
+    (tmp_path / "0" / "error.txt").write_text(
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+        "omegaconf.errors.InterpolationKeyError: Interpolation key 'nope' not found\n"
+        "    full_key: edit.vector.path\n    object_type=VectorConf\n")
+    assert job_rows(tmp_path)[0]["error"] == ("omegaconf.errors.InterpolationKeyError: Interpolation key 'nope' "
+                                              "not found")

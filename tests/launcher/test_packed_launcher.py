@@ -81,12 +81,12 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "v1.safetensors").is_file() and (tmp_path / "v2.safetensors").is_file()
 
-    # A job whose path does not resolve fails alone: the check reads validated jobs only.
+    # A path that does not resolve is bad input like any other: named, before any engine starts.
     bad = str(tmp_path / "w${tap.layr}.safetensors")
     res = run_cli(["-m", "task=extract", f"extract.out={tmp_path / 'w.safetensors'},'{bad}'",
                    f"hydra.sweep.dir={tmp_path / 'sweep2'}"], tmp_path, cache_dir)
-    assert res.returncode == 1 and (tmp_path / "w.safetensors").is_file(), res.stderr[-3000:]
-    assert "tap.layr" in (tmp_path / "sweep2" / "1" / "error.txt").read_text()
+    assert res.returncode == 2 and not (tmp_path / "w.safetensors").exists(), res.stderr[-3000:]
+    assert "error extract.out: Interpolation key 'tap.layr' not found" in res.stderr
 
 
 def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
