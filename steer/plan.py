@@ -4,7 +4,9 @@ Vectors named by a file are loaded and checked here; a vector left to the defaul
 `default_vector(tap)`, which the caller backs with extraction (see steer.extract). Nothing here loads a model.
 """
 
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +16,8 @@ from steer.edit import Edit, compile_edit
 from steer.model import ModelSpec
 from steer.schema import EditConf, EditKind, SteerConf, TapConf
 from steer.tap import Tap, resolve
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,6 +88,7 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
         tap = resolve(tap_conf, spec, f"{prefix}tap")
         if e.vector.path is not None:
             vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector")
+            _check_origin(e.vector.path, tap, spec, f"{prefix}edit.vector.path")
         elif needs_default_vector(e):
             vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
             plan.pending.append((tap.path, len(plan.edits.get(tap.path, [])), prefix, e))
@@ -91,6 +96,20 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
             vecs = None
         plan.add(tap, _compile(e, vecs, prefix))
     return plan if default_vector is None else plan.with_defaults(default_vector, spec.hidden)
+
+
+def _check_origin(path: str, tap: Tap, spec: ModelSpec, field: str) -> None:
+    """Warn where a vector file says it was made at another tap or on another model than it is used with: legal
+    (a direction can carry over), and also what a wrong interpolation in a per-layer sweep looks like."""
+    made = vector.metadata(Path(path).expanduser())
+    for what, used in (("tap", tap.name), ("model", spec.name)):
+        said = (field, path, what, made.get(what), used)
+        if made.get(what) and made[what] != used and said not in _WARNED:  # once: select's grid reuses one file
+            _WARNED.add(said)
+            log.warning("%s: %s was extracted at %s %s and is used at %s", field, path, what, made[what], used)
+
+
+_WARNED: set = set()
 
 
 def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str) -> Edit:

@@ -44,3 +44,22 @@ def test_describe_names_every_edit_in_order(tiny_spec):
 
     plan = build(compose("+experiment=joy_two_taps"), tiny_spec)
     assert describe(plan) == "layer1 add scale=6, layer2 clamp scale=1 lo=-40 hi=40 (generated)"
+
+
+def test_a_vector_used_at_another_tap_or_model_than_it_was_made_at_is_warned_of_once(tiny_spec, tmp_path, caplog):
+    p = vector.save(tmp_path / "v.safetensors", {"direction": torch.randn(tiny_spec.hidden)}, model=tiny_spec.name,
+                    tap="layer1", method="m")
+    with caplog.at_level("WARNING", logger="steer.plan"):
+        build(compose("tap.layer=1", f"edit.vector.path={p}"), tiny_spec)
+        assert not caplog.records  # where it was made
+        for _ in range(2):
+            build(compose("tap.layer=2", f"edit.vector.path={p}"), tiny_spec)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"edit.vector.path: {p} was extracted at tap layer1 and is used at layer2"]
+    other = vector.save(tmp_path / "w.safetensors", {"direction": torch.randn(tiny_spec.hidden)}, model="llama",
+                        tap="layer2", method="m")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="steer.plan"):
+        build(compose("tap.layer=2", f"edit.vector.path={other}"), tiny_spec)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"edit.vector.path: {other} was extracted at model llama and is used at {tiny_spec.name}"]
