@@ -40,7 +40,9 @@ def weights(spec: ModelSpec) -> Dict[str, Any]:
 
 def changes(recorded: Dict[str, Any]) -> Optional[str]:
     """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`."""
-    diffs = [f"vector {p}" for p, was in recorded.get("vectors", {}).items() if digest(p) != was]
+    now = {p: digest(p) for p in recorded.get("vectors", {})}
+    diffs = [f"vector {p}{' (gone)' if now[p] is None else ''}" for p, was in recorded.get("vectors", {}).items()
+             if now[p] != was]
     model = recorded.get("model", {})
     if _model(model.get("kind"), model.get("source"), model.get("revision")) != model:
         diffs.append(f"model {model.get('source')}")

@@ -30,8 +30,30 @@ def save(path: str | Path, tensors: Dict[str, torch.Tensor], *, model: str, tap:
         "hidden": ",".join(str(h) for h in sorted(hidden)),
         **(extra or {}),
     }
-    data = save_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=meta)
-    return results.write_bytes(path, data)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    if _holds(path, tensors, meta):
+        return path
+    return results.write_bytes(path, save_bytes(tensors, metadata=meta))
+
+
+def _holds(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> bool:
+    """Whether `path` already holds these tensors with this metadata, its date aside. Such a file is kept as it
+    is: the same direction extracted again (a resumed sweep) leaves its sha256 alone, and with it every job that
+    steers with it (their inputs.json names it by sha256)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            old = dict(f.metadata() or {})
+            if set(f.keys()) != set(tensors):
+                return False
+            same = all(_equal(f.get_tensor(k), v) for k, v in tensors.items())
+    except Exception:  # none there, or not a safetensors file: written anew
+        return False
+    old.pop("date", None)
+    return same and old == {k: v for k, v in meta.items() if k != "date"}
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def metadata(path: str | Path) -> Dict[str, str]:

@@ -28,7 +28,7 @@ def test_a_rewritten_or_missing_vector_file_is_named_and_an_untouched_one_is_not
     _vector(b, 2)
     assert inputs.changes(recorded) == f"vector {b}"
     a.unlink()
-    assert inputs.changes(recorded) == f"vector {a}, vector {b}"
+    assert inputs.changes(recorded) == f"vector {a} (gone), vector {b}"
 
 
 def test_the_default_direction_and_an_extraction_read_no_vector_file():

@@ -106,3 +106,21 @@ def test_integer_dtype(tmp_path):
     save_file({"d": torch.arange(8)}, str(p))
     with pytest.raises(ConfigError, match="not a floating-point type"):
         vector.load(p, "d", 8)
+
+
+def test_the_same_vector_saved_again_leaves_the_file_as_it_was(tmp_path):
+    import hashlib
+
+    def sha(p):
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
+    v = torch.randn(8)
+    p = vector.save(tmp_path / "v.safetensors", {"direction": v}, model="m", tap="layer1", method="mean_diff")
+    before = (sha(p), p.stat().st_mtime_ns)
+    vector.save(p, {"direction": v.clone()}, model="m", tap="layer1", method="mean_diff")  # a later date
+    assert (sha(p), p.stat().st_mtime_ns) == before
+    vector.save(p, {"direction": v}, model="m", tap="layer2", method="mean_diff")  # made elsewhere
+    assert sha(p) != before[0] and vector.metadata(p)["tap"] == "layer2"
+    after = sha(p)
+    vector.save(p, {"direction": v + 1}, model="m", tap="layer2", method="mean_diff")  # another direction
+    assert sha(p) != after and torch.equal(vector.load(p, "direction", 8), (v + 1).unsqueeze(0))

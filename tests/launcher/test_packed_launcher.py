@@ -62,7 +62,7 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
     res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert f"(inputs changed: vector {sweep / '0' / 'vector.safetensors'}, rerunning)" in out
+    assert f"(inputs changed: vector {sweep / '0' / 'vector.safetensors'} (gone), rerunning)" in out
     assert out.count("(complete, skipped)") == 1 and (sweep / "0" / "vector.safetensors").is_file()
 
 
