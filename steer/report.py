@@ -132,6 +132,7 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not params:
         return []
@@ -151,6 +152,9 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
             pts = sorted((p for p in pts if p[1] is not None), key=lambda p: (isinstance(p[0], str), p[0]))
             ax.plot([str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts],
                     [p[1] for p in pts], marker="o", label=label)
+        xs = [_num(r.get(x_key)) for r in rows]
+        if all(isinstance(x, float) and x.is_integer() for x in xs):  # layers, seeds: no half ticks between them
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(x_key)
         ax.set_ylabel(metric)
         if len(lines) > 1 or others:

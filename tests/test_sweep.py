@@ -166,3 +166,17 @@ def test_a_failed_jobs_error_is_the_exceptions_own_line_not_its_indented_tail(tm
         "    full_key: edit.vector.path\n    object_type=VectorConf\n")
     assert job_rows(tmp_path)[0]["error"] == ("omegaconf.errors.InterpolationKeyError: Interpolation key 'nope' "
                                               "not found")
+
+
+def test_a_plot_over_an_integer_setting_has_integer_ticks(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from steer.report import plot
+
+    for layer in range(4):
+        job(tmp_path, layer, [f"tap.layer={layer}"], {"kl_mean": layer / 10})
+    ticks = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (ticks.append(list(fig.axes[0].get_xticks())), close(fig)))
+    plot(tmp_path, job_rows(tmp_path), ["tap.layer"])
+    assert ticks and all(float(t).is_integer() for t in ticks[0])
