@@ -47,7 +47,8 @@ def _rows(jobs) -> List[Dict[str, Any]]:
         # OmegaConf would try to resolve against the list.
         for o in (yaml.safe_load(over.read_text()) or [] if over.exists() else []):
             key, _, value = str(o).partition("=")
-            row[key] = value
+            quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
+            row[key] = value[1:-1] if quoted else value  # Hydra's quoting, not part of the value
         if (job / "metrics.json").is_file():
             row["status"] = "ok"
             for k, v in json.loads((job / "metrics.json").read_text()).items():

@@ -154,7 +154,7 @@ def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
 
 def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
-        job(tmp_path, n, [f"tap.layer={n}", "extract.out=v${tap.layr}.safetensors"], {"kl_mean": n / 10})
+        job(tmp_path, n, [f"tap.layer={n}", "extract.out='v${tap.layr}.safetensors'"], {"kl_mean": n / 10})
     assert [r["extract.out"] for r in job_rows(tmp_path)] == ["v${tap.layr}.safetensors"] * 2
 
 
