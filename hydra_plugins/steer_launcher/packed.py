@@ -152,9 +152,13 @@ class PackedLauncher(Launcher):
         pending: Dict[str, Tuple[int, str, JobReturn]] = {}
         failed: List[str] = []
         jobs: List[Job] = []
+        bad: List[str] = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             ret, job_dir, shown = self._validate(idx, overrides, sweep_dir)
             job_dirs.append(job_dir)
+            if ret is None:  # bad input, said on the line above: the others are checked too, then nothing runs
+                bad.append(f"#{idx}")
+                continue
             returns.append(ret)
             if ret.status == JobStatus.FAILED:
                 failed.append(_say_failed(idx, shown, ret, job_dir, f"{type(ret._return_value).__name__}: "
@@ -163,13 +167,17 @@ class PackedLauncher(Launcher):
                 jobs.append(ret.return_value)
                 pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
         _list_jobs(sweep_dir, job_dirs, initial_job_idx)
+        if bad:
+            print(f"{len(bad)} of {len(job_overrides)} jobs have bad input ({', '.join(bad)}; the error above each, "
+                  f"and in its error.txt): no engine started", file=sys.stderr)
+            sys.exit(2)
         for job, error in _sharing_an_output(jobs, [pending[str(j.out_dir)][0] for j in jobs]):
             jobs.remove(job)
             idx, shown, ret = pending[str(job.out_dir)]
             failed.append(_say_failed(idx, shown, ret, job.out_dir, _pack_failed(job, error)["error"]))
         return returns, failed + self._run_groups(jobs, pending)
 
-    def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[JobReturn, Path, str]:
+    def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[Optional[JobReturn], Path, str]:
         """A job of the sweep: done already if complete with the same config, else composed and handed to the task
         function, which validates it and hands back the job (or runs it, for a task that is not deferred)."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -184,8 +192,13 @@ class PackedLauncher(Launcher):
             return _done(cfg, overrides, job_dir), job_dir, shown
         rundir.clear_stale(job_dir)  # a rerun that stops part way must not leave the old results beside the new config
         log.info(f"\t#{idx} : {shown}{note}")
-        ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
-                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        try:
+            ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=cfg,
+                          job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        except SystemExit as e:  # the task refused its config (exit 2, its error printed): None, to check the rest
+            if e.code != 2:
+                raise
+            ret = None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return ret, job_dir, shown
 

@@ -89,6 +89,24 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
     assert "error extract.out: Interpolation key 'tap.layr' not found" in res.stderr
 
 
+def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(tmp_path, cache_dir, tiny_spec):
+    import torch
+
+    from steer import vector
+
+    good, nan, wide = (tmp_path / f"{n}.safetensors" for n in ("good", "nan", "wide"))
+    vector.save(good, {"direction": torch.randn(tiny_spec.hidden)}, model="tiny", tap="layer1", method="m")
+    vector.save(nan, {"direction": torch.full((tiny_spec.hidden,), float("nan"))}, model="tiny", tap="layer1",
+                method="m")
+    vector.save(wide, {"direction": torch.randn(tiny_spec.hidden + 1)}, model="tiny", tap="layer1", method="m")
+    res = run_cli(["-m", f"edit.vector.path={good},{nan},{wide}", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                  tmp_path, cache_dir)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "2 of 3 jobs have bad input (#1, #2;" in res.stderr and "no engine started" in res.stderr
+    assert "nan" in res.stderr and f"shape [{tiny_spec.hidden + 1}]" in res.stderr  # each job's own error
+    assert not (tmp_path / "sweep" / "0" / "metrics.json").exists()
+
+
 def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"  # vLLM settings tell the groups apart, which the HF engine then ignores: cheap
     res = run_cli(["-m", "vllm.max_model_len=null,512", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
