@@ -12,11 +12,22 @@ def lead(target, *args) -> None:
     target(*args)
 
 
-def kill(process) -> None:
-    """SIGKILL every process of the group `process` (a started multiprocessing Process) leads, then reap it."""
-    try:  # first: is_alive() reaps an ended leader, and its pid could then name another's group
+def kill(process) -> bool:
+    """SIGKILL every process of the group `process` (a started multiprocessing Process) leads, then reap it;
+    whether it was still running."""
+    running = _running(process.pid)
+    try:  # before the reap: until then its pid, and with it its group's id, cannot name another's group
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # killed before it led its own group, or nothing left of it
-        if process.is_alive():
+        if running:
             process.kill()
     process.join()
+    return running
+
+
+def _running(pid: int) -> bool:
+    """Whether the child `pid` has not ended, asked without reaping it (is_alive() would)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:  # reaped already
+        return False

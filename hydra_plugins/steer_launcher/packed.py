@@ -238,7 +238,7 @@ def _sharing_an_output(jobs: list, numbers: List[int]) -> list:
             writers.setdefault(out, []).append(i)
     refused = []
     for job, out in zip(jobs, outs):
-        shared = writers.get(out, []) if out is not None else []
+        shared = writers.get(out, [])  # None, for a job that writes into its own directory, is never a key
         if len(shared) > 1:
             names = ", ".join(f"#{numbers[i]}" for i in shared)
             refused.append((job, ConfigError("extract.out", f"jobs {names} of this sweep all write {out}, and each "

@@ -223,8 +223,7 @@ class Process:
     def kill(self) -> None:
         """Kill the process and everything it started (its engine core), also once the process itself has ended:
         an engine core that outlives it holds its GPU memory."""
-        self.killed = self.killed or self.process.is_alive()
-        procgroup.kill(self.process)
+        self.killed = procgroup.kill(self.process) or self.killed
         self._conn.close()
         _LIVE.discard(self)
 
