@@ -30,8 +30,9 @@ def app(cfg: DictConfig):
     out_dir = Path(hc.runtime.output_dir)
     try:
         conf = schema.to_object(cfg)
-        packed = hc.mode == RunMode.MULTIRUN and OmegaConf.select(hc, "launcher._target_") == PACKED
-        return run.main(conf, out_dir, console, defer=packed)
+        multirun = hc.mode == RunMode.MULTIRUN
+        packed = multirun and OmegaConf.select(hc, "launcher._target_") == PACKED
+        return run.main(conf, out_dir, console, defer=packed, hold=_claimer(hc) if multirun else None)
     except ConfigError as e:
         run.record_failure(out_dir, e)
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
@@ -39,6 +40,15 @@ def app(cfg: DictConfig):
     except Exception as e:
         run.record_failure(out_dir, e)
         raise
+
+
+def _claimer(hc):
+    """A sweep's job holds the file it writes outside its directory (steer.sweep.claim)."""
+    from steer import sweep
+
+    hint = (": give each its own (e.g. extract.out='vectors/layer${tap.layer}.safetensors'), or leave it unset (each "
+            "job's directory)")
+    return lambda path: sweep.claim(Path(hc.sweep.dir), int(hc.job.num), "extract.out", path, hint)
 
 
 def main() -> None:

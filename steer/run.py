@@ -27,12 +27,16 @@ from steer.progress import bar as progress_bar
 from steer.schema import SteerConf, Task
 
 
-def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False) -> Union[Dict, Job]:
+def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
+         hold: Optional[Callable[[Path], None]] = None) -> Union[Dict, Job]:
     """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path).
     With `defer` (the packed launcher), a steer or extract job is returned validated, for the launcher to run
-    with the other jobs that share its engine."""
+    with the other jobs that share its engine. `hold`: called, once the job is valid, with the file it will
+    write outside `out_dir` (a sweep's jobs must not share one: steer.sweep.claim)."""
     rundir.clear_stale(out_dir)  # a run into a directory that held one: none of its results may stand beside ours
     job = validate(cfg, out_dir)
+    if hold is not None and cfg.task == Task.extract and cfg.extract.out:
+        hold(Path(cfg.extract.out))
     if cfg.task == Task.select:
         from steer import select
 

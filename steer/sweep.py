@@ -1,15 +1,25 @@
-"""The multirun callback: when a sweep ends, rebuild its report (summary.csv and plots, see steer.report).
+"""The multirun callback: when a sweep ends, rebuild its report (summary.csv and plots, see steer.report). And
+the files a sweep's jobs write outside their own directories, each held by one job (`claim`).
 
 Hydra 1.3 hands `on_multirun_end` no job results, so the report is built from what each job wrote.
 """
 
+import hashlib
+import json
+import os
+import shutil
 import signal
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from steer.errors import ConfigError
+
+CLAIMS = ".claims"  # in the sweep directory: a file per output path held, naming the job that holds it
 
 
 def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
@@ -28,6 +38,29 @@ def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
             signal.signal(signal.SIGINT, old)
 
 
+def claim(sweep_dir: Path, job: int, field: str, path: Path, hint: str = "") -> None:
+    """Hold `path` (named by config field `field`) for job `job` of the sweep: a ConfigError if another job of the
+    same sweep holds it, whichever launcher runs them and in whatever batches (each writes a whole file, so one
+    would replace the other's). Held until the next sweep into the directory starts."""
+    path = Path(path).expanduser().resolve()
+    held = Path(sweep_dir) / CLAIMS / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+    held.parent.mkdir(parents=True, exist_ok=True)
+    # Written whole, then linked into place: the link fails if the name exists, so two jobs racing (a cluster
+    # launcher's) cannot both hold it, and the holder's number is always there to read.
+    tmp = held.parent / f".{uuid.uuid4().hex}.tmp"
+    tmp.write_text(json.dumps({"job": job, "path": str(path)}))
+    try:
+        os.link(tmp, held)
+        return
+    except FileExistsError:
+        holder = json.loads(held.read_text())["job"]
+    finally:
+        tmp.unlink()
+    if holder != job:  # the same job again (a requeued cluster job) holds it still
+        raise ConfigError(field, f"job #{holder} of this sweep writes {path} too, and each writes the whole file"
+                                 f"{hint}")
+
+
 class SummaryCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
@@ -35,6 +68,7 @@ class SummaryCallback(Callback):
         from steer.report import JOBS
 
         Path(config.hydra.sweep.dir, JOBS).unlink(missing_ok=True)
+        shutil.rmtree(Path(config.hydra.sweep.dir, CLAIMS), ignore_errors=True)  # an earlier sweep's hold none
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -1,6 +1,8 @@
 import csv
 import json
 
+import pytest
+
 from steer.report import build, job_rows, swept
 
 
@@ -180,3 +182,27 @@ def test_a_plot_over_an_integer_setting_has_integer_ticks(tmp_path, monkeypatch)
     monkeypatch.setattr(plt, "close", lambda fig: (ticks.append(list(fig.axes[0].get_xticks())), close(fig)))
     plot(tmp_path, job_rows(tmp_path), ["tap.layer"])
     assert ticks and all(float(t).is_integer() for t in ticks[0])
+
+
+def test_a_file_is_held_by_one_job_of_a_sweep(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from steer.errors import ConfigError
+    from steer.sweep import claim
+
+    out = tmp_path / "v.safetensors"
+    claim(tmp_path, 3, "extract.out", out)
+    claim(tmp_path, 3, "extract.out", out)  # the same job again (requeued) still holds it
+    with pytest.raises(ConfigError, match=rf"^extract.out: job #3 of this sweep writes {out} too"):
+        claim(tmp_path, 4, "extract.out", tmp_path / "x" / ".." / "v.safetensors")  # the same file, another name
+    claim(tmp_path, 4, "extract.out", tmp_path / "w.safetensors")
+
+    def take(job):
+        try:
+            claim(tmp_path / "race", job, "extract.out", out)
+            return job
+        except ConfigError:
+            return None
+    with ThreadPoolExecutor(8) as pool:
+        held = [j for j in pool.map(take, range(64)) if j is not None]
+    assert len(held) == 1 and not list((tmp_path / "race").rglob("*.tmp"))

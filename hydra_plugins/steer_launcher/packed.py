@@ -171,10 +171,6 @@ class PackedLauncher(Launcher):
             print(f"{len(bad)} of {len(job_overrides)} jobs have bad input ({', '.join(bad)}; the error above each, "
                   f"and in its error.txt): no engine started", file=sys.stderr)
             sys.exit(2)
-        for job, error in _sharing_an_output(jobs, [pending[str(j.out_dir)][0] for j in jobs]):
-            jobs.remove(job)
-            idx, shown, ret = pending[str(job.out_dir)]
-            failed.append(_say_failed(idx, shown, ret, job.out_dir, _pack_failed(job, error)["error"]))
         return returns, failed + self._run_groups(jobs, pending)
 
     def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[Optional[JobReturn], Path, str]:
@@ -221,31 +217,6 @@ class PackedLauncher(Launcher):
                 else:
                     ret.return_value = m
         return failed
-
-
-def _sharing_an_output(jobs: list, numbers: List[int]) -> list:
-    """(job, error) for each extraction waiting to run that writes the same `extract.out` as another: a vector file
-    is written whole, so each would replace the others' (and a resumed sweep would find each one's record stale in
-    turn). Read from the jobs' own resolved configs (a path may interpolate the job's settings); `numbers`: the
-    jobs' numbers in the sweep."""
-    from steer.errors import ConfigError
-
-    writers: Dict[Path, List[int]] = {}
-    outs = [Path(job.cfg.extract.out).expanduser().resolve() if job.cfg.task == "extract" and job.cfg.extract.out
-            else None for job in jobs]
-    for i, out in enumerate(outs):
-        if out is not None:
-            writers.setdefault(out, []).append(i)
-    refused = []
-    for job, out in zip(jobs, outs):
-        shared = writers.get(out, [])  # None, for a job that writes into its own directory, is never a key
-        if len(shared) > 1:
-            names = ", ".join(f"#{numbers[i]}" for i in shared)
-            refused.append((job, ConfigError("extract.out", f"jobs {names} of this sweep all write {out}, and each "
-                                             f"writes the whole file: give each its own (e.g. extract.out='vectors/"
-                                             f"layer${{tap.layer}}.safetensors'), or leave it unset (each job's "
-                                             f"directory)")))
-    return refused
 
 
 def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: str) -> str:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers import TWO_PROMPTS, cli_env, on_tiny, run_cli, sweep_jobs as jobs, summary_rows
 
 from hydra_plugins.steer_launcher.packed import complete
@@ -66,17 +68,24 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
     assert out.count("(complete, skipped)") == 1 and (sweep / "0" / "vector.safetensors").is_file()
 
 
-def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(tmp_path, cache_dir):
+@pytest.mark.parametrize("how", [["hydra/launcher=packed"], ["hydra/launcher=packed", "hydra.sweeper.max_batch_size=1"],
+                                 ["hydra/launcher=basic"]], ids=["packed", "packed-batches-of-one", "basic"])
+def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(tmp_path, cache_dir, how):
     sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
+    checked_first = how == ["hydra/launcher=packed"]  # the whole sweep validated before any job runs
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"] + how,
                   tmp_path, cache_dir)
-    assert res.returncode == 1, res.stderr[-3000:]
-    assert "0 jobs to run" in res.stdout + res.stderr and not shared.exists()
-    for j in jobs(sweep):
-        error = (j / "error.txt").read_text()
-        assert f"ConfigError: extract.out: jobs #0, #1 of this sweep all write {shared}" in error
-    own = str(tmp_path / "v${tap.layer}.safetensors")  # one file each: they run
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out='{own}'", f"hydra.sweep.dir={sweep}"],
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert f"error extract.out: job #0 of this sweep writes {shared} too, and each writes the whole file" in out
+    assert "(each job's directory)" in out
+    # #1 is refused before its engine starts; unless the sweep was checked first, #0 has run and holds the file.
+    assert (sweep / "1" / "error.txt").read_text().startswith(f"extract.out: job #0 of this sweep writes {shared}")
+    assert not (sweep / "1" / "metrics.json").exists()
+    assert shared.exists() != checked_first
+    # The same sweep, run again into the same directory with a file each: the earlier run's hold is gone.
+    own = str(tmp_path / "v${tap.layer}.safetensors")
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out='{own}'", f"hydra.sweep.dir={sweep}"] + how,
                   tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (tmp_path / "v1.safetensors").is_file() and (tmp_path / "v2.safetensors").is_file()
@@ -84,8 +93,8 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
     # A path that does not resolve is bad input like any other: named, before any engine starts.
     bad = str(tmp_path / "w${tap.layr}.safetensors")
     res = run_cli(["-m", "task=extract", f"extract.out={tmp_path / 'w.safetensors'},'{bad}'",
-                   f"hydra.sweep.dir={tmp_path / 'sweep2'}"], tmp_path, cache_dir)
-    assert res.returncode == 2 and not (tmp_path / "w.safetensors").exists(), res.stderr[-3000:]
+                   f"hydra.sweep.dir={tmp_path / 'sweep2'}"] + how, tmp_path, cache_dir)
+    assert res.returncode == 2 and (tmp_path / "w.safetensors").exists() != checked_first, res.stderr[-3000:]
     assert "error extract.out: Interpolation key 'tap.layr' not found" in res.stderr
 
 
