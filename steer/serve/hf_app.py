@@ -1,9 +1,11 @@
 """engine=hf: OpenAI's /v1/completions and /v1/chat/completions (and /v1/models, /v1/steer/presets, /health) on
 the HF engine, with FastAPI.
 
-The engine generates one request at a time on one thread of its own (`EngineWorker`): its hooks and row masks
+The engine generates one request at a time on one thread of its own (steer.serve.worker): its hooks and row masks
 belong to the model, so concurrent requests queue and each is served exactly as if it were alone. Handlers run on
-the event loop; tokens come back to them one by one, so a stream sends text as it is generated.
+the event loop; tokens come back to them one by one, so a stream sends text as it is generated. A request whose
+client has gone stops generating; on shutdown (Ctrl-C, SIGTERM) every request still running ends at once (503, or an
+error event in a stream) and the engine's thread is joined before the process exits.
 
 What is fed, so that a request equals `python -m steer engine=hf` on the same prompt and settings:
 - a completion's prompt is encoded as the CLI encodes a prompt (`engine.encode`: raw text, the tokenizer's own
@@ -17,81 +19,23 @@ What is fed, so that a request equals `python -m steer engine=hf` on the same pr
 import asyncio
 import json
 import logging
-import queue
 import secrets
-import threading
 import time
 import uuid
-from contextlib import asynccontextmanager, closing
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from contextlib import asynccontextmanager, suppress
+from typing import Dict, List, Optional, Tuple
 
 from steer.schema import GenConf
 from steer.serve import requests
 from steer.serve.presets import Preset, compose
 from steer.serve.protocol import InlinePolicy, RequestError, plain_chat_template, read_body
+from steer.serve.worker import EngineWorker, ServerClosing
 from steer.tap import Tap
 
 log = logging.getLogger("steer.serve")
-
-
-class _Job:
-    """One generation, handed from the event loop to the engine's thread; tokens come back through `events`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, ids: List[int], plan, gen: GenConf, seed: int):
-        self.loop, self.ids, self.plan, self.gen, self.seed = loop, ids, plan, gen, seed
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-
-    def post(self, kind: str, value=None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            self.cancelled.set()
-
-    async def events(self) -> AsyncIterator[Tuple[str, object]]:
-        """("token", id) as generated, then ("done", None) or ("error", exception)."""
-        while True:
-            kind, value = await self.queue.get()
-            yield kind, value
-            if kind != "token":
-                return
-
-
-class EngineWorker:
-    """The engine's one thread: jobs run one after the other, in the order they arrived."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="steer-engine", daemon=True)
-        self.thread.start()
-
-    def submit(self, ids: List[int], plan, gen: GenConf, seed: int) -> _Job:
-        job = _Job(asyncio.get_running_loop(), ids, plan, gen, seed)
-        self._jobs.put(job)
-        return job
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                job.post("done")
-                continue
-            try:
-                with closing(self.engine.generate_iter(job.ids, job.plan, job.gen, job.seed)) as tokens:
-                    for tok in tokens:
-                        job.post("token", tok)
-                        if job.cancelled.is_set():
-                            break
-                job.post("done")
-            except Exception as e:  # one request's failure is its own: the engine serves the next
-                log.exception("generation failed")
-                job.post("error", e)
+SHUTDOWN_S = 5.0  # after Ctrl-C, for responses already cut off to reach their clients before connections close
+JOIN_S = 60.0  # for the engine's thread to finish the token it is on (one step of the model)
+DISCONNECT_POLL_S = 0.25  # how often a request waiting for its whole answer asks whether its client is still there
 
 
 class TextStream:
@@ -173,7 +117,11 @@ class HFServer:
         if req.model != self.model_name:
             raise RequestError("model", f"the model `{req.model}` does not exist; this server serves "
                                         f"`{self.model_name}`", status=404, code="model_not_found")
-        for ids in encoded:
+        for i, ids in enumerate(encoded):
+            if len(ids) >= self.max_len:  # too long whatever max_tokens says
+                field = "messages" if req.messages is not None else ("prompt" if len(encoded) == 1 else f"prompt[{i}]")
+                raise RequestError(field, f"is {len(ids)} tokens; the model has {self.max_len} positions, and "
+                                          f"the prompt must leave one to generate")
             if len(ids) + req.max_tokens > self.max_len:
                 raise RequestError("max_tokens", f"the prompt's {len(ids)} tokens and max_tokens={req.max_tokens} "
                                                  f"need {len(ids) + req.max_tokens} positions; the model has "
@@ -201,10 +149,10 @@ class HFServer:
         # As the CLI seeds prompt i with gen.seed + i.
         return req.seed + i if req.seed is not None else secrets.randbelow(2 ** 62)
 
-    async def run(self, ids: List[int], plan, req: requests.GenRequest, seed: int):
+    async def run(self, ids: List[int], plan, req: requests.GenRequest, seed: int, name: str = ""):
         """Generate one continuation: yields (text piece, None) as tokens come, then (last piece, (finish_reason,
-        tokens generated))."""
-        job = self.worker.submit(ids, plan, self._gen(req), seed)
+        tokens generated)). `name`: the choice's, for the log."""
+        job = self.worker.submit(ids, plan, self._gen(req), seed, name)
         stream = TextStream(self.engine.decode, req.stop)
         try:
             async for kind, value in job.events():
@@ -224,9 +172,9 @@ class HFServer:
         finally:
             job.cancelled.set()  # a client gone, or a stop string met: the engine moves on
 
-    async def generate(self, ids, plan, req, seed) -> Tuple[str, str, int]:
+    async def generate(self, ids, plan, req, seed, name: str = "") -> Tuple[str, str, int]:
         text, reason, n = "", "length", 0
-        async for piece, end in self.run(ids, plan, req, seed):
+        async for piece, end in self.run(ids, plan, req, seed, name):
             text += piece
             if end:
                 reason, n = end
@@ -256,12 +204,47 @@ def build_app(server: HFServer):
     @asynccontextmanager
     async def lifespan(app):
         yield
-        server.worker.stop()
+        server.worker.close()
 
     app = FastAPI(title="steer serve (engine=hf)", lifespan=lifespan)
     _generation_routes(app, server)
     _info_routes(app, server)
+    _error_shape(app)
     return app
+
+
+def serve(server: HFServer, host: str, port: int, log_level: str, keep_alive_s: int) -> None:
+    """Serve `server` with uvicorn until Ctrl-C or SIGTERM; its engine's thread is stopped before this returns."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # First: requests still generating end now (503) rather than when their last token comes, so the
+            # connections close and shutdown takes a step of the model, not the longest request's length.
+            server.worker.close()
+            await super().shutdown(sockets)
+
+    # The app's lifespan is left off: shutdown above and the `finally` below stop the engine, and a lifespan task
+    # still waiting when a second Ctrl-C force-quits is cancelled with a traceback.
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, lifespan="off",
+                            timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=SHUTDOWN_S)
+    try:
+        Server(config).run()
+    finally:  # also after a second Ctrl-C (uvicorn's force quit), which skips the app's own shutdown
+        if not server.worker.close(timeout=JOIN_S):
+            log.warning("the engine's thread did not stop within %.0f s", JOIN_S)
+
+
+def _error_shape(app) -> None:
+    """An unknown route or method answers in OpenAI's error shape, as every other error here does."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        body = {"error": {"message": f"{request.method} {request.url.path}: {e.detail}",
+                          "type": "invalid_request_error", "param": None, "code": str(e.status_code)}}
+        return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
 
 def _generation_routes(app, server: HFServer) -> None:
@@ -292,7 +275,7 @@ def _info_routes(app, server: HFServer) -> None:
     async def health():
         if not server.worker.thread.is_alive():
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "generations": server.worker.jobs}  # running or waiting
 
 
 async def _serve(server: HFServer, request, chat: bool):
@@ -312,18 +295,30 @@ async def _serve(server: HFServer, request, chat: bool):
             "model": server.model_name}
     if req.stream:
         return StreamingResponse(_sse(server, req, encoded, plan, dict(head), chat), media_type="text/event-stream")
+    answer = asyncio.ensure_future(_choices(server, req, encoded, plan, chat, rid))
     try:
-        choices, done = await _choices(server, req, encoded, plan, chat)
+        while not (await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():  # nobody will read it: the engine moves on to the next request
+                log.info("client gone: %s cancelled", rid)
+                return JSONResponse(_error_body("the client disconnected", "client_closed"), status_code=499)
+        choices, done = answer.result()
+    except ServerClosing as e:
+        return JSONResponse(_error_body(str(e), "server_shutting_down"), status_code=503)
     except Exception as e:
         return _internal(e)
+    finally:
+        if not answer.done():  # a client gone, or this handler cancelled (uvicorn's shutdown)
+            answer.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await answer
     return JSONResponse({**head, "choices": choices, "usage": _usage(sum(map(len, encoded)), done)})
 
 
-async def _choices(server: HFServer, req, encoded, plan, chat: bool) -> Tuple[List[dict], int]:
+async def _choices(server: HFServer, req, encoded, plan, chat: bool, rid: str) -> Tuple[List[dict], int]:
     """Each prompt's choice, generated one after the other, and the tokens generated in all."""
     choices, done = [], 0
     for i, ids in enumerate(encoded):
-        text, reason, n = await server.generate(ids, plan, req, server._seed(req, i))
+        text, reason, n = await server.generate(ids, plan, req, server._seed(req, i), f"{rid}#{i}")
         done += n
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text},
@@ -349,7 +344,11 @@ def _internal(e: Exception):
 
 
 def _internal_body(e: Exception) -> dict:
-    return {"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_error", "param": None, "code": None}}
+    return _error_body(f"{type(e).__name__}: {e}", None, "internal_error")
+
+
+def _error_body(message: str, code: Optional[str], kind: str = "server_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -375,7 +374,7 @@ async def _sse(server: HFServer, req, encoded, plan, head: dict, chat: bool):
         for i, ids in enumerate(encoded):
             if chat:
                 yield chunk(i, None, None, first=True)
-            async for piece, end in server.run(ids, plan, req, server._seed(req, i)):
+            async for piece, end in server.run(ids, plan, req, server._seed(req, i), f"{head['id']}#{i}"):
                 if piece:
                     yield chunk(i, piece, None)
                 if end:
@@ -384,7 +383,9 @@ async def _sse(server: HFServer, req, encoded, plan, head: dict, chat: bool):
         if req.include_usage:
             usage = _usage(sum(map(len, encoded)), done)
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
-    except Exception as e:  # the stream has started: the error goes in it
+    except ServerClosing as e:  # the stream has started: the error goes in it
+        yield f"data: {json.dumps(_error_body(str(e), 'server_shutting_down'))}\n\n"
+    except Exception as e:
         log.exception("stream failed")
         yield f"data: {json.dumps(_internal_body(e))}\n\n"
     yield "data: [DONE]\n\n"

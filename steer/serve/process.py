@@ -47,6 +47,14 @@ def running(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env
             cwd: Optional[Path] = None) -> Iterator[str]:
     """Run `cmd` (a server listening on `port`) in a session of its own, its output in `log_path`; yield its base
     URL once /health answers; on exit end the session (SIGTERM, then SIGKILL after 60 s)."""
+    with started(cmd, port, log_path, timeout, env, cwd) as (url, _):
+        yield url
+
+
+@contextmanager
+def started(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env: Optional[Dict[str, str]] = None,
+            cwd: Optional[Path] = None) -> Iterator[Tuple[str, subprocess.Popen]]:
+    """`running`, yielding (base URL, the server's process)."""
     import httpx
 
     with open(log_path, "w") as log:
@@ -65,7 +73,7 @@ def running(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not answer in {timeout} s:\n{Path(log_path).read_text()[-4000:]}")
             time.sleep(1)
-        yield url
+        yield url, proc
     finally:
         end_session(proc)
 

@@ -111,9 +111,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         tiny.ensure_tiny(conf.cache_dir, conf.model.tiny)
     model_name = conf.serve.model_name or conf.model.name
     if name == "hf":
-        import uvicorn
-
-        from steer.serve.hf_app import HFServer, build_app
+        from steer.serve.hf_app import HFServer, serve
 
         engine = engines.make("hf", spec, conf.device)
         compiled = compile_presets(conf, spec, confs, engine)
@@ -121,8 +119,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
                           conf.serve.chat_max_tokens, inline)
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
             f"http://{conf.serve.host}:{conf.serve.port}/v1")
-        uvicorn.run(build_app(server), host=conf.serve.host, port=conf.serve.port, log_level=conf.serve.log_level,
-                    timeout_keep_alive=conf.serve.keep_alive_s)
+        serve(server, conf.serve.host, conf.serve.port, conf.serve.log_level, conf.serve.keep_alive_s)
         return
     # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
     # every preset's stages go to the workers at start.

@@ -4,8 +4,11 @@ the presets listing, bad requests, concurrency. Greedy unless said; the tiny mod
 import httpx
 
 from serve_cli import cli_edits, cli_run
+from steer.schema import TinyConf
 from serve_common import (MAX_TOKENS, MODEL, PROMPTS, chat, check_against, check_bad_requests, check_concurrent,
                           check_idle_connection_kept, check_listing, check_sse_done, check_streaming, complete)
+
+LEN = TinyConf().max_positions  # the tiny model's positions, prompt and continuation together
 
 
 def test_answers_equal_the_cli(hf_client, cli_text):
@@ -58,7 +61,7 @@ def test_streaming(hf_client, hf_url):
 
 def test_presets_models_health(hf_url):
     check_listing(hf_url)
-    assert httpx.get(f"{hf_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{hf_url}/health").json() == {"status": "ok", "generations": 0}
 
 
 def test_bad_requests_are_400_and_the_server_keeps_serving(hf_url, hf_client):
@@ -80,12 +83,21 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0]"),
+        # too long whatever max_tokens says: the prompt is named
+        ("/v1/completions", {"model": MODEL, "prompt": [5] * LEN}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[5], [5] * (LEN + 1)]}, "prompt[1]"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5] * (LEN - 12), "max_tokens": 13}, "max_tokens"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * LEN}]},
+         "messages"),
     ]
     for path, body, param in cases:
         r = httpx.post(f"{hf_url}{path}", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     r = httpx.post(f"{hf_url}/v1/completions", json={"model": "gpt-4", "prompt": "x"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    for method, path, status in (("GET", "/v1/nothing", 404), ("PUT", "/v1/models", 405)):  # OpenAI's error shape
+        r = httpx.request(method, f"{hf_url}{path}", timeout=60)
+        assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {path}: "), r.text
     assert complete(hf_client, PROMPTS[1]) == complete(hf_client, PROMPTS[1])
 
 
