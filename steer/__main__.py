@@ -48,7 +48,8 @@ def _claimer(hc):
 
     hint = (": give each its own (e.g. extract.out='vectors/layer${tap.layer}.safetensors'), or leave it unset (each "
             "job's directory)")
-    return lambda path: sweep.claim(Path(hc.sweep.dir), int(hc.job.num), "extract.out", path, hint)
+    sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir  # where the sweep was launched: a job may run elsewhere (chdir)
+    return lambda path: sweep.claim(sweep_dir, int(hc.job.num), "extract.out", path, hint)
 
 
 def main() -> None:

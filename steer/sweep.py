@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -47,18 +48,46 @@ def claim(sweep_dir: Path, job: int, field: str, path: Path, hint: str = "") -> 
     held.parent.mkdir(parents=True, exist_ok=True)
     # Written whole, then linked into place: the link fails if the name exists, so two jobs racing (a cluster
     # launcher's) cannot both hold it, and the holder's number is always there to read.
+    record = json.dumps({"job": job, "path": str(path)})
     tmp = held.parent / f".{uuid.uuid4().hex}.tmp"
-    tmp.write_text(json.dumps({"job": job, "path": str(path)}))
+    tmp.write_text(record)
     try:
         os.link(tmp, held)
         return
     except FileExistsError:
-        holder = json.loads(held.read_text())["job"]
+        holder = _holder(held)
+    except OSError:  # a file system without hard links: created exclusively, then written
+        holder = _hold_exclusively(held, record)
+        if holder is None:
+            return
     finally:
         tmp.unlink()
     if holder != job:  # the same job again (a requeued cluster job) holds it still
         raise ConfigError(field, f"job #{holder} of this sweep writes {path} too, and each writes the whole file"
                                  f"{hint}")
+
+
+def _hold_exclusively(held: Path, record: str) -> Optional[int]:
+    """`claim` where hard links fail: None once this job holds `held`, else the job that does."""
+    try:
+        fd = os.open(held, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return _holder(held)
+    with os.fdopen(fd, "w") as f:
+        f.write(record)
+    return None
+
+
+def _holder(held: Path, wait_s: float = 5.0) -> int:
+    """The job number `held` names (a file created exclusively may not be written yet: read again until it is)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return int(json.loads(held.read_text())["job"])
+        except (ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 class SummaryCallback(Callback):

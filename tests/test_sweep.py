@@ -206,3 +206,27 @@ def test_a_file_is_held_by_one_job_of_a_sweep(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         held = [j for j in pool.map(take, range(64)) if j is not None]
     assert len(held) == 1 and not list((tmp_path / "race").rglob("*.tmp"))
+
+
+def test_a_file_is_held_by_one_job_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    import errno
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from steer.errors import ConfigError
+    from steer.sweep import claim
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_links)
+
+    def take(job):
+        try:
+            claim(tmp_path, job, "extract.out", tmp_path / "v.safetensors")
+            return job
+        except ConfigError:
+            return None
+    with ThreadPoolExecutor(8) as pool:
+        held = [j for j in pool.map(take, range(64)) if j is not None]
+    assert len(held) == 1
+    claim(tmp_path, held[0], "extract.out", tmp_path / "v.safetensors")

@@ -153,8 +153,14 @@ class PackedLauncher(Launcher):
         failed: List[str] = []
         jobs: List[Job] = []
         bad: List[str] = []
-        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            ret, job_dir, shown = self._validate(idx, overrides, sweep_dir)
+        composed = [self._compose(idx, overrides, sweep_dir)
+                    for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        for idx, (cfg, job_dir, _, note) in enumerate(composed, start=initial_job_idx):
+            if note is None:  # done: the file it wrote stays its own, whatever the jobs to run name
+                _hold_done(sweep_dir, idx, cfg, job_dir)
+        for idx, (overrides, (cfg, job_dir, shown, note)) in enumerate(zip(job_overrides, composed),
+                                                                       start=initial_job_idx):
+            ret = self._validate(idx, overrides, cfg, job_dir, shown, note)
             job_dirs.append(job_dir)
             if ret is None:  # bad input, said on the line above: the others are checked too, then nothing runs
                 bad.append(f"#{idx}")
@@ -168,24 +174,31 @@ class PackedLauncher(Launcher):
                 pending[str(ret.return_value.out_dir)] = (idx, shown, ret)
         _list_jobs(sweep_dir, job_dirs, initial_job_idx)
         if bad:
+            # A later batch of a sweeper that sends several: the earlier batches' jobs ran, and their report stands
+            ran = f"; earlier batches ran, {_report(sweep_dir)}" if initial_job_idx > 0 else ""
             print(f"{len(bad)} of {len(job_overrides)} jobs have bad input ({', '.join(bad)}; the error above each, "
-                  f"and in its error.txt): no engine started", file=sys.stderr)
+                  f"and in its error.txt): no engine started for {'this batch' if ran else 'them'}{ran}",
+                  file=sys.stderr)
             sys.exit(2)
         return returns, failed + self._run_groups(jobs, pending)
 
-    def _validate(self, idx: int, overrides: Sequence[str], sweep_dir: Path) -> Tuple[Optional[JobReturn], Path, str]:
-        """A job of the sweep: done already if complete with the same config, else composed and handed to the task
-        function, which validates it and hands back the job (or runs it, for a task that is not deferred)."""
+    def _compose(self, idx: int, overrides: Sequence[str], sweep_dir: Path):
+        """(config, job dir, overrides as shown, resume note: None where it is done) of a job of the sweep."""
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         with open_dict(cfg):
             cfg.hydra.job.id = cfg.hydra.job.num = idx
         job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
-        shown = " ".join(filter_overrides(overrides))
         # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
-        note = resume_note(job_dir, cfg, self.force)
+        return cfg, job_dir, " ".join(filter_overrides(overrides)), resume_note(job_dir, cfg, self.force)
+
+    def _validate(self, idx: int, overrides: Sequence[str], cfg: DictConfig, job_dir: Path, shown: str,
+                  note: Optional[str]) -> Optional[JobReturn]:
+        """A job of the sweep: done already if complete with the same config, else handed to the task function,
+        which validates it and hands back the job (or runs it, for a task that is not deferred); None where it
+        refused the job's input."""
         if note is None:
             log.info(f"\t#{idx} : {shown} (complete, skipped)")
-            return _done(cfg, overrides, job_dir), job_dir, shown
+            return _done(cfg, overrides, job_dir)
         rundir.clear_stale(job_dir)  # a rerun that stops part way must not leave the old results beside the new config
         log.info(f"\t#{idx} : {shown}{note}")
         try:
@@ -196,7 +209,7 @@ class PackedLauncher(Launcher):
                 raise
             ret = None
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        return ret, job_dir, shown
+        return ret
 
     def _run_groups(self, jobs: list, pending: Dict[str, Tuple[int, str, JobReturn]]) -> List[str]:
         """Run the validated jobs, a group per engine (the first here, each other in a process of its own); set
@@ -353,6 +366,28 @@ def _group_child(jobs: list, pack_size: int, send) -> None:
                           + "".join(traceback.format_exception(e)).rstrip()))
     finally:
         send.close()
+
+
+def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> None:
+    """A finished extraction skipped on resume holds the file it wrote (steer.sweep.claim), as it did when it ran:
+    a job of the sweep that would write it over is refused."""
+    import json
+
+    from steer.errors import ConfigError
+    from steer.sweep import claim
+
+    if cfg.get("task") != "extract":
+        return
+    vector = json.loads((job_dir / "metrics.json").read_text()).get("vector")
+    if not vector:
+        return
+    path = Path(vector)
+    if not path.expanduser().is_absolute() and OmegaConf.select(cfg, "hydra.job.chdir"):
+        path = job_dir / path  # written from the job's directory
+    try:
+        claim(sweep_dir.resolve(), idx, "extract.out", path)
+    except ConfigError:  # two finished jobs hold it (one wrote what the other had): neither writes it again
+        pass
 
 
 def _done(cfg: DictConfig, overrides: Sequence[str], job_dir: Path) -> JobReturn:

@@ -223,6 +223,8 @@ def serve(server: HFServer, host: str, port: int, log_level: str, keep_alive_s: 
             # connections close and shutdown takes a step of the model, not the longest request's length.
             server.worker.close()
             await super().shutdown(sockets)
+            # Here, not only after run(): uvicorn raises a SIGTERM again once shut down, which ends the process
+            await asyncio.to_thread(_join, server.worker)
 
     # The app's lifespan is left off: shutdown above and the `finally` below stop the engine, and a lifespan task
     # still waiting when a second Ctrl-C force-quits is cancelled with a traceback.
@@ -230,9 +232,16 @@ def serve(server: HFServer, host: str, port: int, log_level: str, keep_alive_s: 
                             timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=SHUTDOWN_S)
     try:
         Server(config).run()
-    finally:  # also after a second Ctrl-C (uvicorn's force quit), which skips the app's own shutdown
-        if not server.worker.close(timeout=JOIN_S):
-            log.warning("the engine's thread did not stop within %.0f s", JOIN_S)
+    finally:
+        if server.worker.thread.is_alive():  # the loop was cut short before its shutdown
+            _join(server.worker)
+
+
+def _join(worker: EngineWorker) -> None:
+    if not worker.close(timeout=JOIN_S):
+        log.warning("the engine's thread did not stop within %.0f s", JOIN_S)
+    else:
+        log.info("the engine's thread has stopped")
 
 
 def _error_shape(app) -> None:

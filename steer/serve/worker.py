@@ -30,6 +30,7 @@ class Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.refused: Optional[Exception] = None  # why the server ended it (shutting down)
+        self.finished = False  # the engine is done with it
 
     def post(self, kind: str, value=None) -> None:
         try:
@@ -38,13 +39,19 @@ class Job:
             self.cancelled.set()
 
     def end(self, error: Exception) -> None:
-        """Stop generating; whoever waits gets `error`."""
+        """Stop generating; whoever waits gets `error` now, not once the engine's step in progress is over (a
+        large model's prompt on a CPU: seconds)."""
+        if self.finished:
+            return
         self.refused = error
         self.cancelled.set()
+        self.post("error", error)
 
     def finish(self) -> None:
-        """The last event: ("error", why) where the server ended it, else ("done", None)."""
-        self.post(*(("error", self.refused) if self.refused is not None else ("done", None)))
+        """The last event: ("done", None), unless the server ended it (its error is already sent)."""
+        self.finished = True
+        if self.refused is None:
+            self.post("done")
 
     async def events(self) -> AsyncIterator[Tuple[str, object]]:
         """("token", id) as generated, then ("done", None) or ("error", exception)."""
@@ -73,7 +80,6 @@ class EngineWorker:
         with self._lock:
             if self.closing:
                 job.end(ServerClosing("the server is shutting down"))
-                job.finish()
                 return job
             self._live.add(job)
         self._jobs.put(job)

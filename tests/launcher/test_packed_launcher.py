@@ -69,7 +69,8 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
 
 
 @pytest.mark.parametrize("how", [["hydra/launcher=packed"], ["hydra/launcher=packed", "hydra.sweeper.max_batch_size=1"],
-                                 ["hydra/launcher=basic"]], ids=["packed", "packed-batches-of-one", "basic"])
+                                 ["hydra/launcher=basic"], ["hydra/launcher=basic", "hydra.job.chdir=true"]],
+                         ids=["packed", "packed-batches-of-one", "basic", "basic-chdir"])
 def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(tmp_path, cache_dir, how):
     sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
     checked_first = how == ["hydra/launcher=packed"]  # the whole sweep validated before any job runs
@@ -83,12 +84,12 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
     assert (sweep / "1" / "error.txt").read_text().startswith(f"extract.out: job #0 of this sweep writes {shared}")
     assert not (sweep / "1" / "metrics.json").exists()
     assert shared.exists() != checked_first
-    # The same sweep, run again into the same directory with a file each: the earlier run's hold is gone.
-    own = str(tmp_path / "v${tap.layer}.safetensors")
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out='{own}'", f"hydra.sweep.dir={sweep}"] + how,
-                  tmp_path, cache_dir)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert (tmp_path / "v1.safetensors").is_file() and (tmp_path / "v2.safetensors").is_file()
+    # Run again into the same directory with a file each, #1 now writing the file #0 held: that hold is gone.
+    other = tmp_path / "u.safetensors"
+    res = run_cli(["-m", "task=extract", "tap.layer=1", f"extract.out={other},{shared}", f"hydra.sweep.dir={sweep}"]
+                  + how, tmp_path, cache_dir)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert other.is_file() and shared.is_file()
 
     # A path that does not resolve is bad input like any other: named, before any engine starts.
     bad = str(tmp_path / "w${tap.layr}.safetensors")
@@ -96,6 +97,21 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
                    f"hydra.sweep.dir={tmp_path / 'sweep2'}"] + how, tmp_path, cache_dir)
     assert res.returncode == 2 and (tmp_path / "w.safetensors").exists() != checked_first, res.stderr[-3000:]
     assert "error extract.out: Interpolation key 'tap.layr' not found" in res.stderr
+
+
+def test_a_finished_extraction_skipped_on_resume_still_holds_its_file(tmp_path, cache_dir):
+    sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
+    res = run_cli(["-m", "task=extract", "tap.layer=1", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
+                  tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    written = shared.read_bytes()
+    # The sweep extended: #0 is done and skipped, #1 would write #0's file over
+    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
+                  tmp_path, cache_dir)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "(complete, skipped)" in out, out[-3000:]
+    assert f"error extract.out: job #0 of this sweep writes {shared} too" in out
+    assert shared.read_bytes() == written
 
 
 def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(tmp_path, cache_dir, tiny_spec):
