@@ -33,8 +33,6 @@ from steer.serve.worker import EngineWorker, ServerClosing
 from steer.tap import Tap
 
 log = logging.getLogger("steer.serve")
-SHUTDOWN_S = 5.0  # after Ctrl-C, for responses already cut off to reach their clients before connections close
-JOIN_S = 60.0  # for the engine's thread to finish the token it is on (one step of the model)
 DISCONNECT_POLL_S = 0.25  # how often a request waiting for its whole answer asks whether its client is still there
 
 
@@ -211,37 +209,6 @@ def build_app(server: HFServer):
     _info_routes(app, server)
     _error_shape(app)
     return app
-
-
-def serve(server: HFServer, host: str, port: int, log_level: str, keep_alive_s: int) -> None:
-    """Serve `server` with uvicorn until Ctrl-C or SIGTERM; its engine's thread is stopped before this returns."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets=None):
-            # First: requests still generating end now (503) rather than when their last token comes, so the
-            # connections close and shutdown takes a step of the model, not the longest request's length.
-            server.worker.close()
-            await super().shutdown(sockets)
-            # Here, not only after run(): uvicorn raises a SIGTERM again once shut down, which ends the process
-            await asyncio.to_thread(_join, server.worker)
-
-    # The app's lifespan is left off: shutdown above and the `finally` below stop the engine, and a lifespan task
-    # still waiting when a second Ctrl-C force-quits is cancelled with a traceback.
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=SHUTDOWN_S)
-    try:
-        Server(config).run()
-    finally:
-        if server.worker.thread.is_alive():  # the loop was cut short before its shutdown
-            _join(server.worker)
-
-
-def _join(worker: EngineWorker) -> None:
-    if not worker.close(timeout=JOIN_S):
-        log.warning("the engine's thread did not stop within %.0f s", JOIN_S)
-    else:
-        log.info("the engine's thread has stopped")
 
 
 def _error_shape(app) -> None:

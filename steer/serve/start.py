@@ -111,7 +111,8 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         tiny.ensure_tiny(conf.cache_dir, conf.model.tiny)
     model_name = conf.serve.model_name or conf.model.name
     if name == "hf":
-        from steer.serve.hf_app import HFServer, serve
+        from steer.serve.hf_app import HFServer
+        from steer.serve.hf_serve import serve
 
         engine = engines.make("hf", spec, conf.device)
         compiled = compile_presets(conf, spec, confs, engine)

@@ -41,7 +41,7 @@ class Job:
     def end(self, error: Exception) -> None:
         """Stop generating; whoever waits gets `error` now, not once the engine's step in progress is over (a
         large model's prompt on a CPU: seconds)."""
-        if self.finished:
+        if self.finished or self.cancelled.is_set():  # nobody waits for it any more
             return
         self.refused = error
         self.cancelled.set()
@@ -87,9 +87,9 @@ class EngineWorker:
 
     @property
     def jobs(self) -> int:
-        """Generations running or waiting."""
+        """Generations running or waiting that someone waits for (one whose client left is skipped when reached)."""
         with self._lock:
-            return len(self._live)
+            return sum(not job.cancelled.is_set() for job in self._live)
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """End every job still generating or waiting (ServerClosing), stop the thread and wait up to `timeout`

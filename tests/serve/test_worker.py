@@ -47,3 +47,22 @@ def test_closing_ends_a_request_at_once_while_its_step_runs_then_the_thread():
         assert worker.jobs == 0
 
     asyncio.run(go())
+
+
+def test_a_request_whose_client_left_is_not_counted_nor_told_the_server_closes():
+    engine = HeldEngine()
+
+    async def go():
+        worker = EngineWorker(engine)
+        worker.submit([1], None, GenConf(max_new_tokens=1), 0, "running")
+        gone = worker.submit([1], None, GenConf(max_new_tokens=1), 0, "gone")
+        await asyncio.to_thread(engine.entered.wait)
+        assert worker.jobs == 2
+        gone.cancelled.set()  # its handler saw the client leave
+        assert worker.jobs == 1
+        worker.close()
+        assert gone.refused is None  # it ended because its client left, not because the server closed
+        engine.step.release()
+        assert await asyncio.to_thread(worker.close, 30) is True
+
+    asyncio.run(go())

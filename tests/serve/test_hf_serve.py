@@ -1,0 +1,44 @@
+"""The HF server's process at shutdown (steer/serve/hf_serve.py): an engine thread that cannot finish its step (a
+long prompt of a large model) is not waited for past a second Ctrl-C or the limit; the process ends at once, with
+the signal's exit code, rather than abort as the interpreter exits around a thread inside torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+STUCK = """
+import asyncio, signal, threading
+from steer.schema import GenConf
+from steer.serve.hf_serve import _join
+from steer.serve.worker import EngineWorker
+
+class Stuck:
+    entered = threading.Event()
+    def generate_iter(self, ids, plan, gen, seed):
+        self.entered.set()
+        threading.Event().wait()  # a step that does not end
+        yield 1
+
+engine = Stuck()
+worker = EngineWorker(engine)
+async def submit():
+    worker.submit([1], None, GenConf(max_new_tokens=4), 0, "a")
+asyncio.run(submit())
+engine.entered.wait()
+_join(worker, FORCED, SIGNALS, wait_s=WAIT)
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("forced, signals, wait, code", [
+    ("lambda: True", "[signal.SIGINT]", "60.0", 130),  # a second Ctrl-C: now
+    ("lambda: False", "[signal.SIGTERM]", "0.5", 143),  # past the limit
+    ("lambda: False", "[]", "0.5", 143),
+], ids=["second-ctrl-c", "sigterm-past-the-limit", "no-signal"])
+def test_a_thread_stuck_in_a_step_is_left_and_the_process_ends_with_the_signals_code(forced, signals, wait, code):
+    script = STUCK.replace("FORCED", forced).replace("SIGNALS", signals).replace("WAIT", wait)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == code, res.stderr[-2000:]
+    assert "returned" not in res.stdout
+    assert f"the engine's thread is still inside a step of the model: exiting without it ({code})" in res.stderr
