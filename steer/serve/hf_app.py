@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 import uuid
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 from typing import Dict, List, Optional, Tuple
 
 from steer.schema import GenConf
@@ -196,15 +196,11 @@ class HFServer:
 
 
 def build_app(server: HFServer):
-    """The FastAPI app of `server`: OpenAI's completion endpoints, /v1/models, /v1/steer/presets and /health."""
+    """The FastAPI app of `server`: OpenAI's completion endpoints, /v1/models, /v1/steer/presets and /health. It
+    has no lifespan: steer.serve.hf_serve stops the engine's thread, at shutdown and once uvicorn has returned."""
     from fastapi import FastAPI
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        server.worker.close()
-
-    app = FastAPI(title="steer serve (engine=hf)", lifespan=lifespan)
+    app = FastAPI(title="steer serve (engine=hf)")
     _generation_routes(app, server)
     _info_routes(app, server)
     _error_shape(app)
@@ -218,8 +214,8 @@ def _error_shape(app) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        body = {"error": {"message": f"{request.method} {request.url.path}: {e.detail}",
-                          "type": "invalid_request_error", "param": None, "code": str(e.status_code)}}
+        body = _error_body(f"{request.method} {request.url.path}: {e.detail}", str(e.status_code),
+                           "invalid_request_error")
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
 

@@ -41,7 +41,7 @@ def serve(server: HFServer, host: str, port: int, log_level: str, keep_alive_s: 
             # Here, not only after run(): uvicorn raises a SIGTERM again once shut down, which ends the process
             await asyncio.to_thread(_join, server.worker, lambda: self.force_exit, self.signals)
 
-    # The app's lifespan is left off: shutdown above and the `finally` below stop the engine, and a lifespan task
+    # No lifespan (the app has none): shutdown above and the `finally` below stop the engine, and a lifespan task
     # still waiting when a second Ctrl-C force-quits is cancelled with a traceback.
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, lifespan="off",
                             timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=SHUTDOWN_S)
