@@ -26,6 +26,7 @@ which steers the text instead of leaving it (ppl x2.4 and x2.2 there before; x1.
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -37,6 +38,8 @@ from steer.errors import ConfigError
 from steer.prompt import chat_mode, text_tokens, uses_chat
 from steer.schema import ExtractConf
 from steer.tap import Tap
+
+log = logging.getLogger(__name__)
 
 METHODS = ("diffmean", "pca")
 POSITIONS = ("mean", "last")
@@ -173,6 +176,10 @@ def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negati
     model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]
     blob = json.dumps([model, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
     path = Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
-    if not path.exists():
-        extract_to(path, "direction", engine, tap, positive, negative, recipe)
+    if path.exists():
+        try:
+            return vector.load(path, "direction", engine.spec.hidden, field="default vector")
+        except ConfigError as e:  # the cache's own file, damaged (a disk filled, a copy cut short): made again
+            log.warning("the cached default direction %s is unreadable (%s): extracting it again", path, e)
+    extract_to(path, "direction", engine, tap, positive, negative, recipe)
     return vector.load(path, "direction", engine.spec.hidden, field="default vector")

@@ -41,6 +41,7 @@ def validate(cfg: SteerConf, out_dir: Path) -> Job:
     """Check everything that can be checked without weights; the job, ready to run."""
     engine = engines.resolve(cfg.engine)
     _check_engine(cfg, engine)
+    engines.check_device(cfg.device)
     _check_gen_and_prompts(cfg)
     spec = model_spec(cfg.model, cfg.cache_dir)
     _check_positions(cfg, spec, engine)

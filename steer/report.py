@@ -14,7 +14,6 @@ the packed launcher lists its own sweep's in `.jobs`, and the report then holds 
 import argparse
 import csv
 import io
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -49,10 +48,14 @@ def _rows(jobs) -> List[Dict[str, Any]]:
             key, _, value = str(o).partition("=")
             quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
             row[key] = value[1:-1] if quoted else value  # Hydra's quoting, not part of the value
-        if (job / "metrics.json").is_file():
+        got = results.read_json(job / "metrics.json")
+        if got is not None:
             row["status"] = "ok"
-            for k, v in json.loads((job / "metrics.json").read_text()).items():
+            for k, v in got.items():
                 row[f"{k} (metric)" if k in row else k] = v  # `prompts` is an override group and a count
+        elif (job / "metrics.json").is_file():
+            row["status"] = "failed"
+            row["error"] = "its metrics.json is damaged (no JSON object): a resume reruns it"
         else:
             row["status"] = "failed"
             row["error"] = _error_line((job / "error.txt").read_text(errors="replace"))
@@ -177,8 +180,31 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
     if not rows:
         raise NoJobs(f"{sweep_dir} holds no finished or failed job: no <job>/metrics.json or <job>/error.txt in it")
     params = swept(rows)
-    return {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
-            "swept": params, "left_out": others}
+    before = _report_files(Path(sweep_dir))
+    out = {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
+           "swept": params, "left_out": others}
+    for p in before - set(out["plots"]) - {out["summary"]}:  # a metric no job has now, or nothing swept
+        p.unlink(missing_ok=True)
+    return out
+
+
+def clear(sweep_dir: Path) -> None:
+    """Remove the report last written into `sweep_dir`: a sweep starting there must not leave an earlier one's
+    summary and plots looking like its own if it is stopped before writing its own."""
+    for p in _report_files(Path(sweep_dir)):
+        p.unlink(missing_ok=True)
+
+
+def _report_files(sweep_dir: Path) -> set:
+    """summary.csv and the plots it was written with (one per column that was a metric: `<column>.png`)."""
+    summary = sweep_dir / "summary.csv"
+    try:
+        with open(summary, newline="") as f:
+            header = next(csv.reader(f), [])
+    except (OSError, csv.Error, UnicodeDecodeError):
+        return set()
+    plots = {sweep_dir / f"{c}.png" for c in header if c and "/" not in c and c not in (".", "..")}
+    return {summary} | {p for p in plots if p.is_file()}
 
 
 def left_out(out: Dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 
 def umask() -> int:
@@ -81,3 +81,13 @@ def write_jsonl(path: str | Path, rows: Iterable[Dict]) -> Path:
 
 def write_json(path: str | Path, obj: Dict) -> Path:
     return write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: str | Path) -> Optional[Dict]:
+    """The JSON object in `path`, or None where it is missing or holds no JSON object (a file damaged by hand or by
+    the disk: what steer writes is whole, being written atomically)."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None

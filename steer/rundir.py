@@ -50,3 +50,6 @@ class RunDirLock(Callback):
         except ConfigError as e:
             print(f"error {e}", file=sys.stderr)
             sys.exit(2)
+        # Before Hydra writes this run's config there: stopped before run.main clears them, an earlier run's
+        # results would stand beside it as if they were this run's
+        clear_stale(Path(str(config.hydra.run.dir)))

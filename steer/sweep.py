@@ -94,9 +94,10 @@ class SummaryCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
         # and one left there by an earlier packed sweep would hide this sweep's other jobs from its report.
-        from steer.report import JOBS
+        from steer.report import JOBS, clear
 
         Path(config.hydra.sweep.dir, JOBS).unlink(missing_ok=True)
+        clear(Path(config.hydra.sweep.dir))  # stopped before its own report, it must not show the last one's
         shutil.rmtree(Path(config.hydra.sweep.dir, CLAIMS), ignore_errors=True)  # an earlier sweep's hold none
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -81,6 +81,9 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector") ->
     return check(v, hidden, f"{field} ({path}:{key})")
 
 
+F32_MAX = torch.finfo(torch.float32).max
+
+
 def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
     """Validate a vector's dtype, shape and values against the model; return it as float32 `[k, hidden]`."""
     if not v.is_floating_point():
@@ -88,14 +91,21 @@ def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
     expected = f"expected [{hidden}] (one direction) or [k, {hidden}] (a subspace of k directions)"
     if v.dim() not in (1, 2):
         raise ConfigError(where, f"shape {list(v.shape)} has {v.dim()} dimensions: {expected}")
-    if v.shape[-1] != hidden or v.numel() == 0:
+    if v.shape[-1] != hidden:
         raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: {expected} (the model's hidden "
                                  f"size is {hidden}, the vector's last dimension {v.shape[-1]})")
-    bad = ~torch.isfinite(v)
+    if v.numel() == 0:
+        raise ConfigError(where, f"shape {list(v.shape)} holds no direction: {expected}")
+    # Checked as the edits hold it: a float64 1e39 is finite and float32's inf (and float8 has no isfinite)
+    f = v.float()
+    bad = ~torch.isfinite(f)
     if bad.any():
-        kinds = sorted({"nan" if x else "inf" for x in torch.isnan(v[bad]).tolist()})
-        raise ConfigError(where, f"{int(bad.sum())} entries are {'/'.join(kinds)}; a vector must be finite")
-    v = v.float().reshape(-1, hidden)
+        nan = int(torch.isnan(f).sum())
+        wide = int((bad & torch.isfinite(v.double())).sum())
+        kinds = [f"{n} {what}" for n, what in ((nan, "NaN"), (int(bad.sum()) - nan - wide, "infinite"),
+                                               (wide, f"beyond float32's range (|x| > {F32_MAX:.3g})")) if n]
+        raise ConfigError(where, f"entries are {', '.join(kinds)}; a vector must be finite in float32")
+    v = f.reshape(-1, hidden).clone()  # not the file's mapping: `cp` over it in place would change it mid-run
     zero = (v.norm(dim=-1) == 0).nonzero().flatten().tolist()
     if zero:
         rows = "the vector is" if v.shape[0] == 1 else f"rows {zero} are"

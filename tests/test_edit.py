@@ -1,5 +1,7 @@
 """Each edit's math against a direct computation (GUIDE.md section 5), and the exact no-ops."""
 
+import re
+
 import pytest
 import torch
 
@@ -158,6 +160,23 @@ def test_bad_edits(kind, vectors, field):
     with pytest.raises(ConfigError) as e:
         compile_edit(kind, 1.0, vectors)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("kind,vec,settings,field,says", [
+    (EditKind.add, 1.0, {"scale": 1e39}, "edit.scale", "beyond float32's range"),
+    (EditKind.clamp, 1.0, {"hi": -1e300}, "edit.hi", "beyond float32's range"),
+    (EditKind.set, 1.0, {"value": 4e38}, "edit.value", "beyond float32's range"),
+    (EditKind.add, 1e20, {"scale": 1e20}, "edit.scale", "largest entry is 1e+40"),
+])
+def test_edits_beyond_float32_are_refused(kind, vec, settings, field, says):
+    settings = {"scale": 1.0, **settings}
+    with pytest.raises(ConfigError, match=re.escape(says)) as e:
+        compile_edit(kind, settings.pop("scale"), torch.full((1, H), vec), **settings)
+    assert e.value.field == field
+
+
+def test_an_edit_at_the_edge_of_float32_compiles():
+    assert compile_edit(EditKind.add, 3e38, torch.ones(1, H)).scale == 3e38
 
 
 def test_reversed_clamp_bounds(v):

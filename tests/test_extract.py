@@ -71,6 +71,9 @@ def test_extract_writes_metadata_and_caches(hf_engine, tiny_spec, tmp_path):
     assert torch.equal(cached_default(str(tmp_path), hf_engine, tap, POS, NEG), first)
     assert cached[0].stat().st_mtime_ns == mtime
     torch.testing.assert_close(first[0], vector.load(p, "joy", tiny_spec.hidden)[0])
+    for damage in (cached[0].read_bytes()[:40], b""):  # cut short, emptied: made again, not an error every run
+        cached[0].write_bytes(damage)
+        assert torch.equal(cached_default(str(tmp_path), hf_engine, tap, POS, NEG), first)
 
 
 def test_cached_default_is_keyed_on_the_recipe(hf_engine, tiny_spec, tmp_path):

@@ -35,7 +35,10 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
                            ("vllm.compiled_edits=true", "for the bench and the API"),
                            ("vllm.tap_graphs=true", "needs engine=vllm"),
                            ("vllm.fold_norm=true", "for the bench and the API"),
-                           ("vllm.kv_cache_memory_bytes=0", "positive number of bytes")]:
+                           ("vllm.kv_cache_memory_bytes=0", "positive number of bytes"),
+                           ("device=banana", "expected cpu, cuda or cuda:N"),
+                           ("device=cuda:x", "expected cpu, cuda or cuda:N"),
+                           ("device=cuda:4096", "CUDA device(s)")]:
         with pytest.raises(ConfigError) as e:
             run.validate(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
         assert e.value.field == override.split("=")[0] and says in str(e.value)
@@ -54,6 +57,21 @@ def test_a_run_into_a_directory_that_held_one_keeps_none_of_its_results(tmp_path
     with pytest.raises(ConfigError):  # fails validation: its error.txt must not stand beside the old metrics
         run.main(compose("tap.layer=99", *QUICK), d, console)
     assert [name for name in STALE if (d / name).exists()] == []
+
+
+def test_a_run_clears_the_last_runs_results_before_hydra_writes_its_config(tmp_path):
+    from omegaconf import OmegaConf
+
+    from steer.rundir import STALE, RunDirLock
+
+    d = tmp_path / "run"
+    d.mkdir()
+    for name in STALE:
+        (d / name).write_text("the last run's")
+    (d / "notes.txt").write_text("the user's")
+    # The callback Hydra calls before it writes .hydra/: a run killed after it cannot leave them with a new config
+    RunDirLock().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(d)}}}))
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
 
 
 def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_path, cache_dir, monkeypatch):

@@ -154,6 +154,30 @@ def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
     assert build(tmp_path)["jobs"] == 3  # a later sweep of three by a launcher that lists none: all of them
 
 
+def test_a_sweep_starting_removes_the_report_of_the_one_before_and_only_it(tmp_path):
+    from omegaconf import OmegaConf
+
+    from steer.sweep import SummaryCallback
+
+    for n in range(2):
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
+    written = build(tmp_path)
+    (tmp_path / "notes.png").write_bytes(b"the user's")
+    SummaryCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert not any(p.exists() for p in [written["summary"], *written["plots"]]) and len(written["plots"]) == 2
+    assert (tmp_path / "notes.png").read_bytes() == b"the user's"
+
+
+def test_a_report_rebuilt_drops_the_plots_of_metrics_no_job_has_now(tmp_path):
+    for n in range(2):
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
+    build(tmp_path)
+    for n in range(2):
+        (tmp_path / str(n) / "metrics.json").write_text(json.dumps({"kl_mean": n / 5}))
+    out = build(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["kl_mean.png"] == [p.name for p in out["plots"]]
+
+
 def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
         job(tmp_path, n, [f"tap.layer={n}", "extract.out='v${tap.layr}.safetensors'"], {"kl_mean": n / 10})

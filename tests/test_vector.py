@@ -91,13 +91,32 @@ def test_saved_files_honour_the_umask(tmp_path):
     assert stat.S_IMODE(p.stat().st_mode) == 0o644
 
 
-@pytest.mark.parametrize("bad,word", [(float("nan"), "nan"), (float("inf"), "inf")])
-def test_non_finite(tmp_path, bad, word):
-    v = torch.randn(8)
+@pytest.mark.parametrize("bad,dtype,word", [(float("nan"), torch.float32, "1 NaN"),
+                                             (float("inf"), torch.float32, "1 infinite"),
+                                             (1e39, torch.float64, "1 beyond float32's range"),
+                                             (-1e300, torch.float64, "1 beyond float32's range"),
+                                             (float("nan"), torch.float8_e5m2, "1 NaN")])
+def test_non_finite(tmp_path, bad, dtype, word):
+    v = torch.randn(8, dtype=torch.float64)
     v[2] = bad
     p = tmp_path / "v.safetensors"
+    save_file({"d": v.to(dtype)}, str(p))
+    with pytest.raises(ConfigError, match=f"entries are {word}"):
+        vector.load(p, "d", 8)
+
+
+def test_a_float64_vector_within_float32s_range_loads_as_float32(tmp_path):
+    v = torch.randn(8, dtype=torch.float64) * 1e30
+    p = tmp_path / "v.safetensors"
     save_file({"d": v}, str(p))
-    with pytest.raises(ConfigError, match=f"1 entries are {word}"):
+    got = vector.load(p, "d", 8)
+    assert got.dtype == torch.float32 and torch.equal(got[0], v.float())
+
+
+def test_an_empty_subspace_is_named_as_empty(tmp_path):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": torch.zeros(0, 8)}, str(p))
+    with pytest.raises(ConfigError, match=re.escape("shape [0, 8] holds no direction")):
         vector.load(p, "d", 8)
 
 
@@ -124,3 +143,13 @@ def test_the_same_vector_saved_again_leaves_the_file_as_it_was(tmp_path):
     after = sha(p)
     vector.save(p, {"direction": v + 1}, model="m", tap="layer2", method="mean_diff")  # another direction
     assert sha(p) != after and torch.equal(vector.load(p, "direction", 8), (v + 1).unsqueeze(0))
+
+
+def test_a_loaded_vector_is_not_changed_by_its_file_rewritten_in_place(tmp_path):
+    p = tmp_path / "v.safetensors"
+    save_file({"d": torch.ones(8)}, str(p))
+    v = vector.load(p, "d", 8)
+    save_file({"d": torch.full((8,), 7.0)}, str(tmp_path / "w.safetensors"))
+    with open(p, "r+b") as f:  # as `cp w.safetensors v.safetensors` does, while a job runs with v
+        f.write((tmp_path / "w.safetensors").read_bytes())
+    assert torch.equal(v, torch.ones(1, 8))

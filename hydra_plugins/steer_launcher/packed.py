@@ -45,8 +45,15 @@ ConfigStore.instance().store(group="hydra/launcher", name="packed", node=PackedL
 
 
 def complete(job_dir: Path) -> bool:
-    """A job is complete once its metrics.json exists: steer writes it atomically, after everything else."""
-    return (job_dir / "metrics.json").is_file()
+    """A job is complete once its metrics.json holds its metrics: steer writes it atomically, after everything
+    else (one damaged since is rerun)."""
+    return metrics(job_dir) is not None
+
+
+def metrics(job_dir: Path) -> Optional[Dict[str, Any]]:
+    from steer import results
+
+    return results.read_json(job_dir / "metrics.json")
 
 
 def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional[str]:
@@ -62,6 +69,8 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
 
         changed = inputs.recorded_changes(job_dir)  # the same config may read files that have changed since
         return None if changed is None else f" (inputs changed: {changed}, rerunning)"
+    if (job_dir / "metrics.json").is_file():
+        return " (its metrics.json is damaged, rerunning)"
     if (job_dir / "error.txt").is_file():
         return " (failed before, rerunning)"
     if (job_dir / ".hydra" / "config.yaml").is_file():  # set up before, stopped (Ctrl-C, a kill) before its metrics
@@ -297,12 +306,10 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
 
 def _pack_failed(job, e: Exception) -> dict:
     """A job of a pack that raised: its metrics if it finished before, else error.txt and `{"error": ...}`."""
-    import json
-
     from steer import results
 
     if complete(job.out_dir):
-        return json.loads((job.out_dir / "metrics.json").read_text())
+        return metrics(job.out_dir)
     message = f"{type(e).__name__}: {e}"
     results.write_text(job.out_dir / "error.txt", "".join(traceback.format_exception(e)).rstrip() + "\n")
     return {"error": message}
@@ -371,14 +378,12 @@ def _group_child(jobs: list, pack_size: int, send) -> None:
 def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> None:
     """A finished extraction skipped on resume holds the file it wrote (steer.sweep.claim), as it did when it ran:
     a job of the sweep that would write it over is refused."""
-    import json
-
     from steer.errors import ConfigError
     from steer.sweep import claim
 
     if cfg.get("task") != "extract":
         return
-    vector = json.loads((job_dir / "metrics.json").read_text()).get("vector")
+    vector = metrics(job_dir).get("vector")
     if not vector:
         return
     path = Path(vector)
@@ -391,9 +396,7 @@ def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> Non
 
 
 def _done(cfg: DictConfig, overrides: Sequence[str], job_dir: Path) -> JobReturn:
-    import json
-
     ret = JobReturn(overrides=list(overrides), cfg=cfg, hydra_cfg=cfg, working_dir=str(job_dir),
                     task_name=str(cfg.hydra.job.name), status=JobStatus.COMPLETED)
-    ret.return_value = json.loads((job_dir / "metrics.json").read_text())
+    ret.return_value = metrics(job_dir)
     return ret

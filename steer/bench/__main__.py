@@ -182,5 +182,7 @@ class _Book:
         return report.publish(self.out_dir, self.records, self.conf, self.machine, self.when, self.command)
 
 
-if __name__ == "__main__":
-    app()
+if __name__ == "__main__":  # a config Hydra or OmegaConf rejects: one line, exit 2, as `python -m steer`
+    from steer.errors import run_app
+
+    run_app(app)

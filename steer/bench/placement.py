@@ -27,6 +27,7 @@ READINGS = ("cpu_apart", "cpu_shared_core", "cpu_moved")  # what `between` reads
 # ... and the CPU the pass's busiest process (an engine core's busy loop) ended it on: a name, not a measure
 BUSIEST = "cpu_busiest"
 WORKED = 0.1  # a process that ran for this share of a pass's time or more worked through it
+MAX_CPUS = 8192  # the kernel's largest NR_CPUS
 
 
 def cpu_list(text: str) -> List[int]:
@@ -36,8 +37,21 @@ def cpu_list(text: str) -> List[int]:
         lo, dash, hi = part.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
             raise ValueError(f"expected a CPU list such as \"0-3\" or \"0,2,4-7\", got {text!r}")
+        if int(hi if dash else lo) >= MAX_CPUS:  # Linux's own limit; a range past it is built whole otherwise
+            raise ValueError(f"names CPU {int(hi if dash else lo)} in {text!r}; Linux numbers CPUs below {MAX_CPUS}")
         cpus.update(range(int(lo), int(hi if dash else lo) + 1))
     return sorted(cpus)
+
+
+def as_text(cpus) -> str:
+    """`cpus` as a Linux CPU list ([0, 1, 2, 3, 8] is "0-3,8")."""
+    runs: List[List[int]] = []
+    for c in sorted(set(cpus)):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def pin(cpus: List[int], proc: Path = PROC) -> None:

@@ -28,6 +28,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)
 _SHAPES = {"llama3_8b_shape": LLAMA3_8B}
 _K = re.compile(r"k([1-9][0-9]*)$")
+MAX_K = 4096
 _KINDS = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
 
 
@@ -40,6 +41,13 @@ class Scenario:
 
 def check(cfg: BenchConf) -> None:
     """Fail on names that mean nothing, before any engine starts."""
+    for name in ("run", "configs", "scenarios", "batches"):
+        items = [str(x) for x in getattr(cfg, name)]
+        if not items:
+            raise ConfigError(name, "is empty: nothing would be measured")
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise ConfigError(name, f"names {', '.join(twice)} twice")
     for i, m in enumerate(cfg.run):
         if m not in cfg.models:
             raise ConfigError(f"run[{i}]", f"model {m!r} is not defined under `models` ({sorted(cfg.models)})")
@@ -130,18 +138,23 @@ def _check_cells(cfg: BenchConf) -> None:
     for i, c in enumerate(cfg.configs):
         if c not in CONFIGS:
             raise ConfigError(f"configs[{i}]", f"unknown configuration {c!r}; expected one of {list(CONFIGS)}")
+    for i, b in enumerate(cfg.batches):
+        if len(b) != 2 or min(b) < 1:
+            raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
     for i, s in enumerate(cfg.scenarios):
-        if base(s) not in ("add", "ablate_all") and not _K.match(base(s)):
-            raise ConfigError(f"scenarios[{i}]", f"unknown scenario {s!r}; expected add, ablate_all or kN (N >= 1), "
-                                                 f"each also with {FAINT} (its edits at `epsilon` strength)")
+        _check_scenario(f"scenarios[{i}]", s)
+        k = _K.match(base(s))
+        if k and int(k.group(1)) > MAX_K:  # each distinct edit is a vector built and registered per engine
+            raise ConfigError(f"scenarios[{i}]", f"{s!r} asks for {k.group(1)} distinct edits; at most {MAX_K}")
     if not 1e-12 <= cfg.epsilon < 1:
         # A `scale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
         # rounds to 1 and the edit to a no-op, which the faint edit is there not to be.
         raise ConfigError("epsilon", f"must be in [1e-12, 1), got {cfg.epsilon}")
-    for i, b in enumerate(cfg.batches):
-        if len(b) != 2 or min(b) < 1:
-            raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
     for i, t in enumerate(cfg.targets):
+        _check_scenario(f"targets[{i}].scenario", t.scenario)  # a misspelt one would never be read: no miss
+        if t.model is not None and t.model not in cfg.models:
+            raise ConfigError(f"targets[{i}].model", f"model {t.model!r} is not defined under `models` "
+                                                     f"({sorted(cfg.models)})")
         for key in ("of", "over"):
             if getattr(t, key) not in CONFIGS:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
@@ -153,6 +166,12 @@ def _check_cells(cfg: BenchConf) -> None:
             raise ConfigError(f"targets[{i}].between", f"paired over {t.over}, but {unpaired[0]}'s runs are not "
                                                        f"paired over it (models.{unpaired[0]}.paired: "
                                                        f"{cfg.models[unpaired[0]].paired})")
+
+
+def _check_scenario(field: str, name: str) -> None:
+    if base(name) not in ("add", "ablate_all") and not _K.match(base(name)):
+        raise ConfigError(field, f"unknown scenario {name!r}; expected add, ablate_all or kN (N >= 1), each also "
+                                 f"with {FAINT} (its edits at `epsilon` strength)")
 
 
 def skipped(cfg: BenchConf, model_name: str, config: str, scenario: str, batch) -> Optional[str]:
@@ -245,8 +264,8 @@ def check_cpus(field: str, cpus: Optional[str]) -> None:
         raise ConfigError(field, str(e)) from None
     have = placement.available()
     if have is not None and not set(wanted) <= set(have):
-        raise ConfigError(field, f"names CPU(s) {sorted(set(wanted) - set(have))} that this process may not run on "
-                                 f"(it may run on {have})")
+        raise ConfigError(field, f"names CPU(s) {placement.as_text(set(wanted) - set(have))} that this process may "
+                                 f"not run on (it may run on {placement.as_text(have)})")
 
 
 def _check_lanes(cfg: BenchConf) -> None:

@@ -166,7 +166,20 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
             raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
                                    f"vector's largest value); at most {MAX_PUSH:g}")
+    _check_sums(layers, strengths, values, f"{where}steer_vector")
     return tuple(InlineVector(layer, w, d, t) for layer, w, d, t in zip(layers, strengths, data, tokens))
+
+
+def _check_sums(layers: List[int], strengths: List[float], values: List[np.ndarray], param: str) -> None:
+    """Refuse vectors that pass MAX_PUSH one by one but not added together at their layer (64 of 1e4 each)."""
+    sums: Dict[int, np.ndarray] = {}
+    for layer, w, v in zip(layers, strengths, values):
+        sums[layer] = sums.get(layer, 0.0) + w * v.astype(np.float64)
+    for layer, total in sorted(sums.items()):
+        push = float(np.abs(total).max())
+        if push > MAX_PUSH:
+            raise RequestError(param, f"the vectors at layer {layer} add values up to {push:.3g} to the residual "
+                                      f"stream together (strength times vector, summed); at most {MAX_PUSH:g}")
 
 
 def _check_vector(data: str, hidden: int, param: str) -> np.ndarray:

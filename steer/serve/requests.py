@@ -57,6 +57,9 @@ def completion(body: Any, presets, max_scale: float, inline: Optional[InlinePoli
                                      "lists (none empty)")
     if len(prompts) > MAX_PROMPTS:
         raise RequestError("prompt", f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            _text(p, f"prompt[{i}]" if isinstance(prompt, list) else "prompt")
     return _common(body, prompts, None, 16, presets, max_scale, inline=inline)
 
 
@@ -73,7 +76,9 @@ def chat(body: Any, presets, max_scale: float, default_max_tokens: int,
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise RequestError(f"messages[{i}].role", "must be a non-empty string")
-        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}].content")})
+        _text(role, f"messages[{i}].role")
+        out.append({"role": role, "content": _text(_content(m.get("content"), f"messages[{i}].content"),
+                                                   f"messages[{i}].content")})
     field = "max_tokens"
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         field, body = "max_completion_tokens", dict(body, max_tokens=body["max_completion_tokens"])
@@ -149,7 +154,17 @@ def _stops(stop: Any) -> List[str]:
         stops = list(stop)
     else:
         raise RequestError("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
-    return [s for s in stops if s]
+    return [_text(s, "stop") for s in stops if s]
+
+
+def _text(s: str, param: str) -> str:
+    """`s`, where it is text the tokenizer can take: JSON's escapes can spell a lone UTF-16 surrogate (\\ud800),
+    which no UTF-8 holds."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(param, f"holds {s[e.start]!r} at {e.start}, a lone UTF-16 surrogate: not text") from None
+    return s
 
 
 def _streaming(body: Dict[str, Any]) -> Tuple[bool, bool]:

@@ -30,6 +30,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if conf.vllm.fold_error():
         raise ConfigError("vllm.fold_norm", conf.vllm.fold_error())
     name = engines.resolve(conf.engine)
+    engines.check_device(conf.device)
     pick_mode(conf, name)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
@@ -37,6 +38,8 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     if s.chat_max_tokens < 1:
         raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
+    if s.log_level not in LOG_LEVELS:  # uvicorn's, and vLLM's --uvicorn-log-level's
+        raise ConfigError("serve.log_level", f"{s.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     if s.keep_alive_s < 1:
         raise ConfigError("serve.keep_alive_s", f"must be at least 1 (seconds), got {s.keep_alive_s}")
     if conf.vllm.tensor_parallel_size < 1:
@@ -48,6 +51,9 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
         raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
                                              "set one of the two")
     spec = model_spec(conf.model, conf.cache_dir)
+    if spec.positions is not None and s.chat_max_tokens >= spec.positions:
+        raise ConfigError("serve.chat_max_tokens", f"{s.chat_max_tokens} leaves no room for a prompt in "
+                                                   f"{conf.model.name}'s {spec.positions} positions")
     inline = inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)
     presets.check(confs, spec)
@@ -61,6 +67,9 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if refused is not None:
         raise ConfigError(*refused)
     return name, spec, confs, inline
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def pick_mode(conf: ServeConf, name: str) -> None:
@@ -119,7 +128,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
                           conf.serve.chat_max_tokens, inline)
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
-            f"http://{conf.serve.host}:{conf.serve.port}/v1")
+            f"{base_url(conf.serve)}")
         serve(server, conf.serve.host, conf.serve.port, conf.serve.log_level, conf.serve.keep_alive_s)
         return
     # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
@@ -134,8 +143,14 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
     from steer.serve import vllm_server
 
     say(f"steer serve: {model_name} on engine=vllm ({mode_name(conf)}), presets {escape(str(sorted(compiled)))}, "
-        f"http://{conf.serve.host}:{conf.serve.port}/v1")
+        f"{base_url(conf.serve)}")
     vllm_server.serve(conf, spec, compiled, inline, out_dir, model_name)
+
+
+def base_url(s: ServeOptions) -> str:
+    """The API's address as a client writes it (an empty host listens on every interface)."""
+    host = s.host or "0.0.0.0"
+    return f"http://{f'[{host}]' if ':' in host else host}:{s.port}/v1"
 
 
 def _free_cuda() -> None:

@@ -21,3 +21,16 @@ def test_distinct_keys_and_prefixed_overrides_pass_unchanged():
     given = ["run=[smollm2]", "+models.smollm2.env.VLLM_ENABLE_V1_MULTIPROCESSING=0", "models.smollm2.min_timed_s=8"]
     assert effective(given) == given
     assert effective([]) == []
+
+
+def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    for override, says in (("bogus=1", "Key 'bogus' not in 'BenchConf'"), ("repeats=abc", "repeats=abc")):
+        res = subprocess.run([sys.executable, "-m", "steer.bench", "run=[tiny]", override], cwd=tmp_path,
+                             env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stderr.startswith("error ") and says in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1

@@ -59,6 +59,12 @@ def test_committed_bench_config_composes_and_checks():
                                             ('lanes=[{runs:["*"],cpus:"0-a"}]', "lanes[0].cpus"),
                                             ('lanes=[{runs:["*"],cpus:"3-1"}]', "lanes[0].cpus"),
                                             ('lanes=[{runs:["*"],cpus:"100000"}]', "lanes[0].cpus"),
+                                            ('lanes=[{runs:["*"],cpus:"0-100000000000"}]', "lanes[0].cpus"),
+                                            ("run=[]", "run"), ("configs=[]", "configs"), ("batches=[]", "batches"),
+                                            ("scenarios=[]", "scenarios"), ("configs=[b,c,b]", "configs"),
+                                            ("run=[tiny,tiny]", "run"), ("scenarios=[k5000]", "scenarios[0]"),
+                                            ("targets=[{scenario:abalte_all,at_least:1}]", "targets[0].scenario"),
+                                            ("targets=[{scenario:add,model:tinny,at_least:1}]", "targets[0].model"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{gpus:"1,0",runs:["*"]}]',
                                              "lanes[1].gpus"),
                                             ('lanes=[{gpus:"0",runs:["*/a"]},{runs:["*"]}]', "lanes"),
@@ -219,3 +225,11 @@ def test_a_target_between_paired_passes_needs_its_model_paired_over_its_baseline
     workload.check(bench_conf(target))  # SmolLM2 is paired over b
     with pytest.raises(ConfigError, match="smollm2's runs are not paired over it"):
         workload.check(bench_conf(target, "models.smollm2.paired=null"))
+
+
+def test_cpus_a_lane_may_not_run_on_are_named_as_a_cpu_list(monkeypatch):
+    monkeypatch.setattr(placement, "available", lambda: [0, 1])
+    with pytest.raises(ConfigError, match=re.escape("names CPU(s) 2-8190 that this process may not run on (it may "
+                                                    "run on 0-1)")):
+        workload.check(bench_conf('lanes=[{runs:["*"],cpus:"0-8190"}]'))
+    assert placement.as_text([8, 0, 1, 2, 3, 5, 6]) == "0-3,5-6,8"

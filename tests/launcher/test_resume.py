@@ -12,6 +12,7 @@ from helpers import TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, summar
 
 from hydra_plugins.steer_launcher import packed
 from steer import inputs
+from steer.report import job_rows
 from hydra_plugins.steer_launcher.packed import complete
 
 QUICK = ["engine=hf", "gen.max_new_tokens=4", TWO_PROMPTS]
@@ -56,6 +57,12 @@ def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
     assert packed.resume_note(tmp_path, cfg) is None  # complete, the same config and inputs: skipped
     assert packed.resume_note(tmp_path, _cfg("tap.layer=2")) == " (config changed: tap.layer 1 -> 2, rerunning)"
     assert packed.resume_note(tmp_path, cfg, force=True) == ""
+    for damaged in ('{"kl_mean": 0.2', "[1, 2]", ""):  # cut short by hand or by the disk: rerun, not a traceback
+        (tmp_path / "metrics.json").write_text(damaged)
+        assert packed.resume_note(tmp_path, cfg) == " (its metrics.json is damaged, rerunning)"
+        (tmp_path / "sweep" / "0").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sweep" / "0" / "metrics.json").write_text(damaged)
+        assert [r["status"] for r in job_rows(tmp_path / "sweep")] == ["failed"]  # the report says so
 
 def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"

@@ -93,6 +93,14 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(hf_url, hf_client):
     for path, body, param in cases:
         r = httpx.post(f"{hf_url}{path}", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    for path, raw, param in [  # JSON's escapes spell a lone surrogate, which no client's encoder sends
+            ("/v1/completions", '{"model": "%s", "prompt": "\\ud800abc"}', "prompt"),
+            ("/v1/completions", '{"model": "%s", "prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+            ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi \\udfff"}]}',
+             "messages[0].content")]:
+        r = httpx.post(f"{hf_url}{path}", content=(raw % MODEL).encode(), timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (raw, r.text)
     r = httpx.post(f"{hf_url}/v1/completions", json={"model": "gpt-4", "prompt": "x"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     for method, path, status in (("GET", "/v1/nothing", 404), ("PUT", "/v1/models", 405)):  # OpenAI's error shape

@@ -4,10 +4,11 @@ bad vectors are 400s naming the field, and the server keeps serving."""
 
 import httpx
 import numpy as np
+import pytest
 
 from serve_common import (MODEL, PROMPTS, check_concurrent_own_vectors, check_own_tokens, check_own_vectors,
                           complete, joy_vector, own_reference)
-from steer.serve.protocol import MAX_INLINE, encode_vector
+from steer.serve.protocol import MAX_INLINE, InlinePolicy, RequestError, encode_vector, parse_steer
 
 
 def test_an_own_vector_steers_as_the_preset_with_that_vector(hf_url, hf_client):
@@ -37,6 +38,8 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         ({"steer_vector": encode_vector(v * 0 + 1e3), "steer_layer": 1, "steer_strength": 20},
          "vllm_xargs.steer_strength"),  # adds 2e4 to each element
         ({"steer_vector": ok * 3, "steer_layer": 1}, "vllm_xargs.steer_vector"),  # too long: never decoded
+        ({"steer_vector": [encode_vector(v * 0 + 1e3)] * 8, "steer_layer": 1, "steer_strength": 9},
+         "vllm_xargs.steer_vector"),  # 9e3 each, 7.2e4 together
         ({"steer_strength": 2.0}, "vllm_xargs.steer_strength"),
         ({"steer_vectors": ok}, "vllm_xargs.steer_vectors"),
         ({"steer_vector": ok, "steer_layer": 1, "steer_tokens": "all"}, "vllm_xargs.steer_tokens"),
@@ -57,3 +60,18 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
 
 def test_concurrent_own_vectors_each_equal_their_answer_alone(hf_url, hf_client):
     check_concurrent_own_vectors(hf_url, hf_client, 12)
+
+
+def test_vectors_are_limited_by_what_they_add_together_at_a_layer():
+    big = encode_vector(np.full(8, 1e3, dtype=np.float32))
+    policy = InlinePolicy(hidden=8, layers=(1, 2))
+
+    def parse(strengths, layers):
+        xargs = {"steer_vector": [big] * len(strengths), "steer_layer": layers, "steer_strength": strengths}
+        return parse_steer({"vllm_xargs": xargs}, (), 100.0, inline=policy)
+
+    assert len(parse([9, 9], [1, 2]).inline) == 2  # 9e3 at each of two layers
+    assert len(parse([9, -9, 9], [1, 1, 1]).inline) == 3  # two cancel: 9e3 in all
+    with pytest.raises(RequestError, match="vectors at layer 1 add values up to 1.8e\\+04") as e:
+        parse([9, 9], [1, 1])
+    assert e.value.param == "vllm_xargs.steer_vector"

@@ -202,6 +202,9 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     ("serve.max_steer_scale=0", "serve.max_steer_scale", "must be positive, got 0"),
     ("serve.chat_max_tokens=0", "serve.chat_max_tokens", "must be at least 1, got 0"),
     ("serve.keep_alive_s=0", "serve.keep_alive_s", "must be at least 1 (seconds), got 0"),
+    ("serve.log_level=verbose", "serve.log_level", "'verbose' is not one of critical, error, warning, info, debug"),
+    ("serve.chat_max_tokens=2048", "serve.chat_max_tokens", "2048 leaves no room for a prompt in tiny's 2048 "
+                                                            "positions"),
 ])
 def test_bad_server_settings_stop_the_start(override, field, says, cache_dir):
     from steer.serve.start import prepare
@@ -233,3 +236,11 @@ def test_a_port_in_use_stops_the_start_before_any_model_loads(cache_dir):
         assert e.value.field == "serve.host" and says in str(e.value) and "free port" not in str(e.value)
     conf.serve.host = ""  # every interface, as uvicorn and vLLM read it
     assert prepare(conf)[0] == "hf"
+
+
+def test_the_start_line_gives_an_address_a_client_can_use():
+    from steer.serve.schema import ServeOptions
+    from steer.serve.start import base_url
+
+    assert [base_url(ServeOptions(host=h, port=8000)) for h in ("", "127.0.0.1", "::1")] == \
+        ["http://0.0.0.0:8000/v1", "http://127.0.0.1:8000/v1", "http://[::1]:8000/v1"]
