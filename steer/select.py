@@ -21,7 +21,7 @@ from rich.table import Table
 
 from steer import results, rundir
 from steer.errors import ConfigError
-from steer.schema import SteerConf, TapConf, Task
+from steer.schema import EditKind, SteerConf, TapConf, Task
 
 log = logging.getLogger(__name__)
 PACK = 16  # jobs per batch, as the packed launcher's default
@@ -40,6 +40,15 @@ def grid(cfg: SteerConf, layers: int) -> List[SteerConf]:
                                            f"(0..{layers - 1})")
     if not all(math.isfinite(x) for x in s.scales):
         raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
+    for field, values in (("select.layers", [int(x) for x in s.layers]),
+                          ("select.scales", [float(x) for x in s.scales])):
+        twice = sorted({x for x in values if values.count(x) > 1})
+        if twice:  # the same cell twice, into one directory
+            raise ConfigError(field, f"names {', '.join(f'{x:g}' for x in twice)} twice")
+    if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
+        raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
+                                              "direction, and edit.kind=scale without a vector scales the whole "
+                                              "stream: give it a direction (edit.vector.path)")
     if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
         raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
     if cfg.extra_edits:

@@ -76,7 +76,10 @@ def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path, caplog
 
 @pytest.mark.parametrize("override,field", [("select.scales=[]", "select.scales"),
                                             ("select.layers=[]", "select.layers"),
-                                            ("select.layers=[40]", "select.layers")])
+                                            ("select.layers=[40]", "select.layers"),
+                                            ("select.layers=[3,3]", "select.layers"),
+                                            ("select.scales=[2,2.0]", "select.scales"),
+                                            ("edit=scale", "edit.vector.path")])
 def test_select_bad_grid_fails_before_any_engine(smollm2, tmp_path, override, field):
     from steer.errors import ConfigError
 

@@ -90,6 +90,9 @@ def _parse(name: str, path: Path) -> PresetConf:
             parsed[part] = []
             for i, item in enumerate(edits):
                 where = f"{part}[{i}]."
+                if not isinstance(item, (DictConfig, dict)):  # OmegaConf's merge raises a plain ValueError
+                    raise ConfigError(f"preset {name}: {part}[{i}]", f"must be a {{tap, edit}} mapping, got "
+                                                                   f"{item!r} ({path})")
                 parsed[part].append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TapEditConf), item)))
     except (OmegaConfBaseException, YAMLError) as e:
         key = getattr(e, "full_key", None)

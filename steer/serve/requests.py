@@ -127,7 +127,8 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
 def _refuse_unsupported(body: Dict[str, Any]) -> None:
     """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
     for key, ok in _UNSUPPORTED.items():
-        if key in body and body[key] not in ok:
+        # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False
+        if key in body and (body[key] not in ok or (key == "logprobs" and body[key] is not False and body[key] == 0)):
             raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):

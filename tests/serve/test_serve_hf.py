@@ -69,6 +69,7 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(hf_url, hf_client):
     cases = [
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 0}, "logprobs"),  # the sampled token's
         ("/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": ["x", ""], "max_tokens": 2}, "prompt"),

@@ -71,6 +71,7 @@ BAD = [
      "      edit: {kind: steer}\n", "preset bad: models.tiny[0].edit.kind"),
     ("edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\nmodels:\n  tiny: 3\n",
      "preset bad: models.tiny: must be a list"),
+    ("edits: [joy]\n", "preset bad: edits[0]: must be a {tap, edit} mapping, got 'joy'"),
 ]
 
 
