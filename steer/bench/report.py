@@ -289,11 +289,33 @@ def rewrite(run_dir: Path) -> str:
     missing = [p for p in ("records.jsonl", ".hydra/config.yaml", "run.json") if not (run_dir / p).is_file()]
     if missing:
         raise FileNotFoundError(f"{run_dir} is not a bench run directory: it has no {', '.join(missing)}")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.BenchConf),
-                                              OmegaConf.load(run_dir / ".hydra/config.yaml")))
-    meta = json.loads((run_dir / "run.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema.BenchConf),
+                                                  OmegaConf.load(run_dir / ".hydra/config.yaml")))
+    except (OmegaConfBaseException, YAMLError) as e:
+        raise Damaged(f"{run_dir / '.hydra/config.yaml'}: {' '.join(str(e).split())}") from None
+    meta = _json(run_dir / "run.json", (run_dir / "run.json").read_text())
+    if not isinstance(meta, dict) or {"machine", "when", "command"} - set(meta):
+        raise Damaged(f"{run_dir / 'run.json'}: expected an object with machine, when and command")
+    lines = (run_dir / "records.jsonl").read_text().splitlines()
+    records = [_json(run_dir / f"records.jsonl:{i + 1}", line) for i, line in enumerate(lines) if line.strip()]
+    if not records:  # a report of nothing would write every cell "not run" over the one there
+        raise Damaged(f"{run_dir / 'records.jsonl'} holds no record")
     return publish(run_dir, records, cfg, meta["machine"], meta["when"], meta["command"])
+
+
+class Damaged(ValueError):
+    """A bench run's file that cannot be what the run wrote."""
+
+
+def _json(where: Path, text: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise Damaged(f"{where}: not JSON ({e})") from None
 
 
 def publish(out_dir: Path, records: List[Dict], cfg: BenchConf, machine: Dict, when: str, command: str) -> str:
@@ -315,7 +337,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     try:
         print(rewrite(a.run_dir))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, Damaged) as e:
         print(f"error run_dir: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 from statistics import median
 
 import pytest
@@ -74,6 +75,18 @@ def test_a_run_s_report_is_rewritten_from_what_the_run_left(tmp_path):
     (tmp_path / "bench.md").unlink()
     assert report.rewrite(tmp_path) == first == (tmp_path / "bench.md").read_text()
     assert "NVIDIA H200" in first and "python -m steer.bench x=1" in first
+    good = {name: (tmp_path / name).read_text() for name in ("run.json", "records.jsonl", ".hydra/config.yaml")}
+    for name, damage, says in [("records.jsonl", good["records.jsonl"][:-40], "records.jsonl:"),
+                               ("records.jsonl", "", "holds no record"),
+                               ("run.json", '{"machine": {}}', "expected an object with machine, when and command"),
+                               ("run.json", "{", "run.json: not JSON"),
+                               (".hydra/config.yaml", "repeats: [", "config.yaml: "),
+                               (".hydra/config.yaml", "bogus: 1", "config.yaml: ")]:
+        (tmp_path / name).write_text(damage)
+        with pytest.raises(report.Damaged, match=re.escape(says)):
+            report.rewrite(tmp_path)
+        assert (tmp_path / "bench.md").read_text() == first  # the report there is left as it was
+        (tmp_path / name).write_text(good[name])
     (tmp_path / "run.json").unlink()
     with pytest.raises(FileNotFoundError, match="has no run.json"):
         report.rewrite(tmp_path)
