@@ -18,7 +18,7 @@ from steer import gguf_model, prompt, tiny
 from steer.errors import ConfigError
 from steer.schema import ModelConf
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class ModelSpec:
 
 def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
     """Read the model's shape and module tree from its config (the tiny model's recipe needs no files)."""
-    if conf.dtype not in _DTYPES:
-        raise ConfigError("model.dtype", f"{conf.dtype!r} is not one of {sorted(_DTYPES)}")
+    if conf.dtype not in DTYPES:
+        raise ConfigError("model.dtype", f"{conf.dtype!r} is not one of {sorted(DTYPES)}")
     if conf.source == "tiny":
         config = tiny.llama_config(conf.tiny)
         source, template = str(tiny.tiny_dir(cache_dir, conf.tiny)), False  # its tokenizer has no chat template
@@ -62,7 +62,7 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         template = prompt.template_in_dir(source) if Path(source).is_dir() else None
     layers_path, modules, outputs = _modules(config)
     positions = getattr(config, "max_position_embeddings", None)
-    return ModelSpec(conf.name, source, conf.revision, _DTYPES[conf.dtype], config.hidden_size,
+    return ModelSpec(conf.name, source, conf.revision, DTYPES[conf.dtype], config.hidden_size,
                      config.num_hidden_layers, layers_path, modules, template,
                      int(positions) if positions else None, outputs)
 

@@ -61,17 +61,27 @@ def check(cfg: BenchConf) -> None:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
     if cfg.max_repeats < cfg.repeats:
         raise ConfigError("max_repeats", f"must be >= repeats ({cfg.repeats}), got {cfg.max_repeats}")
-    if cfg.min_timed_s < 0:
+    if not cfg.min_timed_s >= 0:  # NaN too
         raise ConfigError("min_timed_s", f"must be >= 0, got {cfg.min_timed_s}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ConfigError("gpu_memory_utilization", f"must be a share in (0, 1], got {cfg.gpu_memory_utilization}")
+    if cfg.timeout_s < 1:
+        raise ConfigError("timeout_s", f"must be >= 1 (seconds), got {cfg.timeout_s}")
+    longest = max(cfg.prompt_len + t for _, t in cfg.batches)
+    if cfg.max_model_len < longest:
+        raise ConfigError("max_model_len", f"{cfg.max_model_len} cannot hold a request of the longest batch "
+                                           f"(prompt_len {cfg.prompt_len} + {longest - cfg.prompt_len} new tokens)")
     if not (math.isfinite(cfg.gpu_sample_s) and cfg.gpu_sample_s >= 0):
         raise ConfigError("gpu_sample_s", f"must be seconds >= 0 (0: not read), got {cfg.gpu_sample_s}")
-    if cfg.trace_timeout_s <= 0:
+    if not cfg.trace_timeout_s > 0:
         raise ConfigError("trace_timeout_s", f"must be > 0, got {cfg.trace_timeout_s}")
-    if cfg.max_timed_s <= 0:
+    if not cfg.max_timed_s > 0:
         raise ConfigError("max_timed_s", f"must be > 0 (one pass is always timed), got {cfg.max_timed_s}")
     if cfg.min_timed_s > cfg.max_timed_s:
         raise ConfigError("min_timed_s", f"must be <= max_timed_s ({cfg.max_timed_s:g}), got {cfg.min_timed_s}")
     for name, m in cfg.models.items():
+        if m.dtype not in model.DTYPES:
+            raise ConfigError(f"models.{name}.dtype", f"{m.dtype!r} is not one of {sorted(model.DTYPES)}")
         if m.engines_at_once < 1:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= 1, got {m.engines_at_once}")
         _check_timed(cfg, name, m)
