@@ -67,6 +67,34 @@ def cell_name(cfg: SteerConf) -> str:
     return f"layer{cfg.tap.layer}_scale{cfg.edit.scale:g}"
 
 
+CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a finished pair made with the same
+
+
+def _settings(cfg: SteerConf) -> Dict:
+    """A pair's config as a rerun compares it: what changes its results (not `progress` or `cache_dir`)."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    for key in ("progress", "cache_dir"):
+        out.pop(key, None)
+    return out
+
+
+def _done(cell) -> bool:
+    """Whether a pair finished before with these settings, and its vector files and model read as they did then;
+    its metrics then stand as its result."""
+    from steer import inputs
+
+    d = cell.out_dir
+    got = results.read_json(d / "metrics.json")
+    if got is None or "error" in got or results.read_json(d / CELL) != _settings(cell.cfg):
+        return False
+    if inputs.recorded_changes(d) is not None:
+        return False
+    cell.result = got
+    return True
+
+
 def run(job, console: Console) -> Dict:
     """Run the grid of a validated task=select job into its run directory, write the selection report and return
     the best pair (or none)."""
@@ -74,16 +102,27 @@ def run(job, console: Console) -> Dict:
     from steer import run as runs
 
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
-    for cell in jobs:
+    todo = [cell for cell in jobs if not _done(cell)]
+    for cell in todo:
         cell.out_dir.mkdir(parents=True, exist_ok=True)
         rundir.clear_stale(cell.out_dir)
+        results.write_json(cell.out_dir / CELL, _settings(cell.cfg))
+    kept = len(jobs) - len(todo)
+    kept = f"; {kept} done before with these settings and inputs, kept" if kept else ""
     say = (f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} scales) in one "
-           f"packed sweep, each in its own directory here")
+           f"packed sweep, each in its own directory here{kept}")
     console.print(say)
     log.info(say)  # the run's steer.log (each pair's own says how it ran)
-    with jobs_mod.engine_for(jobs) as engine:
-        for start in range(0, len(jobs), PACK):
-            runs.execute(jobs[start : start + PACK], console, summary=False, engine=engine)
+    if todo:
+        try:
+            with jobs_mod.engine_for(todo) as engine:
+                for start in range(0, len(todo), PACK):
+                    runs.execute(todo[start : start + PACK], console, summary=False, engine=engine)
+        except KeyboardInterrupt:
+            done = sum(1 for cell in jobs if _done(cell))
+            console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command again runs the "
+                          "rest and keeps these")
+            raise
     table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio) for job in jobs]
     best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,

@@ -18,12 +18,12 @@ from safetensors.torch import save_file
 from helpers import TWO_PROMPTS, compose
 from steer import run
 
-SCALE, NORM, NEW = 4.0, 3.0, 8  # a norm of 3: a projection on the raw vector instead of the unit one reads 3x
+SCALE, NORM, NEW = 4.0, 15.0, 8  # norm 15: a projection on the raw vector, not the unit one, reads 15x
 
 
 @pytest.fixture(scope="module")
 def vector():
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(1)  # a direction that changes the second prompt's text at this push
     v = torch.randn(256, generator=g, dtype=torch.float64)
     return (v * (NORM / v.norm())).float()
 
@@ -32,8 +32,7 @@ def vector():
 def reference(tiny_spec):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.float64).eval()
-    return model
+    return AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.float64).eval()
 
 
 def forward(model, ids, push=None):
@@ -89,11 +88,13 @@ def test_every_metric_of_a_steered_run_matches_a_direct_recomputation(tmp_path, 
     stop = {reference.config.eos_token_id, reference.generation_config.eos_token_id}
     mine = {k: [] for k in ("kl", "ppl_baseline", "ppl_steered", "concept_baseline", "concept_steered",
                             "proj_baseline", "proj_steered")}
+    changed = []
     for i, r in enumerate(rows):
         p, n = r["prompt_ids"], len(r["prompt_ids"])
         b, s = greedy(reference, p, stop), greedy(reference, p, stop, push)
         assert (r["baseline_ids"], r["steered_ids"]) == (b, s), f"prompt {i}: continuations differ from direct"
-        assert s and b != s  # the metrics below are only meaningful for a continuation the edit changed
+        assert s, f"prompt {i}: an empty steered continuation leaves its metrics None"
+        changed.append(b != s)
 
         lb, hb = forward(reference, p + s)  # the unsteered model reads the steered text
         ls, hs = forward(reference, p + s, push)  # the steered model reads it
@@ -116,5 +117,6 @@ def test_every_metric_of_a_steered_run_matches_a_direct_recomputation(tmp_path, 
             mine[k].append(x)
         assert r["tokens_changed"] == sum(x != y for x, y in zip(b, s)) + abs(len(b) - len(s))
 
+    assert any(changed)  # a concept gain to get wrong, not two readings of one text
     for k, xs in mine.items():
         close(agg["kl_mean" if k == "kl" else k], sum(xs) / len(xs), f"metrics.json {k}")

@@ -1,0 +1,58 @@
+"""task=select on the tiny model: a rerun keeps each pair that finished with the same settings and inputs, and runs
+the rest (a grid stopped part way loses only the pairs it had not finished)."""
+
+import io
+import logging
+
+from rich.console import Console
+from safetensors.torch import save_file
+
+from helpers import TWO_PROMPTS, compose
+from steer import run
+
+GRID = ["task=select", "select.layers=[1,2]", "select.scales=[2,4]", "gen.max_new_tokens=3", TWO_PROMPTS,
+        "progress=false"]
+
+
+def _select(tmp_path, caplog, *overrides):
+    with caplog.at_level(logging.INFO, logger="steer.select"):
+        caplog.clear()
+        summary = run.main(compose(*GRID, *overrides), tmp_path / "sel", Console(file=io.StringIO()))
+    said = [r.getMessage() for r in caplog.records if r.name == "steer.select" and r.getMessage().startswith("select")]
+    return summary, said[0]
+
+
+def _stamps(tmp_path):
+    return {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "sel").glob("*/metrics.json")}
+
+
+def test_a_rerun_keeps_the_pairs_done_with_the_same_settings_and_inputs(tmp_path, cache_dir, caplog):
+    first, said = _select(tmp_path, caplog)
+    assert said.endswith("each in its own directory here") and len(_stamps(tmp_path)) == 4
+    before = _stamps(tmp_path)
+
+    again, said = _select(tmp_path, caplog)
+    assert said.endswith("4 done before with these settings and inputs, kept")
+    assert _stamps(tmp_path) == before and again == first
+
+    (tmp_path / "sel" / "layer2_scale4" / "metrics.json").unlink()  # stopped before it finished
+    again, said = _select(tmp_path, caplog)
+    assert said.endswith("3 done before with these settings and inputs, kept")
+    after = _stamps(tmp_path)
+    assert after["layer2_scale4"] != before["layer2_scale4"] and again["cells"] == first["cells"]
+    assert {k: v for k, v in after.items() if k != "layer2_scale4"} == \
+        {k: v for k, v in before.items() if k != "layer2_scale4"}
+
+    _, said = _select(tmp_path, caplog, "gen.max_new_tokens=4")  # other settings: every pair again
+    assert said.endswith("each in its own directory here")
+
+
+def test_a_pair_whose_vector_file_changed_runs_again(tmp_path, cache_dir, caplog):
+    import torch
+
+    vec = tmp_path / "v.safetensors"
+    save_file({"direction": torch.ones(256)}, str(vec))
+    _select(tmp_path, caplog, f"edit.vector.path={vec}")
+    save_file({"direction": -torch.ones(256)}, str(vec))
+    _, said = _select(tmp_path, caplog, f"edit.vector.path={vec}")
+    assert said.endswith("each in its own directory here")

@@ -1,0 +1,79 @@
+"""task=select's choice from its cells' metrics, with no model: the grid's steer runs are replaced by metrics given
+here, and the gain, the cap's verdict and the chosen pair are checked against README.md's rule computed directly
+(gain = concept_steered - concept_baseline; kept where ppl_steered <= max_ppl_ratio x ppl_baseline; best: the kept
+pair of largest gain)."""
+
+import json
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import compose
+from steer import select
+
+CAP = 2.0
+# (layer, scale) -> the metrics its steer run wrote: gain 2 at ppl x1.25; gain 5 at x2 exactly (values exactly
+# representable, so the ratio is exactly the cap); gain -1.5 (steered away: a flipped sign would make it the best);
+# gain 9 a hair past the cap.
+METRICS = {
+    (1, 2.0): {"concept_baseline": 1.0, "concept_steered": 3.0, "ppl_baseline": 2.0, "ppl_steered": 2.5},
+    (1, 4.0): {"concept_baseline": 1.0, "concept_steered": 6.0, "ppl_baseline": 1.25, "ppl_steered": 2.5},
+    (2, 2.0): {"concept_baseline": 2.0, "concept_steered": 0.5, "ppl_baseline": 1.0, "ppl_steered": 1.0},
+    (2, 4.0): {"concept_baseline": 0.0, "concept_steered": 9.0, "ppl_baseline": 1.0, "ppl_steered": 2.0000001},
+}
+
+
+def direct(m):
+    gain = m["concept_steered"] - m["concept_baseline"]
+    return gain, m["ppl_steered"] / m["ppl_baseline"] <= CAP
+
+
+@pytest.fixture
+def selected(tmp_path, monkeypatch, console):
+    """select.run over a 2 x 2 grid whose cells 'ran' into METRICS; its summary."""
+    from steer import job as jobs_mod
+    from steer import run as runs
+
+    cfg = compose("task=select", "select.layers=[1,2]", "select.scales=[2,4]", f"select.max_ppl_ratio={CAP}",
+                  "progress=false")
+    cells = [SimpleNamespace(cfg=c, out_dir=tmp_path / select.cell_name(c), result=None)
+             for c in select.grid(cfg, layers=4)]
+
+    @contextmanager
+    def no_engine(jobs):
+        yield None
+
+    def execute(jobs, console, summary=None, engine=None):
+        for j in jobs:
+            j.result = {**METRICS[(j.cfg.tap.layer, j.cfg.edit.scale)], "kl_mean": 0.1, "prompts": 2}
+        return [j.result for j in jobs]
+
+    monkeypatch.setattr(jobs_mod, "engine_for", no_engine)
+    monkeypatch.setattr(runs, "execute", execute)
+    return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells), console)
+
+
+def test_each_cell_has_its_gain_and_the_caps_verdict(selected):
+    got = {(c["layer"], c["scale"]): c for c in selected["cells"]}
+    assert set(got) == set(METRICS)
+    for key, m in METRICS.items():
+        gain, ok = direct(m)
+        assert got[key]["gain"] == pytest.approx(gain), f"cell {key}: gain {got[key]['gain']}, expected {gain}"
+        assert got[key]["ok"] is ok, f"cell {key}: ppl x{got[key]['ppl_ratio']!r} against cap {CAP}: ok should be {ok}"
+    # The rule's edges, said outright: a pair exactly at the cap is kept, one a hair past it is not.
+    assert got[(1, 4.0)]["ppl_ratio"] == CAP and got[(1, 4.0)]["ok"], got[(1, 4.0)]
+    assert not got[(2, 4.0)]["ok"] and got[(2, 4.0)]["why"].startswith("ppl x2.00 > 2"), got[(2, 4.0)]
+
+
+def test_the_best_pair_is_the_kept_one_of_largest_gain(selected, tmp_path):
+    kept = {k: direct(m)[0] for k, m in METRICS.items() if direct(m)[1]}
+    want = max(kept, key=kept.get)
+    assert want == (1, 4.0)  # the cell at the cap, ahead of a larger gain past it and of gains in the wrong sense
+    best = selected["best"]
+    assert (best["layer"], best["scale"]) == want, f"picked layer {best['layer']} scale {best['scale']} (gain " \
+                                                  f"{best['gain']}); expected {want}, gain {kept[want]}"
+    assert best["gain"] == pytest.approx(5.0)
+    assert selected["command"].endswith("tap.layer=1 edit.scale=4")
+    assert json.loads((tmp_path / "selection.json").read_text())["best"] == best
+    assert "**Best: layer 1, scale 4** (gain 5" in (tmp_path / "selection.md").read_text()
