@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 import yaml
 
 from steer import results
+from steer.schema import NOT_RESULTS
 
 METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")  # plotted first
 NOT_PLOTTED = ("prompts",)  # metrics.json keys that are counts, not metrics
@@ -98,10 +99,11 @@ def _overrides(row: Dict[str, Any]) -> List[str]:
 
 
 def swept(rows: List[Dict[str, Any]]) -> List[str]:
-    """The override keys whose value differs between jobs, in the order they first appear."""
+    """The override keys whose value differs between jobs, in the order they first appear (not the settings that
+    change no result: a sweep resumed with `progress=false` is the same sweep)."""
     keys: List[str] = []
     for r in rows:
-        keys += [k for k in _overrides(r) if k not in keys]
+        keys += [k for k in _overrides(r) if k not in keys and k.lstrip("+~") not in NOT_RESULTS]
     return [k for k in keys if len({str(r.get(k)) for r in rows}) > 1]
 
 

@@ -192,6 +192,11 @@ class SelectConf:
     max_ppl_ratio: float = 2.0  # a pair is rejected where ppl_steered > max_ppl_ratio x ppl_baseline
 
 
+# Settings that change how a job runs, not what it computes: a finished job made with other values of these is
+# still done (a resume), and they are no swept parameter of a sweep's report.
+NOT_RESULTS = ("progress", "cache_dir")
+
+
 @dataclass
 class SteerConf:
     task: Task = Task.steer

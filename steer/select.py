@@ -21,7 +21,7 @@ from rich.table import Table
 
 from steer import results, rundir
 from steer.errors import ConfigError
-from steer.schema import EditKind, SteerConf, TapConf, Task
+from steer.schema import NOT_RESULTS, EditKind, SteerConf, TapConf, Task
 
 log = logging.getLogger(__name__)
 PACK = 16  # jobs per batch, as the packed launcher's default
@@ -71,11 +71,11 @@ CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a f
 
 
 def _settings(cfg: SteerConf) -> Dict:
-    """A pair's config as a rerun compares it: what changes its results (not `progress` or `cache_dir`)."""
+    """A pair's config as a rerun compares it: what changes its results (steer.schema.NOT_RESULTS left out)."""
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    for key in ("progress", "cache_dir"):
+    for key in NOT_RESULTS:
         out.pop(key, None)
     return out
 

@@ -178,6 +178,14 @@ def test_a_report_rebuilt_drops_the_plots_of_metrics_no_job_has_now(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["kl_mean.png"] == [p.name for p in out["plots"]]
 
 
+def test_a_sweep_resumed_with_progress_off_has_the_same_swept_parameters(tmp_path):
+    for n in range(3):  # job 2 added by a resume that also turned progress off (which changes no result)
+        job(tmp_path, n, [f"edit.scale={n}"] + (["progress=false", "cache_dir=/c"] if n == 2 else []),
+            {"kl_mean": n / 10})
+    out = build(tmp_path)
+    assert out["swept"] == ["edit.scale"] and {p.name for p in out["plots"]} == {"kl_mean.png"}
+
+
 def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
         job(tmp_path, n, [f"tap.layer={n}", "extract.out='v${tap.layr}.safetensors'"], {"kl_mean": n / 10})

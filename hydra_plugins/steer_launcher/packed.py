@@ -30,6 +30,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from steer import rundir
+from steer.schema import NOT_RESULTS
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,13 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
     return ""
 
 
-# Config keys that do not change a job's results: a finished job made with other values of these is still done.
-IGNORED = ("progress", "cache_dir")
 EXIT_S = 60.0  # for an engine group's process to end once it has reported (its engine is closed by then)
 
 
 def _comparable(cfg: DictConfig) -> Dict[str, Any]:
-    """A job config as Hydra saves it in .hydra/config.yaml (unresolved, through YAML), less `hydra` and IGNORED."""
+    """A job config as Hydra saves it in .hydra/config.yaml (unresolved, through YAML), less `hydra` and NOT_RESULTS."""
     out = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg)), resolve=False)
-    for key in ("hydra", *IGNORED):
+    for key in ("hydra", *NOT_RESULTS):
         out.pop(key, None)
     return out
 
@@ -106,7 +105,7 @@ def _show(value: Any) -> str:
 
 def config_changes(job_dir: Path, cfg: DictConfig, most: int = 3) -> Optional[str]:
     """None if the job's saved config (.hydra/config.yaml, written when it was set up) is `cfg` less its `hydra`
-    node and the keys in IGNORED; else what differs, e.g. `tap.layer 1 -> 2`."""
+    node and the keys in NOT_RESULTS; else what differs, e.g. `tap.layer 1 -> 2`."""
     saved = job_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
         return "no saved config"
