@@ -118,6 +118,7 @@ def direction(engine, tap: Tap, positive: List[str], negative: List[str], recipe
     recipe = resolve(recipe, engine, positive, negative)
     pos, neg = prompt_rows(engine, tap, positive, recipe), prompt_rows(engine, tap, negative, recipe)
     mean_diff = pos.mean(0) - neg.mean(0)
+    _check_contrast(pos, neg, mean_diff, recipe, tap)
     if recipe.method == "diffmean":
         d = mean_diff
     else:
@@ -131,6 +132,18 @@ def direction(engine, tap: Tap, positive: List[str], negative: List[str], recipe
         m = m / m.norm()
         d = d - (d @ m) * m
     return d / d.norm() if recipe.normalize else d
+
+
+def _check_contrast(pos: torch.Tensor, neg: torch.Tensor, mean_diff: torch.Tensor, recipe: Recipe, tap: Tap) -> None:
+    """ConfigError where the sets hold no direction: identical sets make a zero vector (NaN once normalised),
+    and identical pca pairs an arbitrary one."""
+    size = max(float(pos.norm(dim=-1).mean()), float(neg.norm(dim=-1).mean()), 1e-30)
+    gap = float(mean_diff.norm()) if recipe.method == "diffmean" else float((pos - neg).norm(dim=-1).max())
+    if gap <= 1e-6 * size:
+        what = "mean activations" if recipe.method == "diffmean" else "activations, pair by pair"
+        raise ConfigError("prompts.positive", f"and prompts.negative give the same {what} at {tap.name} (a "
+                                              f"difference of {gap:.3g} against activations of {size:.3g}): there is "
+                                              "no direction between them; give sets that differ in the concept")
 
 
 def diff_of_means(engine, tap: Tap, positive: List[str], negative: List[str], position: str = "mean",

@@ -136,6 +136,15 @@ def test_bad_recipes_fail_before_the_engine_runs(hf_engine, tiny_spec):
     assert Recipe.from_conf(ExtractConf(), True).chat == "true"  # Hydra hands a YAML boolean over as a bool
 
 
+@pytest.mark.parametrize("recipe", [Recipe(), Recipe(normalize=True), Recipe(method="pca")])
+def test_sets_that_hold_no_direction_are_refused(hf_engine, tiny_spec, recipe):
+    tap = resolve(TapConf(layer=2), tiny_spec)
+    # the same set twice: a zero vector, NaN normalised, and for pca an arbitrary unit vector, each written as fine
+    with pytest.raises(ConfigError, match="no direction between them") as e:
+        direction(hf_engine, tap, POS, list(POS), recipe)
+    assert e.value.field == "prompts.positive"
+
+
 def test_cached_default_is_keyed_on_the_models_files_and_dtype(hf_engine, tiny_spec, tmp_path):
     import dataclasses
     import os
