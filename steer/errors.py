@@ -25,6 +25,9 @@ def config_error_line(e: BaseException) -> "str | None":
             m = x.problem_mark
             what = " ".join(p for p in (x.context, x.problem) if p)
             return f"{m.name}:{m.line + 1}:{m.column + 1}: invalid YAML: {what}"
+    for x in chain:  # Hydra's sweep parser lets Python's own errors out of an override's function, e.g. range(0,4,0)
+        if not isinstance(x, (HydraException, OmegaConfBaseException)) and _raised_in(x, "override_parser"):
+            return f"an override does not evaluate: {' '.join(str(x).split())}"
     if not any(isinstance(x, (HydraException, OmegaConfBaseException, yaml.YAMLError)) for x in chain):
         return None
     parts = []
@@ -38,6 +41,14 @@ def config_error_line(e: BaseException) -> "str | None":
         if text and not any(text in p for p in parts):
             parts.append(text)
     return ": ".join(parts)
+
+
+def _raised_in(e: BaseException, package: str) -> bool:
+    """Whether `e` was raised from within a module of hydra.core.<package>."""
+    import traceback
+
+    return any(f"hydra/core/{package}/" in frame.filename.replace("\\", "/")
+               for frame in traceback.extract_tb(e.__traceback__))
 
 
 def run_app(app) -> None:

@@ -4,6 +4,7 @@ an engine (`engine_key`) run together on one engine, held for the group and clos
 """
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,7 +62,22 @@ def validate(cfg: SteerConf, out_dir: Path) -> Job:
                                  list(plan.taps.values()), plan, vectors=digests))
     else:
         job.taps = [resolve(cfg.tap, spec)]
+        if cfg.extract.out:
+            _check_writable(Path(cfg.extract.out).expanduser(), "extract.out")
     return job
+
+
+def _check_writable(path: Path, field: str) -> None:
+    """Said before the engine, not once the extraction is done: `path` must name a file a run can write."""
+    if path.is_dir():
+        raise ConfigError(field, f"{str(path)!r} is a directory; name the file to write in it, e.g. "
+                                 f"{str(path / 'vector.safetensors')!r}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # made on write
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"{str(path)!r} cannot be written: {str(parent)!r} is not a directory this "
+                                 "process may write in")
 
 
 def _needs_vllm(engine: str, field: str, what: str) -> None:
@@ -107,6 +123,7 @@ def _check_gen_and_prompts(cfg: SteerConf) -> None:
     for name in ("steer", "positive", "negative"):
         if not list(getattr(cfg.prompts, name)):
             raise ConfigError(f"prompts.{name}", "is empty; give at least one prompt")
+    prompt.check_texts(cfg.prompts)
     Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
 
 

@@ -113,6 +113,7 @@ def test_a_malformed_yaml_config_is_one_line_naming_file_line_and_column(tmp_pat
 @pytest.mark.parametrize("args,says", [(["edit.scal=3"], "Key 'scal' not in 'EditConf'"),
                                        (["edit=nope"], "Could not find 'edit/nope'"),
                                        (["edit.scale=[1"], "no viable alternative at input '[1'"),
+                                       (["-m", "edit.scale=range(0,4,0)"], "range() arg 3 must not be zero"),
                                        # what Hydra's own message for the first suggests: added, then refused
                                        (["+edit.scal=3"], "edit.scal: is not a setting of this config; did you "
                                                           "mean edit.scale?")])

@@ -59,6 +59,19 @@ def test_a_run_into_a_directory_that_held_one_keeps_none_of_its_results(tmp_path
     assert [name for name in STALE if (d / name).exists()] == []
 
 
+def test_prompts_that_are_no_text_and_an_extract_out_that_is_a_directory_are_refused(tmp_path, cache_dir):
+    import pytest
+
+    from steer.errors import ConfigError
+
+    for overrides, field in [(["prompts.negative=[b,{k:v}]"], "prompts.negative[1]"),
+                             (["prompts.steer=[[a,b]]"], "prompts.steer[0]"),
+                             (["task=extract", f"extract.out={tmp_path}"], "extract.out")]:
+        with pytest.raises(ConfigError) as e:
+            run.validate(compose(*QUICK, *overrides), tmp_path)
+        assert e.value.field == field, (overrides, e.value)
+
+
 def test_a_run_clears_the_last_runs_results_before_hydra_writes_its_config(tmp_path):
     from omegaconf import OmegaConf
 
@@ -84,7 +97,7 @@ def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_
     for limit, overrides in [(2048, ["gen.max_new_tokens=2048"]),
                              (64, ["model=tiny", "gen.max_new_tokens=64", "model.tiny.max_positions=64"])]:
         with pytest.raises(ConfigError) as e:
-            run.validate(compose(*overrides, *QUICK), tmp_path)
+            run.validate(compose(*QUICK, *overrides), tmp_path)
         assert e.value.field == "gen.max_new_tokens" and f"tiny has {limit} positions" in str(e.value)
     run.validate(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
 

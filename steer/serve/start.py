@@ -11,6 +11,7 @@ from steer import engine as engines
 from steer import tiny
 from steer.errors import ConfigError
 from steer.extract import Recipe, cached_default
+from steer.prompt import check_texts
 from steer.model import ModelSpec, spec as model_spec
 from steer.serve import presets, process
 from steer.schema import TapConf
@@ -63,6 +64,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
                 raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
                                                       "direction, extracted from prompts.positive and "
                                                       "prompts.negative")
+        check_texts(conf.prompts, ("positive", "negative"))
     refused = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
     if refused is not None:
         raise ConfigError(*refused)
