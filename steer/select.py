@@ -135,6 +135,10 @@ def run(job, console: Console) -> Dict:
     results.write_json(out_dir / "selection.json", summary)
     results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary["command"]))
     _heatmap(out_dir / "selection.png", cfg, table, best)
+    # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
+    results.write_json(out_dir / "metrics.json", {
+        "best_layer": best and best["layer"], "best_scale": best and best["scale"], "best_gain": best and best["gain"],
+        "best_ppl_ratio": best and best["ppl_ratio"], "pairs": len(table), "pairs_kept": sum(c["ok"] for c in table)})
     _print(console, cfg, table, best, summary["command"], out_dir)
     return summary
 
@@ -154,7 +158,10 @@ def _cell(cfg: SteerConf, m: Dict, cap: float) -> Dict:
     cell["gain"] = m["concept_steered"] - m["concept_baseline"]
     cell["ppl_ratio"] = m["ppl_steered"] / m["ppl_baseline"]
     cell["ok"] = cell["ppl_ratio"] <= cap
-    cell["why"] = None if cell["ok"] else f"ppl x{cell['ppl_ratio']:.2f} > {cap:g}"
+    shown = f"{cell['ppl_ratio']:.2f}"
+    if float(shown) <= cap:  # x2.0000001 against a cap of 2 must not read "x2.00 > 2"
+        shown = f"{cell['ppl_ratio']:.8g}"
+    cell["why"] = None if cell["ok"] else f"ppl x{shown} > {cap:g}"
     return cell
 
 

@@ -2,6 +2,7 @@
 the rest (a grid stopped part way loses only the pairs it had not finished)."""
 
 import io
+import json
 import logging
 
 from rich.console import Console
@@ -56,3 +57,19 @@ def test_a_pair_whose_vector_file_changed_runs_again(tmp_path, cache_dir, caplog
     save_file({"direction": -torch.ones(256)}, str(vec))
     _, said = _select(tmp_path, caplog, f"edit.vector.path={vec}")
     assert said.endswith("each in its own directory here")
+
+
+def test_a_sweep_of_selects_reports_each_ones_best_pair(tmp_path, cache_dir):
+    import csv
+
+    from helpers import run_cli
+
+    res = run_cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
+                   "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
+    assert [r["edit"] for r in rows] == ["add", "ablate"] and all(r["pairs"] == "4" for r in rows)
+    for r in rows:  # each row is its select's own choice
+        best = json.loads((tmp_path / "sweep" / r["job"] / "selection.json").read_text())["best"]
+        assert (r["best_layer"], r["best_scale"]) == ((str(best["layer"]), str(best["scale"])) if best else ("", ""))
+    assert "0 jobs to run" not in res.stderr + res.stdout

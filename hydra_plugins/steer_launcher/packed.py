@@ -227,7 +227,8 @@ class PackedLauncher(Launcher):
         groups: Dict[str, list] = {}
         for job in jobs:
             groups.setdefault(engine_key(job), []).append(job)
-        log.info(f"{len(jobs)} jobs to run in {len(groups)} engine group(s), packs of {self.pack_size}")
+        if jobs:  # none where every job was done, failed, or ran as it was set up (task=select)
+            log.info(f"{len(jobs)} jobs to run in {len(groups)} engine group(s), packs of {self.pack_size}")
         failed = []
         for i, group in enumerate(groups.values()):
             metrics = run_group(group, self.pack_size) if i == 0 else _in_own_process(group, self.pack_size)
