@@ -155,9 +155,17 @@ def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
     # on resume, as it should (taken after, the jobs' record would name weights they never saw). A hub model's once
     # the engine holds it: the start may fetch them into a snapshot that validation left with its config alone.
     files = inputs.model(first.cfg, first.spec)
+    _weights_bar(first.cfg.progress)
     with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values())) as engine:
         if files.get("kind") == "hub":
             files = inputs.model(first.cfg, first.spec)
         for job in jobs:
             job.model_files = files
         yield engine
+
+
+def _weights_bar(on: bool) -> None:
+    """transformers' own bar as the weights load ("Loading weights: 100%"), on or off with `progress`."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar() if on else hf_logging.disable_progress_bar()

@@ -20,7 +20,9 @@ def ok(res):
 
 
 def test_default_run(tmp_path, cache_dir):
-    ok(run_cli([], tmp_path, cache_dir))
+    res = run_cli([], tmp_path, cache_dir)
+    ok(res)
+    assert "Loading weights" not in res.stderr + res.stdout  # progress=false: transformers' bar too
     [d] = run_dirs(tmp_path)
     rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
