@@ -14,6 +14,7 @@ the packed launcher lists its own sweep's in `.jobs`, and the report then holds 
 import argparse
 import csv
 import io
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -48,7 +49,7 @@ def _rows(jobs) -> List[Dict[str, Any]]:
         for o in (yaml.safe_load(over.read_text()) or [] if over.exists() else []):
             key, _, value = str(o).partition("=")
             quoted = len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""
-            row[key] = value[1:-1] if quoted else value  # Hydra's quoting, not part of the value
+            row[key] = value[1:-1] if quoted else _unescaped(value)  # Hydra's quoting, not part of the value
         got = results.read_json(job / "metrics.json")
         if got is not None:
             row["status"] = "ok"
@@ -62,6 +63,12 @@ def _rows(jobs) -> List[Dict[str, Any]]:
             row["error"] = _error_line((job / "error.txt").read_text(errors="replace"))
         rows.append(row)
     return rows
+
+
+def _unescaped(value: str) -> str:
+    """A scalar override as the user wrote it: a sweeper writes each job's value with Hydra's escapes
+    (`v$\\{tap.layer\\}.safetensors`). A list or dict is left as written, where an escaped comma is structure."""
+    return value if value[:1] in "[{" else re.sub(r"\\([\\()\[\]{}:=, \t])", r"\1", value)
 
 
 def _jobs(sweep_dir: Path):

@@ -186,6 +186,15 @@ def test_a_sweep_resumed_with_progress_off_has_the_same_swept_parameters(tmp_pat
     assert out["swept"] == ["edit.scale"] and {p.name for p in out["plots"]} == {"kl_mean.png"}
 
 
+def test_a_sweepers_escapes_are_not_part_of_the_reported_value(tmp_path):
+    for n in range(2):  # as the basic sweeper writes overrides.yaml for -m 'extract.out=v${tap.layer}.safetensors'
+        job(tmp_path, n, [f"tap.layer={n}", "extract.out=v$\\{tap.layer\\}.safetensors",
+                          "prompts.steer=[Hello\\ there,Bye]"], {"kl_mean": n / 10})
+    rows = job_rows(tmp_path)
+    assert [r["extract.out"] for r in rows] == ["v${tap.layer}.safetensors"] * 2
+    assert rows[0]["prompts.steer"] == "[Hello\\ there,Bye]"  # a list keeps its escapes: a comma there is structure
+
+
 def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
         job(tmp_path, n, [f"tap.layer={n}", "extract.out='v${tap.layr}.safetensors'"], {"kl_mean": n / 10})
