@@ -79,7 +79,7 @@ BAD = [
     (["edit.vector.path={d}/missing.safetensors"], "edit.vector.path: vector file"),
     (["edit.vector.path={d}/ab.safetensors", "edit.vector.key=c"], "keys present: ['a', 'b']"),
     (["edit.vector.path={d}/small.safetensors"], "the model's hidden size is 256, the vector's last dimension 128"),
-    (["edit.vector.path={d}/nan.safetensors"], "entries are nan"),
+    (["edit.vector.path={d}/nan.safetensors"], "entries are 1 NaN"),
     (["edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
     (["edit=scale", "edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
     (["tap.layer=12"], "tap.layer: layer 12 is out of range: tiny has 4 decoder layers"),

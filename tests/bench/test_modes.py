@@ -71,7 +71,8 @@ MINE = str((placement.available() or [0])[0])  # a CPU this process may run on
 
 @pytest.mark.parametrize("args,match", [
     (["--cpus", MINE], "--cpus: layout 'apart' needs at least 4 CPUs"), (["--cpus", "2-"], "--cpus: .*CPU list"),
-    (["--cpus", "100000"], "--cpus: names CPU.* that this process may not run on"),
+    (["--cpus", "4000"], "--cpus: names CPU.* that this process may not run on"),
+    (["--cpus", "100000"], "--cpus: names CPU 100000 .*; Linux numbers CPUs below 8192"),
     (["--rounds", "0"], "--rounds: expected at least 1"), (["--tokens", "1"], "--tokens: expected at least 2"),
     (["--requests", "0"], "--requests: expected at least 1"), (["--out", "/nonexistent/dir/m.json"], "--out: ")])
 def test_bad_input_is_refused_naming_the_flag_before_an_engine_starts(args, match, monkeypatch):
