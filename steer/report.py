@@ -212,7 +212,9 @@ def _report_files(sweep_dir: Path) -> set:
             header = next(csv.reader(f), [])
     except (OSError, csv.Error, UnicodeDecodeError):
         return set()
-    plots = {sweep_dir / f"{c}.png" for c in header if c and "/" not in c and c not in (".", "..")}
+    # The metrics' columns: after `status`, before `error` (write_summary); an override's column is no plot
+    metrics = header[header.index("status") + 1:-1] if "status" in header and header[-1:] == ["error"] else []
+    plots = {sweep_dir / f"{c}.png" for c in metrics if c and "/" not in c and c not in (".", "..")}
     return {summary} | {p for p in plots if p.is_file()}
 
 

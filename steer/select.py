@@ -40,11 +40,11 @@ def grid(cfg: SteerConf, layers: int) -> List[SteerConf]:
                                            f"(0..{layers - 1})")
     if not all(math.isfinite(x) for x in s.scales):
         raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
-    for field, values in (("select.layers", [int(x) for x in s.layers]),
-                          ("select.scales", [float(x) for x in s.scales])):
+    for field, values in (("select.layers", [f"{int(x)}" for x in s.layers]),
+                          ("select.scales", [f"{float(x):g}" for x in s.scales])):
         twice = sorted({x for x in values if values.count(x) > 1})
-        if twice:  # the same cell twice, into one directory
-            raise ConfigError(field, f"names {', '.join(f'{x:g}' for x in twice)} twice")
+        if twice:  # one cell twice, or two whose directories' names (cell_name) are one
+            raise ConfigError(field, f"names {', '.join(twice)} twice (as a pair's directory names it)")
     if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
         raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
                                               "direction, and edit.kind=scale without a vector scales the whole "
@@ -75,7 +75,7 @@ def _settings(cfg: SteerConf) -> Dict:
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
-    for key in NOT_RESULTS:
+    for key in (*NOT_RESULTS, "select"):  # the grid and the cap choose pairs; a pair's result is its own
         out.pop(key, None)
     return out
 

@@ -44,6 +44,9 @@ def test_a_rerun_keeps_the_pairs_done_with_the_same_settings_and_inputs(tmp_path
     assert {k: v for k, v in after.items() if k != "layer2_scale4"} == \
         {k: v for k, v in before.items() if k != "layer2_scale4"}
 
+    _, said = _select(tmp_path, caplog, "select.max_ppl_ratio=3", "select.layers=[1,2,3]")  # cap, grid: not a pair's
+    assert said.startswith("select: 6 pairs") and said.endswith("4 done before with these settings and inputs, kept")
+
     _, said = _select(tmp_path, caplog, "gen.max_new_tokens=4")  # other settings: every pair again
     assert said.endswith("each in its own directory here")
 
@@ -73,3 +76,8 @@ def test_a_sweep_of_selects_reports_each_ones_best_pair(tmp_path, cache_dir):
         best = json.loads((tmp_path / "sweep" / r["job"] / "selection.json").read_text())["best"]
         assert (r["best_layer"], r["best_scale"]) == ((str(best["layer"]), str(best["scale"])) if best else ("", ""))
     assert "0 jobs to run" not in res.stderr + res.stdout
+    again = run_cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
+                     "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path, cache_dir)
+    said = again.stderr + again.stdout
+    assert again.returncode == 0 and "inputs changed" not in said and said.count("keeping its pairs") == 2, said
+    assert said.count("4 done before with these settings and inputs, kept") == 2

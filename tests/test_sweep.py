@@ -162,10 +162,12 @@ def test_a_sweep_starting_removes_the_report_of_the_one_before_and_only_it(tmp_p
     for n in range(2):
         job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
     written = build(tmp_path)
-    (tmp_path / "notes.png").write_bytes(b"the user's")
+    for name in ("notes.png", "edit.scale.png", "status.png", "job.png"):  # named by no metric column
+        (tmp_path / name).write_bytes(b"the user's")
     SummaryCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     assert not any(p.exists() for p in [written["summary"], *written["plots"]]) and len(written["plots"]) == 2
-    assert (tmp_path / "notes.png").read_bytes() == b"the user's"
+    assert all((tmp_path / n).read_bytes() == b"the user's" for n in ("notes.png", "edit.scale.png", "status.png",
+                                                                       "job.png"))
 
 
 def test_a_report_rebuilt_drops_the_plots_of_metrics_no_job_has_now(tmp_path):

@@ -66,6 +66,8 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
         changed = config_changes(job_dir, cfg)
         if changed is not None:
             return f" (config changed: {changed}, rerunning)"
+        if cfg.get("task") == "select":  # its pairs hold the record of their inputs, and are kept where current
+            return " (a select: run again, keeping its pairs that are current)"
         from steer import inputs
 
         changed = inputs.recorded_changes(job_dir)  # the same config may read files that have changed since

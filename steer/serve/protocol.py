@@ -166,16 +166,19 @@ def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: fl
         if push > MAX_PUSH:  # past this, a half-precision stream overflows to inf
             raise RequestError(at, f"adds values up to {push:.3g} to the residual stream (strength times the "
                                    f"vector's largest value); at most {MAX_PUSH:g}")
-    _check_sums(layers, strengths, values, f"{where}steer_vector")
+    _check_sums(layers, strengths, values, tokens, f"{where}steer_vector")
     return tuple(InlineVector(layer, w, d, t) for layer, w, d, t in zip(layers, strengths, data, tokens))
 
 
-def _check_sums(layers: List[int], strengths: List[float], values: List[np.ndarray], param: str) -> None:
-    """Refuse vectors that pass MAX_PUSH one by one but not added together at their layer (64 of 1e4 each)."""
-    sums: Dict[int, np.ndarray] = {}
-    for layer, w, v in zip(layers, strengths, values):
-        sums[layer] = sums.get(layer, 0.0) + w * v.astype(np.float64)
-    for layer, total in sorted(sums.items()):
+def _check_sums(layers: List[int], strengths: List[float], values: List[np.ndarray], tokens: List[str],
+                param: str) -> None:
+    """Refuse vectors that pass MAX_PUSH one by one but not added together on one row at their layer (64 of 1e4
+    each): a prompt row takes the `both` and `prompt` vectors, a generated row the `both` and `generated` ones."""
+    sums: Dict[Tuple[int, str], np.ndarray] = {}
+    for layer, w, v, t in zip(layers, strengths, values, tokens):
+        for rows in (("prompt", "generated") if t == "both" else (t,)):
+            sums[layer, rows] = sums.get((layer, rows), 0.0) + w * v.astype(np.float64)
+    for (layer, _), total in sorted(sums.items()):
         push = float(np.abs(total).max())
         if push > MAX_PUSH:
             raise RequestError(param, f"the vectors at layer {layer} add values up to {push:.3g} to the residual "

@@ -105,7 +105,7 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError("model", "must be a string (GET /v1/models lists this server's)")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, completions=messages is None)
     max_tokens = _max_tokens(body, default_max_tokens, max_tokens_field)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -124,11 +124,13 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
                       include_usage, steer)
 
 
-def _refuse_unsupported(body: Dict[str, Any]) -> None:
+def _refuse_unsupported(body: Dict[str, Any], completions: bool) -> None:
     """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
     for key, ok in _UNSUPPORTED.items():
-        # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False
-        if key in body and (body[key] not in ok or (key == "logprobs" and body[key] is not False and body[key] == 0)):
+        # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False; chat's
+        # logprobs is a flag, 0 its false
+        asks = completions and key == "logprobs" and body.get(key) is not False and body.get(key) == 0
+        if key in body and (body[key] not in ok or asks):
             raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):

@@ -72,6 +72,10 @@ def test_vectors_are_limited_by_what_they_add_together_at_a_layer():
 
     assert len(parse([9, 9], [1, 2]).inline) == 2  # 9e3 at each of two layers
     assert len(parse([9, -9, 9], [1, 1, 1]).inline) == 3  # two cancel: 9e3 in all
+    xargs = {"steer_vector": [big] * 2, "steer_layer": 1, "steer_strength": 9, "steer_tokens": ["prompt", "generated"]}
+    assert len(parse_steer({"vllm_xargs": xargs}, (), 100.0, inline=policy).inline) == 2  # never on one row
+    with pytest.raises(RequestError, match="vectors at layer 1"):
+        parse_steer({"vllm_xargs": {**xargs, "steer_tokens": ["both", "generated"]}}, (), 100.0, inline=policy)
     with pytest.raises(RequestError, match="vectors at layer 1 add values up to 1.8e\\+04") as e:
         parse([9, 9], [1, 1])
     assert e.value.param == "vllm_xargs.steer_vector"
