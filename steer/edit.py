@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from steer.schema import EditKind, Tokens
+from steer.vector import F32_MAX
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,9 +116,6 @@ def orthonormal(vectors: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
     return torch.stack(kept).float()
 
 
-_F32_MAX = torch.finfo(torch.float32).max
-
-
 def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], *, tokens: Tokens = Tokens.both,
                  lo: Optional[float] = None, hi: Optional[float] = None, value: float = 0.0,
                  field: str = "edit") -> Edit:
@@ -129,15 +127,15 @@ def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], 
     for name, x in (("scale", scale), ("lo", lo), ("hi", hi), ("value", value)):
         if x is not None and not math.isfinite(x):  # a NaN edit would turn every steered token into NaN logits
             raise ConfigError(f"{field}.{name}", f"must be a finite number, got {x}")
-        if x is not None and abs(x) > _F32_MAX:  # the edits run in float32, where this is inf
-            raise ConfigError(f"{field}.{name}", f"{x:g} is beyond float32's range (|x| <= {_F32_MAX:.3g})")
+        if x is not None and abs(x) > F32_MAX:  # the edits run in float32, where this is inf
+            raise ConfigError(f"{field}.{name}", f"{x:g} is beyond float32's range (|x| <= {F32_MAX:.3g})")
     if lo is not None and hi is not None and lo > hi:
         raise ConfigError(f"{field}.lo", f"clamp bounds are reversed: lo={lo} > hi={hi}")
     if kind == EditKind.add and vectors is not None:
         push = abs(scale) * float(vectors.abs().max())
-        if not push <= _F32_MAX:
+        if not push <= F32_MAX:
             raise ConfigError(f"{field}.scale", f"scale {scale:g} times the vector's largest entry is {push:.3g}, "
-                                                f"beyond float32's range ({_F32_MAX:.3g})")
+                                                f"beyond float32's range ({F32_MAX:.3g})")
     if vectors is not None:
         k = vectors.shape[0]
         if kind in (EditKind.add, EditKind.clamp, EditKind.set, EditKind.scale) and k != 1:

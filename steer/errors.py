@@ -43,6 +43,14 @@ def config_error_line(e: BaseException) -> "str | None":
     return ": ".join(parts)
 
 
+def refuse_repeats(field: str, items, said: str = "") -> None:
+    """ConfigError naming `field` where `items` (compared as text) holds one twice."""
+    items = [str(x) for x in items]
+    twice = sorted({x for x in items if items.count(x) > 1})
+    if twice:
+        raise ConfigError(field, f"names {', '.join(twice)} twice{said}")
+
+
 def _raised_in(e: BaseException, package: str) -> bool:
     """Whether `e` was raised from within a module of hydra.core.<package>."""
     import traceback

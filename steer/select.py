@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from steer import results, rundir
-from steer.errors import ConfigError
+from steer.errors import ConfigError, refuse_repeats
 from steer.schema import NOT_RESULTS, EditKind, SteerConf, TapConf, Task
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,9 @@ def grid(cfg: SteerConf, layers: int) -> List[SteerConf]:
                                            f"(0..{layers - 1})")
     if not all(math.isfinite(x) for x in s.scales):
         raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
-    for field, values in (("select.layers", [f"{int(x)}" for x in s.layers]),
-                          ("select.scales", [f"{float(x):g}" for x in s.scales])):
-        twice = sorted({x for x in values if values.count(x) > 1})
-        if twice:  # one cell twice, or two whose directories' names (cell_name) are one
-            raise ConfigError(field, f"names {', '.join(twice)} twice (as a pair's directory names it)")
+    # one cell twice, or two whose directories' names (cell_name) are one
+    refuse_repeats("select.layers", [int(x) for x in s.layers], " (as a pair's directory names it)")
+    refuse_repeats("select.scales", [f"{float(x):g}" for x in s.scales], " (as a pair's directory names it)")
     if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
         raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
                                               "direction, and edit.kind=scale without a vector scales the whole "

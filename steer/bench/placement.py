@@ -37,9 +37,10 @@ def cpu_list(text: str) -> List[int]:
         lo, dash, hi = part.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
             raise ValueError(f"expected a CPU list such as \"0-3\" or \"0,2,4-7\", got {text!r}")
-        if int(hi if dash else lo) >= MAX_CPUS:  # Linux's own limit; a range past it is built whole otherwise
-            raise ValueError(f"names CPU {int(hi if dash else lo)} in {text!r}; Linux numbers CPUs below {MAX_CPUS}")
-        cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+        top = int(hi if dash else lo)
+        if top >= MAX_CPUS:  # Linux's own limit; a range past it is built whole otherwise
+            raise ValueError(f"names CPU {top} in {text!r}; Linux numbers CPUs below {MAX_CPUS}")
+        cpus.update(range(int(lo), top + 1))
     return sorted(cpus)
 
 

@@ -19,7 +19,7 @@ from steer import gguf_model, model, tiny
 from steer.bench import placement
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf, BenchModelConf, timed_window
 from steer.edit import Edit, compile_edit
-from steer.errors import ConfigError
+from steer.errors import ConfigError, refuse_repeats
 from steer.schema import EditKind, ModelConf
 
 # Llama-3-8B's architecture (its public config.json), for load_format=dummy: the real shape, random weights.
@@ -42,12 +42,9 @@ class Scenario:
 def check(cfg: BenchConf) -> None:
     """Fail on names that mean nothing, before any engine starts."""
     for name in ("run", "configs", "scenarios", "batches"):
-        items = [str(x) for x in getattr(cfg, name)]
-        if not items:
+        if not getattr(cfg, name):
             raise ConfigError(name, "is empty: nothing would be measured")
-        twice = sorted({x for x in items if items.count(x) > 1})
-        if twice:
-            raise ConfigError(name, f"names {', '.join(twice)} twice")
+        refuse_repeats(name, getattr(cfg, name))
     for i, m in enumerate(cfg.run):
         if m not in cfg.models:
             raise ConfigError(f"run[{i}]", f"model {m!r} is not defined under `models` ({sorted(cfg.models)})")

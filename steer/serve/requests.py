@@ -127,10 +127,12 @@ def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, pr
 def _refuse_unsupported(body: Dict[str, Any], completions: bool) -> None:
     """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
     for key, ok in _UNSUPPORTED.items():
+        if key not in body:
+            continue
+        x = body[key]
         # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False; chat's
         # logprobs is a flag, 0 its false
-        asks = completions and key == "logprobs" and body.get(key) is not False and body.get(key) == 0
-        if key in body and (body[key] not in ok or asks):
+        if x not in ok or (completions and key == "logprobs" and x == 0 and x is not False):
             raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
     n = body.get("n")
     if n is not None and (not is_int(n) or n != 1):
