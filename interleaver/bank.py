@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from interleaver.stage import Kind, Rows, StageEdit
+from interleaver.stage import EditKind, Tokens, StageEdit
 
-_ROWS = {Rows.both.value: 0, Rows.prompt.value: 1, Rows.generated.value: 2}
+_ROWS = {Tokens.both.value: 0, Tokens.prompt.value: 1, Tokens.generated.value: 2}
 
 
 def encode_vector(v) -> str:
@@ -201,7 +201,7 @@ class InlineStages:
 
     def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set) -> int:
         vec = decode_vector(data)
-        edit = StageEdit(Kind.add, torch.from_numpy(vec)[None].to(device))
+        edit = StageEdit(EditKind.add, torch.from_numpy(vec)[None].to(device))
         stages = self.bank.stages
         sid = self._free.pop(0) if self._free else len(stages)
         if sid in self._key:

@@ -5,36 +5,11 @@
 tap layer uses nnsight's public API or this file, so an nnsight upgrade touches this file alone.
 """
 
-import importlib
-import pkgutil
-import warnings
 from typing import Any, List, Optional
 
 
-def _load_anyio() -> None:
-    """Import every anyio module before nnsight: nnsight mounts `.save` on `object`, and anyio's TypedAttributeSet
-    refuses a subclass defined after that ("Attribute 'save' is missing its type annotation"). anyio loads its
-    modules lazily, so in a server that imports nnsight early (vLLM's OpenAI server, through the tap worker's
-    package) the first streamed response would define anyio's socket and stream attribute sets too late."""
-    try:
-        import anyio
-    except ImportError:
-        return
-    for mod in pkgutil.walk_packages(anyio.__path__, "anyio."):
-        if mod.name.endswith(("pytest_plugin", "_trio")):
-            continue  # pytest's hook and the trio backend need packages a server does not have
-        try:
-            importlib.import_module(mod.name)
-        except ImportError:
-            pass
-        except TypeError as e:  # nnsight came first, by a path that does not pass here: say so, do not fail
-            warnings.warn(f"interleaver: anyio's {mod.name} did not load after nnsight's `.save` mount ({e}); a web "
-                          "server in this process may refuse streamed responses. Import interleaver before nnsight.")
-
-
-_load_anyio()
-
-from nnsight.intervention.interleaver import Interleaver, OutOfOrderError  # noqa: E402
+# interleaver/__init__.py has loaded anyio before nnsight (nnsight mounts `.save` on `object`)
+from nnsight.intervention.interleaver import Interleaver, OutOfOrderError
 
 __all__ = ["Interleaver", "OutOfOrderError", "serving", "parked_here", "defer", "parked_at", "alive", "throw_into",
            "batch_rows", "op_names"]

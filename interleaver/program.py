@@ -24,13 +24,13 @@ import torch
 from interleaver import kernels
 from interleaver.bank import Stage
 from interleaver.rows import StepRows
-from interleaver.stage import PROJECT, Kind
+from interleaver.stage import PROJECT, EditKind
 
 
 FORMS = ("fused", "direct", "jit", "torch")  # how a program's call can run (TapProgram.form)
 
 
-def _family(kind: Kind) -> str:
+def _family(kind: EditKind) -> str:
     return "project" if kind in PROJECT else kind.value
 
 
@@ -253,17 +253,17 @@ def _group(stages: List[Stage], col, device) -> _Group:
         g.basis = torch.cat([s.edit.basis for s in stages]).to(device)
         if len(rows) != len(stages):
             g.expand = torch.tensor([i for i, _, _ in rows], device=device)
-        g.ablate_only = all(s.edit.kind == Kind.ablate for s in stages)
+        g.ablate_only = all(s.edit.kind == EditKind.ablate for s in stages)
         g.neg_basis = -g.basis
         inf = float("inf")
 
         def per_row(f):
             return torch.tensor([f(s.edit) for _, s, _ in rows], dtype=torch.float32, device=device)
 
-        g.slope = per_row(lambda e: 1.0 if e.kind == Kind.clamp else 0.0)
-        g.offset = per_row(lambda e: e.value if e.kind == Kind.set else 0.0)
-        g.lo = per_row(lambda e: e.lo if e.kind == Kind.clamp and e.lo is not None else -inf)
-        g.hi = per_row(lambda e: e.hi if e.kind == Kind.clamp and e.hi is not None else inf)
+        g.slope = per_row(lambda e: 1.0 if e.kind == EditKind.clamp else 0.0)
+        g.offset = per_row(lambda e: e.value if e.kind == EditKind.set else 0.0)
+        g.lo = per_row(lambda e: e.lo if e.kind == EditKind.clamp and e.lo is not None else -inf)
+        g.hi = per_row(lambda e: e.hi if e.kind == EditKind.clamp and e.hi is not None else inf)
     return g
 
 

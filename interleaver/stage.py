@@ -14,31 +14,15 @@ Every kind is linear in `strength`, so a stage is registered once at strength 1 
 """
 
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Optional
 
 import torch
 
-
-class Kind(str, Enum):
-    add = "add"
-    ablate = "ablate"
-    clamp = "clamp"
-    set = "set"
-    scale = "scale"
-
+from interleaver.kinds import EditKind, Tokens
 
 # Kinds that move the projection onto a direction: each is "move p = x.d to target(p)", with target(p) =
 # clip(slope * p + offset, lo, hi): ablate 0 (slope 0), set `value` (slope 0), clamp clip(p) (slope 1).
-PROJECT = (Kind.ablate, Kind.clamp, Kind.set)
-
-
-class Rows(str, Enum):
-    """Which of a request's rows a stage's strength applies to: rows fed a prompt token, a generated one, or both."""
-
-    both = "both"
-    prompt = "prompt"
-    generated = "generated"
+PROJECT = (EditKind.ablate, EditKind.clamp, EditKind.set)
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,17 +30,17 @@ class StageEdit:
     """One edit as the tap layer runs it. `basis` is float32 `[k, hidden]`: the vector for `add`, the centre for
     `scale` (or None), orthonormal rows for `ablate`, one unit row for `clamp` and `set`."""
 
-    kind: Kind
+    kind: EditKind
     basis: Optional[torch.Tensor]
     lo: Optional[float] = None  # clamp bounds on the projection; None is unbounded
     hi: Optional[float] = None
     value: float = 0.0  # set: the projection to move to
     strength: float = 1.0  # the factor the delta is linear in
-    rows: Rows = Rows.both
+    rows: Tokens = Tokens.both
 
     def unit(self) -> "StageEdit":
         """The same edit at strength 1 on every row: what a bank stage holds."""
-        return replace(self, strength=1.0, rows=Rows.both)
+        return replace(self, strength=1.0, rows=Tokens.both)
 
     def to(self, device) -> "StageEdit":
         """The same edit with its vectors on `device` (so running it does no host-to-device copy)."""
@@ -71,5 +55,5 @@ class StageEdit:
     @classmethod
     def from_dict(cls, d: dict) -> "StageEdit":
         basis = None if d["basis"] is None else torch.tensor(d["basis"], dtype=torch.float32)
-        return cls(Kind(d["kind"]), basis, d["lo"], d["hi"], float(d["value"]), float(d.get("strength", 1.0)),
-                   Rows(d.get("rows", Rows.both.value)))
+        return cls(EditKind(d["kind"]), basis, d["lo"], d["hi"], float(d["value"]), float(d.get("strength", 1.0)),
+                   Tokens(d.get("rows", Tokens.both.value)))

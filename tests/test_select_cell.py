@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import compose
-from steer import select
+from steer.runs import select
 
 CAP = 2.0
 # (layer, scale) -> the metrics its steer run wrote: gain 2 at ppl x1.25; gain 5 at x2 exactly (values exactly
@@ -32,13 +32,12 @@ def direct(m):
 @pytest.fixture
 def selected(tmp_path, monkeypatch, console):
     """select.run over a 2 x 2 grid whose cells 'ran' into METRICS; its summary."""
-    from steer import job as jobs_mod
-    from steer import run as runs
+    from steer.runs import grid
+    from steer.runs import job as jobs_mod
 
     cfg = compose("task=select", "select.layers=[1,2]", "select.scales=[2,4]", f"select.max_ppl_ratio={CAP}",
                   "progress=false")
-    cells = [SimpleNamespace(cfg=c, out_dir=tmp_path / select.cell_name(c), result=None)
-             for c in select.grid(cfg, layers=4)]
+    cells = [SimpleNamespace(cfg=c, out_dir=tmp_path / grid.cell_name(c), result=None) for c in grid.cells(cfg)]
 
     @contextmanager
     def no_engine(jobs):
@@ -50,8 +49,7 @@ def selected(tmp_path, monkeypatch, console):
         return [j.result for j in jobs]
 
     monkeypatch.setattr(jobs_mod, "engine_for", no_engine)
-    monkeypatch.setattr(runs, "execute", execute)
-    return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells), console)
+    return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells), console, execute)
 
 
 def test_each_cell_has_its_gain_and_the_caps_verdict(selected):

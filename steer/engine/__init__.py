@@ -8,7 +8,7 @@ and tap values), and close (also as a context manager); run.py needs nothing els
 from steer.engine.base import Engine, Scores
 from steer.errors import ConfigError
 
-__all__ = ["ENGINES", "Engine", "Scores", "check_device", "make", "resolve", "stop_ids"]
+__all__ = ["ENGINES", "Engine", "Scores", "make", "resolve", "stop_ids"]
 
 ENGINES = ("auto", "hf", "vllm")
 
@@ -27,22 +27,6 @@ def resolve(name: str) -> str:
         if not available():
             raise ConfigError("engine", "engine=vllm needs CUDA and vLLM (pip install -e '.[vllm]'); use engine=hf")
     return name
-
-
-def check_device(device: str, field: str = "device") -> None:
-    """ConfigError naming `field` unless `device` is `cpu`, or `cuda` / `cuda:N` naming a GPU this process sees
-    (where the HF engine runs, and where engine=vllm extracts a default direction)."""
-    import torch
-
-    kind, colon, index = str(device).partition(":")
-    if kind == "cpu" and not colon:
-        return
-    if kind != "cuda" or (colon and not index.isdigit()):
-        raise ConfigError(field, f"{device!r} is not a device steer runs on; expected cpu, cuda or cuda:N")
-    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if int(index or 0) >= seen:
-        raise ConfigError(field, f"{device!r}: this process sees {seen} CUDA device(s)"
-                                 + ("" if seen else "; use device=cpu"))
 
 
 def make(name: str, spec, device: str, vllm_conf=None, taps=()) -> Engine:

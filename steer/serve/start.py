@@ -8,70 +8,36 @@ from rich.console import Console
 from rich.markup import escape
 
 from steer import engine as engines
-from steer import tiny
+from steer.models import tiny
+from steer.config import checks
 from steer.errors import ConfigError
-from steer.extract import Recipe, cached_default
-from steer.prompt import check_texts
-from steer.model import ModelSpec, spec as model_spec
+from steer.runs.extract import Recipe, cached_default
+from steer.models.spec import ModelSpec, spec as model_spec
 from steer.serve import presets, process
-from steer.schema import TapConf
+from steer.config.schema import TapConf
 from steer.serve.schema import PresetConf, ServeConf, ServeOptions
-from steer.tap import Tap, resolve
+from steer.edits.tap import Tap, resolve
 
 
 def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dict[int, Tap]]:
     """(engine name, model spec, presets read and checked, serve.inline_layers' taps): everything checked that
     needs no weights."""
     s = conf.serve
-    if list(s.inline_layers) and conf.vllm.in_graph_field():
-        raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
-                                                 "graphs at start, and a request's own vector is not known then; "
-                                                 "serve inline vectors in replay mode (vllm.edits_in_graph false, "
-                                                 "vllm.compiled_edits unset or false)")
-    if conf.vllm.fold_error():
-        raise ConfigError("vllm.fold_norm", conf.vllm.fold_error())
     name = engines.resolve(conf.engine)
-    engines.check_device(conf.device)
     pick_mode(conf, name)
-    if not 0 < s.port < 65536:
-        raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
-    if not s.max_steer_scale > 0:
-        raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
-    if s.chat_max_tokens < 1:
-        raise ConfigError("serve.chat_max_tokens", f"must be at least 1, got {s.chat_max_tokens}")
-    if s.log_level not in LOG_LEVELS:  # uvicorn's, and vLLM's --uvicorn-log-level's
-        raise ConfigError("serve.log_level", f"{s.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    if s.keep_alive_s < 1:
-        raise ConfigError("serve.keep_alive_s", f"must be at least 1 (seconds), got {s.keep_alive_s}")
-    if conf.vllm.tensor_parallel_size < 1:
-        raise ConfigError("vllm.tensor_parallel_size", f"must be at least 1, got {conf.vllm.tensor_parallel_size}")
-    mode = conf.vllm.in_graph_field() or ("tap_graphs" if conf.vllm.tap_graphs else None)
-    if name != "vllm" and mode:
-        raise ConfigError(f"vllm.{mode}", f"needs engine=vllm (this server resolves to engine={name})")
-    if conf.vllm.in_graph_field() and conf.vllm.tap_graphs:
-        raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
-                                             "set one of the two")
+    checks.serve(conf, name)
     spec = model_spec(conf.model, conf.cache_dir)
-    if spec.positions is not None and s.chat_max_tokens >= spec.positions:
-        raise ConfigError("serve.chat_max_tokens", f"{s.chat_max_tokens} leaves no room for a prompt in "
-                                                   f"{conf.model.name}'s {spec.positions} positions")
+    checks.room_for_a_prompt("serve.chat_max_tokens", s.chat_max_tokens, spec.positions, conf.model.name)
     inline = inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)
     presets.check(confs, spec)
     if presets.needs_default(confs):
-        for field in ("positive", "negative"):
-            if not list(getattr(conf.prompts, field)):
-                raise ConfigError(f"prompts.{field}", "is empty; presets with a null vector path use the default "
-                                                      "direction, extracted from prompts.positive and "
-                                                      "prompts.negative")
-        check_texts(conf.prompts, ("positive", "negative"))
+        checks.prompt_sets(conf.prompts, ("positive", "negative"), "presets with a null vector path use the default "
+                           "direction, extracted from prompts.positive and prompts.negative")
     refused = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
     if refused is not None:
         raise ConfigError(*refused)
     return name, spec, confs, inline
-
-
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def pick_mode(conf: ServeConf, name: str) -> None:

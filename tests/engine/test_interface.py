@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from interleaver import EditBank, Kind, StageEdit, TapProgram
+from interleaver import EditBank, EditKind, StageEdit, TapProgram
 from steer.engine import Engine, Scores
 from steer.engine.hf import HFEngine
-from steer.schema import GenConf
+from steer.config.schema import GenConf
 
 PROMPT = "When I opened the letter, I felt"
 
@@ -74,7 +74,7 @@ def test_vllm_engine_close_shuts_its_engine_core_down_once():
 
 def test_a_program_runs_in_the_form_asked_and_only_in_one_it_has():
     bank = EditBank()
-    bank.register("t", [StageEdit(Kind.add, torch.ones(1, 4))])
+    bank.register("t", [StageEdit(EditKind.add, torch.ones(1, 4))])
     program = TapProgram("t", bank.at("t"), False)
     assert not program.fused  # no CUDA here: the torch form only
     h = torch.zeros(2, 4)

@@ -28,7 +28,7 @@ import pkgutil
 import torch
 
 import interleaver
-from interleaver import EditBank, Kind, RequestEdits, Rows, Span, StageEdit, StepRows, TapProgram
+from interleaver import EditBank, EditKind, RequestEdits, Tokens, Span, StageEdit, StepRows, TapProgram
 from interleaver.bank import layout
 
 has_triton = importlib.util.find_spec("triton") is not None
@@ -40,21 +40,21 @@ H, TAP = 8, "model.layers.0.output"
 g = torch.Generator().manual_seed(0)
 v, c = torch.randn(1, H, generator=g), torch.randn(1, H, generator=g)
 d = torch.nn.functional.normalize(torch.randn(1, H, generator=g), dim=1)
-asks = [StageEdit(Kind.add, v, strength=2.0), StageEdit(Kind.ablate, d, rows=Rows.generated),
-        StageEdit(Kind.clamp, d, lo=-0.1, hi=0.2, strength=0.5), StageEdit(Kind.set, d, value=1.5, rows=Rows.prompt),
-        StageEdit(Kind.scale, c, strength=-0.5), None]
+asks = [StageEdit(EditKind.add, v, strength=2.0), StageEdit(EditKind.ablate, d, rows=Tokens.generated),
+        StageEdit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5), StageEdit(EditKind.set, d, value=1.5, rows=Tokens.prompt),
+        StageEdit(EditKind.scale, c, strength=-0.5), None]
 
 
 def delta(e, x):
     """The edit's change to float32 rows `x`, computed directly from its definition."""
-    if e.kind == Kind.add:
+    if e.kind == EditKind.add:
         return e.strength * e.basis[0].expand_as(x)
-    if e.kind == Kind.scale:
+    if e.kind == EditKind.scale:
         return e.strength * (x - e.basis[0])
     p = x @ e.basis.T
-    if e.kind == Kind.ablate:
+    if e.kind == EditKind.ablate:
         return -e.strength * p @ e.basis
-    target = p.clamp(e.lo, e.hi) if e.kind == Kind.clamp else torch.full_like(p, e.value)
+    target = p.clamp(e.lo, e.hi) if e.kind == EditKind.clamp else torch.full_like(p, e.value)
     return e.strength * (target - p) * e.basis
 
 

@@ -1,75 +1,37 @@
 """task=select: choose a layer and a strength for the config's edit.
 
 Every (layer, scale) pair of `select.layers` x `select.scales` runs the edit at that layer and strength, all of
-them one packed sweep on one engine (steer.run.execute), each into a directory of its own under the run dir.
+them one packed sweep on one engine (steer.runs.run.execute), each into a directory of its own under the run dir.
 A pair's score is its concept gain (concept_steered - concept_baseline: how much more of the direction the
 unsteered model reads in the steered text) among pairs whose perplexity stays within `max_ppl_ratio` of the
 baseline's (a strength that breaks the text is rejected however much concept it shows). The run dir gets
 selection.md, selection.json and selection.png (a layers x scales heat map of the gain, rejected cells marked).
 """
 
-import copy
 import io
 import logging
-import math
 import shlex
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
 from rich.table import Table
 
-from steer import results, rundir
-from steer.errors import ConfigError, refuse_repeats
-from steer.schema import NOT_RESULTS, EditKind, SteerConf, TapConf, Task
+from steer import results
+
+from steer.runs import rundir
+from steer.runs.grid import cell_name
+from steer.config.schema import NOT_RESULTS, SteerConf
 
 log = logging.getLogger(__name__)
 PACK = 16  # jobs per batch, as the packed launcher's default
-
-
-def grid(cfg: SteerConf, layers: int) -> List[SteerConf]:
-    """The steer config of every (layer, scale) pair, layers outer; checked against the model's layer count."""
-    s = cfg.select
-    if not s.layers:
-        raise ConfigError("select.layers", "is empty; give at least one decoder layer")
-    if not s.scales:
-        raise ConfigError("select.scales", "is empty; give at least one scale")
-    bad = [x for x in s.layers if not 0 <= x < layers]
-    if bad:
-        raise ConfigError("select.layers", f"{bad} out of range: the model has {layers} decoder layers "
-                                           f"(0..{layers - 1})")
-    if not all(math.isfinite(x) for x in s.scales):
-        raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
-    # one cell twice, or two whose directories' names (cell_name) are one
-    refuse_repeats("select.layers", [int(x) for x in s.layers], " (as a pair's directory names it)")
-    refuse_repeats("select.scales", [f"{float(x):g}" for x in s.scales], " (as a pair's directory names it)")
-    if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
-        raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
-                                              "direction, and edit.kind=scale without a vector scales the whole "
-                                              "stream: give it a direction (edit.vector.path)")
-    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
-        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
-    if cfg.extra_edits:
-        raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
-                                         "extra_edits empty")
-    out = []
-    for layer in s.layers:
-        for scale in s.scales:
-            c = copy.deepcopy(cfg)
-            c.task, c.tap, c.edit.scale = Task.steer, TapConf(layer=layer), float(scale)
-            out.append(c)
-    return out
-
-
-def cell_name(cfg: SteerConf) -> str:
-    return f"layer{cfg.tap.layer}_scale{cfg.edit.scale:g}"
 
 
 CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a finished pair made with the same
 
 
 def _settings(cfg: SteerConf) -> Dict:
-    """A pair's config as a rerun compares it: what changes its results (steer.schema.NOT_RESULTS left out)."""
+    """A pair's config as a rerun compares it: what changes its results (steer.config.schema.NOT_RESULTS left out)."""
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
@@ -81,7 +43,7 @@ def _settings(cfg: SteerConf) -> Dict:
 def _done(cell) -> bool:
     """Whether a pair finished before with these settings, and its vector files and model read as they did then;
     its metrics then stand as its result."""
-    from steer import inputs
+    from steer.runs import inputs
 
     d = cell.out_dir
     got = results.read_json(d / "metrics.json")
@@ -93,11 +55,10 @@ def _done(cell) -> bool:
     return True
 
 
-def run(job, console: Console) -> Dict:
-    """Run the grid of a validated task=select job into its run directory, write the selection report and return
-    the best pair (or none)."""
-    from steer import job as jobs_mod
-    from steer import run as runs
+def run(job, console: Console, execute: Callable) -> Dict:
+    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
+    write the selection report and return the best pair (or none)."""
+    from steer.runs.job import engine_for
 
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
     todo = [cell for cell in jobs if not _done(cell)]
@@ -113,9 +74,9 @@ def run(job, console: Console) -> Dict:
     log.info(say)  # the run's steer.log (each pair's own says how it ran)
     if todo:
         try:
-            with jobs_mod.engine_for(todo) as engine:
+            with engine_for(todo) as engine:
                 for start in range(0, len(todo), PACK):
-                    runs.execute(todo[start : start + PACK], console, summary=False, engine=engine)
+                    execute(todo[start : start + PACK], console, summary=False, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command again runs the "

@@ -1,5 +1,5 @@
-"""The edit kinds and token selectors, as plain enums: the config schema (schema.py) types its fields with them,
-and code that must not import Hydra (compiled edits, engine workers) reads them from here."""
+"""The edit kinds and token selectors, defined once as plain enums: the tap layer's stages, the config schema
+(steer/config/schema.py) and the engines all read them from here. No torch, no Hydra: the CLI imports it to parse."""
 
 from enum import Enum
 

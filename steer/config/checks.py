@@ -1,0 +1,194 @@
+"""Every rule across fields of a config, written once, for runs (`python -m steer`), the server and the bench.
+
+The typed schema (schema.py) already refuses unknown keys and wrong types at composition; what it cannot say lives
+here: ranges, fields that exclude one another, and what an engine or machine must offer. Each function raises a
+`ConfigError` naming the field and what was expected, and builds nothing: callers check first, then build (a job's
+plan, the server's presets, the bench's workload). Checks that must read a file or a model's module tree live with
+what reads them (edits/vector.py, edits/tap.py, models/spec.py) and are called from the same places.
+"""
+
+import math
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, VllmConf
+from steer.errors import ConfigError, refuse_repeats
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's and vLLM's --uvicorn-log-level
+
+
+# --- single values, named by the caller's field -------------------------------------------------------------
+
+def at_least(field: str, value, low, unit: str = "") -> None:
+    if value < low:
+        raise ConfigError(field, f"must be at least {low}{unit}, got {value}")
+
+
+def memory_share(field: str, value: float) -> None:
+    """A share of GPU memory, as vLLM's gpu_memory_utilization takes it."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1):
+        raise ConfigError(field, f"must be a share in (0, 1], got {value}")
+
+
+def optional_positive(field: str, value: Optional[int], what: str) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(field, f"must be a positive {what} or null, got {value}")
+
+
+def writable(field: str, path: Path) -> None:
+    """Said before the engine, not once its work is done: `path` must name a file this process can write."""
+    if path.is_dir():
+        raise ConfigError(field, f"{str(path)!r} is a directory; name the file to write in it, e.g. "
+                                 f"{str(path / 'vector.safetensors')!r}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # made on write
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(field, f"{str(path)!r} cannot be written: {str(parent)!r} is not a directory this "
+                                 "process may write in")
+
+
+def room_for_a_prompt(field: str, new_tokens: int, positions: Optional[int], model: str) -> None:
+    """`new_tokens` must leave room for a prompt in the model's positions (vLLM's max_model_len where set)."""
+    if positions is not None and new_tokens >= positions:
+        raise ConfigError(field, f"{new_tokens} new tokens leave no room for a prompt: {model} has {positions} "
+                                 "positions")
+
+
+# --- sections shared by entry points ------------------------------------------------------------------------
+
+def device(value: str, field: str = "device") -> None:
+    """`cpu`, or `cuda` / `cuda:N` naming a GPU this process sees (where the HF engine runs, and where engine=vllm
+    extracts a default direction)."""
+    import torch
+
+    kind, colon, index = str(value).partition(":")
+    if kind == "cpu" and not colon:
+        return
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ConfigError(field, f"{value!r} is not a device steer runs on; expected cpu, cuda or cuda:N")
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(index or 0) >= seen:
+        raise ConfigError(field, f"{value!r}: this process sees {seen} CUDA device(s)"
+                                 + ("" if seen else "; use device=cpu"))
+
+
+def vllm(v: VllmConf, engine: str, who: str = "this run") -> None:
+    """The `vllm` section, for a run and for the server alike (`engine`: what the config's `engine` resolves to)."""
+    tp = v.tensor_parallel_size
+    at_least("vllm.tensor_parallel_size", tp, 1)
+    if tp > 1:
+        import torch
+
+        _needs_vllm(engine, "vllm.tensor_parallel_size", f"{tp} GPUs per engine", who)
+        if torch.cuda.device_count() < tp:
+            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
+                                                           f"{torch.cuda.device_count()}")
+    memory_share("vllm.gpu_memory_utilization", v.gpu_memory_utilization)
+    optional_positive("vllm.kv_cache_memory_bytes", v.kv_cache_memory_bytes, "number of bytes")
+    optional_positive("vllm.max_model_len", v.max_model_len, "number of positions")
+    at_least("vllm.max_num_seqs", v.max_num_seqs, 1)
+    if v.fold_error():
+        raise ConfigError("vllm.fold_norm", v.fold_error())
+    if v.in_graph_field():
+        _needs_vllm(engine, f"vllm.{v.in_graph_field()}", "capturing edits into vLLM's graphs", who)
+    if v.tap_graphs:
+        _needs_vllm(engine, "vllm.tap_graphs", "replaying CUDA graphs at vLLM's taps", who)
+    if v.in_graph_field() and v.tap_graphs:
+        raise ConfigError("vllm.tap_graphs", "an engine with its edits in the graph has no breaks to replay graphs at; "
+                                             "set one of the two")
+
+
+def _needs_vllm(engine: str, field: str, what: str, who: str) -> None:
+    if engine != "vllm":
+        raise ConfigError(field, f"{what} needs engine=vllm ({who} resolves to engine={engine})")
+
+
+def gen(g: GenConf) -> None:
+    at_least("gen.max_new_tokens", g.max_new_tokens, 1)
+    if g.temperature < 0:
+        raise ConfigError("gen.temperature", f"must be >= 0 (0 is greedy), got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError("gen.top_p", f"must be in (0, 1], got {g.top_p}")
+
+
+def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least one prompt") -> None:
+    """Each named set holds at least one prompt, and every prompt is text."""
+    for name in sets:
+        if not list(getattr(p, name)):
+            raise ConfigError(f"prompts.{name}", f"is empty; {why}")
+    from steer.models.prompt import check_texts
+
+    check_texts(p, tuple(sets))
+
+
+# --- entry points -------------------------------------------------------------------------------------------
+
+def run(cfg: SteerConf, engine: str) -> None:
+    """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
+    at_least("vllm.tensor_parallel_size", cfg.vllm.tensor_parallel_size, 1)
+    # A steer run scores with the tap's values (projection metrics), which an engine with its edits in the graph
+    # cannot keep: those modes are for the bench, the server and the API.
+    if cfg.vllm.fold_norm:
+        raise ConfigError("vllm.fold_norm", "folds edits captured into the graph (vllm.edits_in_graph), a mode a steer "
+                                            "run cannot use (it scores with the tap's values); it is for the bench "
+                                            "and the API")
+    if cfg.vllm.in_graph_field():
+        raise ConfigError(f"vllm.{cfg.vllm.in_graph_field()}",
+                          "a steer run scores with the tap's values (projection metrics), which an engine with its "
+                          "edits in the graph cannot keep; the mode is for the bench and the API "
+                          "(VLLMEngine(..., declare=plans))")
+    vllm(cfg.vllm, engine)
+    device(cfg.device)
+    gen(cfg.gen)
+    prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
+    if cfg.task.value == "extract" and cfg.extract.out:
+        writable("extract.out", Path(cfg.extract.out).expanduser())
+
+
+def select_grid(cfg: SteerConf, layers: int) -> None:
+    """task=select's grid against a model of `layers` decoder layers."""
+    s = cfg.select
+    if not s.layers:
+        raise ConfigError("select.layers", "is empty; give at least one decoder layer")
+    if not s.scales:
+        raise ConfigError("select.scales", "is empty; give at least one scale")
+    bad = [x for x in s.layers if not 0 <= x < layers]
+    if bad:
+        raise ConfigError("select.layers", f"{bad} out of range: the model has {layers} decoder layers "
+                                           f"(0..{layers - 1})")
+    if not all(math.isfinite(x) for x in s.scales):
+        raise ConfigError("select.scales", f"{list(s.scales)} holds a value that is not finite")
+    # one cell twice, or two whose directories' names (runs/grid.py's cell_name) are one
+    refuse_repeats("select.layers", [int(x) for x in s.layers], " (as a pair's directory names it)")
+    refuse_repeats("select.scales", [f"{float(x):g}" for x in s.scales], " (as a pair's directory names it)")
+    if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
+        raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
+                                              "direction, and edit.kind=scale without a vector scales the whole "
+                                              "stream: give it a direction (edit.vector.path)")
+    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
+        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
+    if cfg.extra_edits:
+        raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
+                                         "extra_edits empty")
+
+
+def serve(conf, engine: str) -> None:
+    """The server's own options and its `vllm` section (`conf`: a steer.serve.schema.ServeConf)."""
+    s = conf.serve
+    if list(s.inline_layers) and conf.vllm.in_graph_field():
+        raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
+                                                 "graphs at start, and a request's own vector is not known then; "
+                                                 "serve inline vectors in replay mode (vllm.edits_in_graph false, "
+                                                 "vllm.compiled_edits unset or false)")
+    vllm(conf.vllm, engine, "this server")
+    device(conf.device)
+    if not 0 < s.port < 65536:
+        raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")
+    if not s.max_steer_scale > 0:
+        raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
+    at_least("serve.chat_max_tokens", s.chat_max_tokens, 1)
+    if s.log_level not in LOG_LEVELS:
+        raise ConfigError("serve.log_level", f"{s.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    at_least("serve.keep_alive_s", s.keep_alive_s, 1, " (seconds)")

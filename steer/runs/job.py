@@ -1,0 +1,102 @@
+"""A job: one run's config validated once, before any weights load, with what running it needs (the model's
+spec, the engine it resolves to, the taps it touches, its edits compiled from their files). Jobs that can share
+an engine (`engine_key`) run together on one engine, held for the group and closed after it (`engine_for`).
+"""
+
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+from steer import engine as engines
+from steer.runs import inputs
+from steer.models import prompt
+from steer.models import tiny
+from steer.config import checks
+from steer.runs import grid
+from steer.runs.extract import Recipe
+from steer.models.spec import ModelSpec, spec as model_spec
+from steer.edits.plan import Plan, build
+from steer.config.schema import SteerConf, Task
+from steer.edits.tap import Tap, resolve
+
+
+@dataclass
+class Job:
+    """A validated job. `plan` holds the edits with vectors from files (a default direction is filled in once an
+    engine can extract it); `taps` every tap the job touches, in config order."""
+
+    cfg: SteerConf
+    spec: ModelSpec
+    out_dir: Path
+    engine: str  # the engine `cfg.engine` resolves to
+    taps: List[Tap] = field(default_factory=list)
+    plan: Optional[Plan] = None  # task=steer
+    cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
+    result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
+    vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
+    model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
+    error: Optional[BaseException] = None
+
+
+def prepare(cfg: SteerConf, out_dir: Path) -> Job:
+    """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
+    its plan built (vectors loaded and checked against the model)."""
+    engine = engines.resolve(cfg.engine)
+    checks.run(cfg, engine)
+    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
+    spec = model_spec(cfg.model, cfg.cache_dir)
+    limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
+    checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
+    prompt.check(cfg.prompts.chat, spec.chat_template)
+    if cfg.task == Task.select:
+        checks.select_grid(cfg, spec.layers)
+    job = Job(cfg, spec, Path(out_dir), engine)
+    if cfg.task == Task.steer:
+        job.vectors = inputs.vectors(cfg)  # first: a file rewritten while it loads then reads as changed on resume
+        job.plan = build(cfg, spec)
+        job.taps = list(job.plan.taps.values())
+    elif cfg.task == Task.select:
+        for cell in grid.cells(cfg):
+            digests = inputs.vectors(cell)
+            plan = build(cell, spec)
+            job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine,
+                                 list(plan.taps.values()), plan, vectors=digests))
+    else:
+        job.taps = [resolve(cfg.tap, spec)]
+    return job
+
+
+def engine_key(job: Job) -> str:
+    """Jobs with the same key can share one engine (same model, engine and engine settings)."""
+    c = job.cfg
+    return json.dumps([asdict(c.model), job.engine, c.device, asdict(c.vllm)], sort_keys=True)
+
+
+@contextmanager
+def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
+    """One engine for jobs of one `engine_key`, with every tap they touch fixed at its start (an engine that
+    records graphs needs them up front; the HF engine serves any tap it is given); closed on exit."""
+    first = jobs[0]
+    if first.cfg.model.source == "tiny":
+        tiny.ensure_tiny(first.cfg.cache_dir, first.cfg.model.tiny)
+    taps = {t.path: t for job in jobs for t in job.taps} if first.engine == "vllm" else {}
+    # A local model's files before they load: a checkpoint saved in place while the jobs run then reads as changed
+    # on resume, as it should (taken after, the jobs' record would name weights they never saw). A hub model's once
+    # the engine holds it: the start may fetch them into a snapshot that validation left with its config alone.
+    files = inputs.model(first.cfg, first.spec)
+    _weights_bar(first.cfg.progress)
+    with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values())) as engine:
+        if files.get("kind") == "hub":
+            files = inputs.model(first.cfg, first.spec)
+        for job in jobs:
+            job.model_files = files
+        yield engine
+
+
+def _weights_bar(on: bool) -> None:
+    """transformers' own bar as the weights load ("Loading weights: 100%"), on or off with `progress`."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar() if on else hf_logging.disable_progress_bar()

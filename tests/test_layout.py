@@ -1,0 +1,65 @@
+"""The layout shows the data flow: no module imports one that imports it back (through any chain, counting imports
+inside functions too), and the tap layer imports nothing of the application."""
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("steer", "interleaver", "hydra_plugins")
+
+
+def _modules() -> dict:
+    """Dotted module name -> source path, for every module of the project's packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: dict) -> set:
+    """The project's modules that `name` imports anywhere in its source (a name imported from a package counts as
+    the submodule when there is one of that name, else as the package)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    # a package's own __init__ runs before any of its modules: an edge to an enclosing package is no import loop
+    return {m for m in found if m in known and m != name and not name.startswith(m + ".")}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def test_no_import_loops(graph):
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail(f"import loop: {' -> '.join(e.args[1])}")
+
+
+def test_the_tap_layer_imports_nothing_of_the_application(graph):
+    leaks = {m: sorted(i for i in deps if not i.startswith("interleaver"))
+             for m, deps in graph.items() if m.startswith("interleaver")}
+    assert {m: d for m, d in leaks.items() if d} == {}
+
+
+def test_a_planted_loop_is_found():
+    """The check itself: two modules importing each other inside functions make a loop."""
+    with pytest.raises(graphlib.CycleError):
+        tuple(graphlib.TopologicalSorter({"a": {"b"}, "b": {"a"}}).static_order())
