@@ -100,7 +100,7 @@ class _TapWorkerMixin:
 
         def execute_model(*a, **k):
             # Requests finished since the last step free their own vectors' stages (read here: a step that
-            # schedules nothing may never prepare inputs). A streaming session's request comes back as new under
+            # schedules nothing may never prepare inputs). A streamed-input request comes back as new under
             # its id, with new sampling params and prompt (vLLM's _update_streaming_request): the one looked up ended.
             so = a[0] if a else k.get("scheduler_output")
             done = list(getattr(so, "finished_req_ids", None) or ())

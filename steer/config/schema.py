@@ -125,7 +125,7 @@ class ExtractConf:
     # Take out of the direction its part along the rows' mean (the midpoint of the two sets' means): a direction
     # that shares the mean every token has moves every token when it is ablated (steer/runs/extract.py)
     orthogonal_to_mean: bool = True
-    skip_first: bool = True  # leave the first token (an attention sink, GUIDE.md section 9) out of means
+    skip_first: bool = True  # leave the first token (an attention sink: docs/extraction.md) out of means
     skip_special: bool = True  # leave special tokens (BOS, chat markers) out of means
     out: Optional[str] = None  # null: vector.safetensors in the run dir
     key: str = "direction"
@@ -159,8 +159,8 @@ class VllmConf:
     tap_graphs: bool = False
     # With edits_in_graph (breakable graphs): each residual tap's edits run inside the next layer's residual add and
     # RMSNorm, one kernel for both, where that norm is vLLM's RMSNorm (Llama-family layers); other taps as before.
-    # Off by default: on the H200 it saves about 1.5 us a tap, under 1% of an 8B step, and ran no faster than f
-    # end to end (docs/perf-log.md, 2026-12-03 03:00).
+    # Off by default: it saves about 1.5 us a tap, under 1% of an 8B step, and runs no faster than f end to end
+    # (docs/benchmark.md).
     fold_norm: bool = False
 
     def in_graph_field(self) -> Optional[str]:

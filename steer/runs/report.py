@@ -1,6 +1,6 @@
 """Sweep reports, rebuilt from the job directories alone: `summary.csv` and one PNG per metric.
 
-    python -m steer.runs.report outputs/multirun/2026-11-29/10-00-00-000000
+    python -m steer.runs.report outputs/multirun/<date>/<time>
 
 A job directory counts once its metrics.json exists (written last, atomically): status `ok`. One that holds
 error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
