@@ -25,6 +25,7 @@ from steer.runs import inputs
 from steer.runs import metrics
 
 from steer.runs import rundir
+from steer.config import checks
 from steer.errors import ConfigError
 from steer.runs.extract import Recipe, cached_default, extract_to
 from steer.runs.job import Job, engine_for, prepare
@@ -176,10 +177,8 @@ def _fit(ids: List[int], i: int, cfg: SteerConf, job: Job, limit: int, console: 
     """The prompt's ids if they and the continuation fit the model's positions; else its last tokens that do
     (prompts.truncate) or an error naming the prompt."""
     new = cfg.gen.max_new_tokens
+    checks.room_for_a_prompt("gen.max_new_tokens", new, limit, job.spec.name)  # the engine's own limit, now known
     room = limit - new
-    if room < 1:
-        raise ConfigError("gen.max_new_tokens", f"{new} new tokens leave no room for a prompt: {job.spec.name} "
-                                                f"has {limit} positions")
     if len(ids) <= room:
         return ids
     if not cfg.prompts.truncate:
