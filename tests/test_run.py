@@ -36,6 +36,8 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
                            ("vllm.tap_graphs=true", "needs engine=vllm"),
                            ("vllm.fold_norm=true", "for the bench and the API"),
                            ("vllm.kv_cache_memory_bytes=0", "positive number of bytes"),
+                           ("vllm.gpu_memory_utilization=0", "must be a share in (0, 1]"),
+                           ("vllm.max_model_len=0", "positive number of positions"),
                            ("device=banana", "expected cpu, cuda or cuda:N"),
                            ("device=cuda:x", "expected cpu, cuda or cuda:N"),
                            ("device=cuda:4096", "CUDA device(s)")]:

@@ -174,14 +174,18 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
                                          "extra_edits empty")
 
 
-def serve(conf, engine: str) -> None:
-    """The server's own options and its `vllm` section (`conf`: a steer.serve.schema.ServeConf)."""
-    s = conf.serve
-    if list(s.inline_layers) and conf.vllm.in_graph_field():
+def serve_inline(conf) -> None:
+    """Requests' own vectors against the server's mode: said before the engine is even resolved."""
+    if list(conf.serve.inline_layers) and conf.vllm.in_graph_field():
         raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
                                                  "graphs at start, and a request's own vector is not known then; "
                                                  "serve inline vectors in replay mode (vllm.edits_in_graph false, "
                                                  "vllm.compiled_edits unset or false)")
+
+
+def serve(conf, engine: str) -> None:
+    """The server's own options and its `vllm` section (`conf`: a steer.serve.schema.ServeConf)."""
+    s = conf.serve
     vllm(conf.vllm, engine, "this server")
     device(conf.device)
     if not 0 < s.port < 65536:

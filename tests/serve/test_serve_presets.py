@@ -204,8 +204,11 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     ("serve.chat_max_tokens=0", "serve.chat_max_tokens", "must be at least 1, got 0"),
     ("serve.keep_alive_s=0", "serve.keep_alive_s", "must be at least 1 (seconds), got 0"),
     ("serve.log_level=verbose", "serve.log_level", "'verbose' is not one of critical, error, warning, info, debug"),
-    ("serve.chat_max_tokens=2048", "serve.chat_max_tokens", "2048 leaves no room for a prompt in tiny's 2048 "
-                                                            "positions"),
+    ("serve.chat_max_tokens=2048", "serve.chat_max_tokens", "2048 new tokens leave no room for a prompt: tiny has "
+                                                            "2048 positions"),
+    ("vllm.gpu_memory_utilization=1.5", "vllm.gpu_memory_utilization", "must be a share in (0, 1], got 1.5"),
+    ("vllm.kv_cache_memory_bytes=0", "vllm.kv_cache_memory_bytes", "must be a positive number of bytes or null"),
+    ("extract.method=bogus", "extract.method", "'bogus' is not one of diffmean, pca"),
 ])
 def test_bad_server_settings_stop_the_start(override, field, says, cache_dir):
     from steer.serve.start import prepare
