@@ -31,6 +31,6 @@ def engine_c(monkeypatch):
 @pytest.fixture
 def new_book(tmp_path, console):
     """new_book(cfg): a bench run's book of records in tmp_path, its log on `console`."""
-    from steer.bench.__main__ import _Book
+    from steer.bench.__main__ import Book
 
-    return lambda cfg: _Book(cfg, tmp_path, console, COMMAND)
+    return lambda cfg: Book(cfg, tmp_path, console, COMMAND)
