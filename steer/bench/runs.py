@@ -99,7 +99,7 @@ def _run_group(cfg, m, where, group, out, env, ready, turns) -> None:
         ready.set()
     spec = workload.spec(m, group.model, Path(where))
     cells = [_Timing(c, _inputs(cfg, spec, c)) for c in group.cells]
-    machine, n = {}, 0
+    machine, n = {}, 0  # n: the round's number where no scheduler gives one
     while True:
         n += 1
         ask = turns.wait() if turns is not None else waves.Ask(n)

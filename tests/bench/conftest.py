@@ -9,8 +9,8 @@ from steer.bench import engines
 
 @pytest.fixture(scope="session")
 def bench_model(cache_dir):
-    """The bench's tiny model, written once a session into the session's cache: the recipe's shape and tokenizer,
-    random weights (bench_common.UNTRAINED)."""
+    """The bench's tiny model, written once per test run into its cache: the recipe's shape and tokenizer, random
+    weights (bench_common.UNTRAINED)."""
     from steer.bench import workload
 
     return str(workload.model_dir(bench_conf().models["tiny"], str(cache_dir)))

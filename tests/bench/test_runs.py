@@ -279,3 +279,54 @@ def test_engine_processes_take_their_rounds_beside_the_reference_and_end_on_thei
     assert len(by) == 1 + 7 and {r["status"] for r in book.records} == {"ok"}
     assert by["b", "unsteered"]["rounds"] == [1, 2, 3, 4, 5, 6]
     assert by["c", "add"]["rounds"] == [1, 2, 3] and by["c", "ablate_all"]["rounds"] == [4, 5, 6]
+
+
+class _InThread:
+    """waves.Process's part, its target run in a thread of this process (so that stand-in engines reach it)."""
+
+    def __init__(self, ctx, target, args):
+        self._ready, (self._conn, child) = threading.Event(), Pipe()
+        self.thread = threading.Thread(target=target, args=(*args, self._ready, waves.Turns(child)), daemon=True)
+        self.thread.start()
+        self.killed, self.exitcode = False, 0
+
+    def ready(self):
+        return self._ready.is_set()
+
+    def alive(self):
+        return self.thread.is_alive()
+
+    def round(self, timeout, ask):
+        self._conn.send(ask)
+        return self._conn.recv() if self._conn.poll(timeout) else None
+
+    def join(self, timeout):
+        self.thread.join(timeout)
+
+    def kill(self):
+        pass
+
+
+def test_a_whole_run_times_the_references_beside_every_engine_and_reports_their_ratios(
+        engine_c, monkeypatch, tmp_path, cache_dir, bench_model, console):
+    import steer.engine.vllm
+    from bench_common import COMMAND
+    from steer.bench import __main__ as bench_main
+
+    engine_c(lambda cfg, m, where, group: stand_in_runner(), {"gpu": "stand-in"})
+    for config in ("a", "b"):
+        monkeypatch.setitem(engines.RUNNERS, config, engines.RUNNERS["c"])
+    monkeypatch.setattr(steer.engine.vllm, "available", lambda: True)
+    monkeypatch.setattr(waves, "Process", _InThread)
+    cfg = bench_conf("run=[tiny]", "configs=[a,b,c]", "scenarios=[add,ablate_all]", "batches=[[4,6]]", "repeats=2",
+                     "skip=[tiny/c/ablate_all/*]", "models.tiny.engines_at_once=3", cache_dir=cache_dir)
+    bench_main.run(cfg, tmp_path, console, COMMAND)
+    by = {(r["config"], r["scenario"]): r for r in map(json.loads, open(tmp_path / "records.jsonl"))}
+    assert by["c", "ablate_all"]["status"] == "skipped" and by["a", "unsteered"]["rounds"] == [1, 2]
+    assert by["c", "add"]["rounds"] == [1, 2] and by["b", "unsteered"]["rounds"] == [1, 2]
+    md = (tmp_path / "bench.md").read_text()
+    assert "| scenario | a tok/s | b tok/s | c tok/s | b/a | c/a | c/b |" in md
+    add = next(line for line in md.splitlines() if line.startswith("| add |"))
+    assert add.count("(") == 3 and "*" not in add  # each ratio paired round by round, with its spread
+    assert "- tiny c: skipped skip pattern 'tiny/c/ablate_all/*'" in md
+    assert not list(tmp_path.glob(".tiny-*.json"))  # every engine's records handed to the book
