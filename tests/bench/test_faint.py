@@ -8,7 +8,7 @@ from interleaver.program import TapProgram
 from interleaver.rows import Span, StepRows
 from steer.bench import workload
 from steer.engine.vllm import stage_edit
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 
 EPS = 1e-6
 
