@@ -214,7 +214,7 @@ def folded(table: Fused, hidden: torch.Tensor, residual: Optional[torch.Tensor],
            weights: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic as plain torch ops, out of place: `hidden` as the kernel would leave it. Written for a
     compiler (torch.compile) to fuse into the kernels around it, such as the next layer's residual add and RMSNorm,
-    so that the edit costs no launch of its own; steer.bench.kernel measures that candidate. A row whose weights
+    so that the edit costs no launch of its own (a candidate beside the fused kernel). A row whose weights
     are all 0 comes back bit for bit."""
     x = hidden.float() if residual is None else hidden.float() + residual.float()
     w = weights[: hidden.shape[0]].index_select(1, table.col)  # [rows, directions]

@@ -140,8 +140,8 @@ class TapProgram:
 
     @contextmanager
     def form(self, name: str) -> Iterator[None]:
-        """Run the program's calls inside the block in form `name`, to measure one against another
-        (steer.bench.kernel): "fused", the kernel as it launches by default (directly once compiled, bound to its
+        """Run the program's calls inside the block in form `name`, to measure one against another: "fused",
+        the kernel as it launches by default (directly once compiled, bound to its
         tensors' addresses); "direct", launched directly but resolving its arguments at each launch; "jit", every
         launch through Triton's JIT; "torch", the torch form. The same edit either way."""
         if name not in FORMS:

@@ -2,45 +2,21 @@
 
 A configuration's runner, `RUNNERS[config](cfg, m, where, group)`, starts the engine and returns
 `run(prompts, scenario, tokens)`: one `generate` of the whole batch, every request exactly `tokens` new tokens
-(ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say); a vLLM
-LLM's runner has `run.steps()`, the engine core's stamps of the steps since the last call (step_stamps). The
-engines of a, b, d, e and i get the settings steer's engine gets in c, f, g and h (`vllm_conf`); beyond steering,
-a differs from the others in its model runner (vLLM's default, V2; steer's worker hooks V1), which i does not.
+(ignore_eos, not detokenized), handing back how many it produced (None where the engine does not say); steer's
+runners also have `run.profile()`, the taps' host time since the last call (STEER_PROFILE=1). The engines of a,
+b, d, e and i get the settings steer's engine gets in c, f, g and h (`vllm_conf`); beyond steering, a differs
+from the others in its model runner (vLLM's default, V2; steer's worker hooks V1), which i does not.
 steer/bench/runs.py times the passes.
 """
 
 import os
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
-from interleaver.vllm_internals import step_stamps
 from steer.bench import workload
 from steer.bench.schema import BenchConf, BenchModelConf
-
-# the configurations that hold a vLLM LLM of their own (d, e: nnsight's)
-TRACEABLE = ("a", "b", "b2", "c", "f", "g", "h", "i", "j")
-
-
-def traceable(run, profiled, trace_dir: Optional[str]):
-    """Give `run` a `trace(prompts, scen, tokens)` (one pass under vLLM's profiler, its kernel table handed back)
-    where the engine was started with a profiler directory. `profiled`: a vLLM LLM or a VLLMEngine (its
-    start_profile and stop_profile)."""
-    if trace_dir:
-        def trace(prompts, scen, tokens) -> str:
-            from steer.bench import timeline
-
-            profiled.start_profile()
-            try:
-                run(prompts, scen, tokens)
-            finally:
-                profiled.stop_profile()  # writes the table (rank 0's) and the Chrome trace, before it returns
-            table = (Path(trace_dir) / "profiler_out_0.txt").read_text()
-            return table + "\n" + timeline.report(Path(trace_dir))
-
-        run.trace = trace
-    return run
 
 
 def machine() -> Dict:
@@ -53,19 +29,18 @@ def machine() -> Dict:
             "nnsight": getattr(nnsight, "__version__", "?")}
 
 
-def llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Optional[str] = None) -> Dict:
+def llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path) -> Dict:
     """vllm.LLM's arguments for configurations a, b, d and e: the settings steer's engine gets in c, f and g."""
     from vllm.config import CompilationConfig
 
-    from steer.engine.vllm import compilation_config, profiler_config
+    from steer.engine.vllm import compilation_config
 
     v = vllm_conf(cfg, m, where)
-    trace = {"profiler_config": profiler_config(trace_dir)} if trace_dir else {}
     return dict(dtype=m.dtype, load_format=v.load_format, gpu_memory_utilization=v.gpu_memory_utilization,
                 kv_cache_memory_bytes=v.kv_cache_memory_bytes, max_model_len=v.max_model_len,
                 max_num_seqs=v.max_num_seqs, enable_prefix_caching=False, seed=cfg.seed,
                 tensor_parallel_size=v.tensor_parallel_size,
-                compilation_config=CompilationConfig(**compilation_config(v)), **trace)
+                compilation_config=CompilationConfig(**compilation_config(v)))
 
 
 def vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False,
@@ -107,14 +82,13 @@ def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
     plain_env(breakable, v1)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(where), **llm_kwargs(cfg, m, where, group.trace_dir))
+    llm = LLM(model=str(where), **llm_kwargs(cfg, m, where))
 
     def run(prompts, scen, tokens):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
         return _count(llm.generate(_token_prompts(prompts), params, use_tqdm=False))
 
-    run.steps = step_stamps(llm)
-    return traceable(run, llm, group.trace_dir)
+    return run
 
 
 def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False, compiled: bool = False,
@@ -139,15 +113,14 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
         return plans[key][1]
 
     engine = VLLMEngine(spec, vllm_conf(cfg, m, where, in_graph, tap_graphs, compiled, fold), taps,
-                        declared(cfg, spec, group, plan) if in_graph or compiled else (), profile_dir=group.trace_dir)
+                        declared(cfg, spec, group, plan) if in_graph or compiled else ())
 
     def run(prompts, scen, tokens):
         plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
         return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
 
     run.profile = engine.host_profile
-    run.steps = step_stamps(engine.llm)
-    return traceable(run, engine, group.trace_dir)
+    return run
 
 
 def declared(cfg, spec, group, plan) -> list:

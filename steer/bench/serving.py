@@ -1,20 +1,14 @@
-"""The serving benchmark: `python -m steer.serve engine=vllm` against a stock `vllm serve` with the same settings,
-under vLLM's own serving benchmark (vllm.benchmarks.serve, what `vllm bench serve` runs), on Llama-3-8B's shape with
-dummy weights. GPU only.
+"""The serving benchmark: steer's vLLM server against a stock `vllm serve` with the same settings, under vLLM's own
+serving benchmark (vllm.benchmarks.serve, what `vllm bench serve` runs), on Llama-3-8B's shape with dummy weights.
+GPU only.
 
-    python -m steer.bench.serving --out bench-serve [--modes replay,in_graph,compiled]
+    python -m steer.bench.serving --out bench-serve [--modes replay,in_graph,compiled] [--repeats 3]
 
-Loads (each: 256 random prompts of 256 tokens, 128 new tokens, EOS ignored, greedy, 16 requests in flight):
-  unsteered    no request names a preset
-  mixed        a third unsteered, a third on preset `add8` (add at layer 8), a third on `clamp16` (clamp at layer 16)
-  ablate_all   every request on preset `ablate_all` (ablate at all 32 layers)
-The stock servers run `unsteered`: `stock` as a user starts it (vLLM's own choice of model runner, V2 for Llama in
-0.26) and `stock_v1` on the V1 model runner that steer's worker hooks (VLLM_USE_V2_MODEL_RUNNER=0), which holds the
-runner fixed. Each steer server (replay at the breaks, the edits captured into breakable graphs, or compiled into
-vLLM's own torch.compile'd graphs: vllm.compiled_edits) runs all three. Every load runs --repeats times on its
-server, the loads in turn, and a row gives the median of its runs (output throughput, TTFT p50, TPOT p50) with the
-throughput's range, and ratios to each stock server's unsteered load measured in the same run (bench-serve.md,
-bench-serve.json).
+Loads (256 random prompts of 256 tokens, 128 new tokens, EOS ignored, greedy, 16 in flight): `unsteered`; `mixed`,
+a third each unsteered, on preset add8 and on clamp16; `ablate_all`, every request ablating at all 32 layers. The
+stock servers run `unsteered`: `stock` on vLLM's own choice of model runner and `stock_v1` on the V1 runner steer's
+worker hooks, which holds the runner fixed. Every load runs --repeats times, the loads in turn; a row is the median
+of its runs with the throughput's range, against each stock server's unsteered load (bench-serve.md, .json).
 """
 
 import argparse
@@ -85,8 +79,7 @@ def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str)
 
 
 def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args) -> dict:
-    """vLLM's serving benchmark against `url`, request i carrying preset cycle[i % len(cycle)] (None: no steer
-    field); its result dict (throughputs, TTFT/TPOT/ITL percentiles)."""
+    """vLLM's serving benchmark against `url`, request i on preset cycle[i % len(cycle)] (None: none); its result."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -117,9 +110,8 @@ def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args)
 
 
 def summary(result: dict) -> dict:
-    keep = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
-            "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms")
-    return {k: result.get(k) for k in keep}
+    return {k: result.get(k) for k in ("completed", "failed", "duration", "output_throughput", "median_ttft_ms",
+                                       "p99_ttft_ms", "median_tpot_ms", "median_itl_ms")}
 
 
 def row(runs: List[dict]) -> dict:
@@ -181,13 +173,8 @@ def environment(name: str) -> Dict[str, str]:
     from steer.serve.schema import ServeOptions
     from steer.serve.vllm_server import KEEP_ALIVE_ENV
 
-    env = dict(os.environ, **{KEEP_ALIVE_ENV: str(ServeOptions().keep_alive_s)})
-    for k, v in BASELINES[name].items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
-    return env
+    env = dict(os.environ, **{KEEP_ALIVE_ENV: str(ServeOptions().keep_alive_s)}, **BASELINES[name])
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def measure(name: str, model: Path, presets: Path, out: Path, args) -> Dict[str, dict]:

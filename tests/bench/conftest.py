@@ -9,8 +9,8 @@ from steer.bench import engines
 
 @pytest.fixture(scope="session")
 def bench_model(cache_dir):
-    """The bench's tiny model, written once a session into the session's cache: the recipe's shape and tokenizer,
-    random weights (bench_common.UNTRAINED)."""
+    """The bench's tiny model, written once per test run into its cache: the recipe's shape and tokenizer, random
+    weights (bench_common.UNTRAINED)."""
     from steer.bench import workload
 
     return str(workload.model_dir(bench_conf().models["tiny"], str(cache_dir)))
@@ -31,6 +31,6 @@ def engine_c(monkeypatch):
 @pytest.fixture
 def new_book(tmp_path, console):
     """new_book(cfg): a bench run's book of records in tmp_path, its log on `console`."""
-    from steer.bench.__main__ import _Book
+    from steer.bench.__main__ import Book
 
-    return lambda cfg: _Book(cfg, tmp_path, console, COMMAND)
+    return lambda cfg: Book(cfg, tmp_path, console, COMMAND)

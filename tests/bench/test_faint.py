@@ -3,10 +3,26 @@
 import pytest
 import torch
 
-from steer.bench import kernel, workload
+from interleaver.bank import EditBank, RequestEdits, layout
+from interleaver.program import TapProgram
+from interleaver.rows import Span, StepRows
+from steer.bench import workload
+from steer.engine.vllm import stage_edit
 from steer.config.schema import EditKind
 
 EPS = 1e-6
+
+
+def _program(scen: str, rows: int, hidden: int, device) -> tuple:
+    """One tap's program for `rows` decode rows steered by scenario `scen`, as f runs it, and the step's weights."""
+    bank = EditBank()  # registers each distinct edit once, however many requests ask for it
+    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register("layers.0", [stage_edit(e)])))
+             for i, e in enumerate(workload.scenario(scen, hidden, 1, rows, 0).edits)]
+    step = StepRows()
+    step.order = layout(bank.stages)
+    step.set(spans, rows, len(bank.stages), device)
+    columns = {int(s): c for c, s in enumerate(step.order)}
+    return TapProgram("layers.0", bank.at("layers.0"), True, columns, device=device), step.weights
 
 
 @pytest.mark.parametrize("scen", ["add", "ablate_all", "k8"])
@@ -29,8 +45,8 @@ def test_the_faint_twin_is_each_edit_at_epsilon_of_its_strength(scen):
 def test_the_faint_twin_runs_every_row_and_stage_the_full_edit_runs(scen):
     # The fused kernel skips a row's direction only where its weight is exactly 0, and a replayed step runs a
     # group only where some row's weight in it is not: the same nonzero weights mean the same work.
-    full_program, full_w = kernel._program(scen, 16, 32, "cpu")
-    faint_program, faint_w = kernel._program(scen + "@eps", 16, 32, "cpu")
+    full_program, full_w = _program(scen, 16, 32, "cpu")
+    faint_program, faint_w = _program(scen + "@eps", 16, 32, "cpu")
     assert torch.equal(faint_w != 0, full_w != 0) and (full_w != 0).any()
     assert [(g.family, g.index) for g in faint_program.groups] == [(g.family, g.index) for g in full_program.groups]
     assert all(torch.equal(a.basis, b.basis) for a, b in zip(faint_program.groups, full_program.groups))
@@ -45,7 +61,7 @@ def test_the_faint_twin_leaves_the_data_as_it_was(scen):
     h0, r = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
 
     def edited(name, dtype):
-        program, weights = kernel._program(name, rows, hidden, "cpu")
+        program, weights = _program(name, rows, hidden, "cpu")
         h = h0.to(dtype, copy=True)
         # the torch form, as f runs it without the fused kernel; float64 rows (float32 residual, so the stream and
         # the deltas are float32) only keep the deltas from rounding into them
@@ -70,7 +86,7 @@ def test_the_fused_kernel_runs_the_faint_twin_and_leaves_bf16_rows_as_they_were_
     h0, r = (torch.randn(rows, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
     moved = {}
     for name in (scen, scen + "@eps"):
-        program, weights = kernel._program(name, rows, hidden, "cuda")
+        program, weights = _program(name, rows, hidden, "cuda")
         h = h0.clone()
         program.in_graph((h, r), weights)
         assert program.fused and program.ran == {"fused": 1, "torch": 0}

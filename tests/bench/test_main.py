@@ -1,12 +1,12 @@
-"""steer.bench's entry point: the command its report quotes."""
+"""steer.bench's entry point: the command its report quotes, and bad input refused in one line."""
 from steer.bench.__main__ import effective
 
 
 def test_an_override_a_later_one_replaces_is_left_out():
-    table = ["configs=[a,b,c,f,h,i]", "trace=[]", "skip=['*/[de]/*@eps/*']", "lanes=[{runs:['*'],cpus:'2-9'}]"]
+    table = ["configs=[a,b,c,f,h,i]", "repeats=5", "skip=['*/[de]/*@eps/*']", "max_timed_s=30"]
     mine = ["run=[llama3_8b]", "configs=[a,b,c,f,h]", "skip=['*/*/add@eps/*']"]
-    assert effective(table + mine) == ["trace=[]", "lanes=[{runs:['*'],cpus:'2-9'}]", "run=[llama3_8b]",
-                                       "configs=[a,b,c,f,h]", "skip=['*/*/add@eps/*']"]
+    assert effective(table + mine) == ["repeats=5", "max_timed_s=30", "run=[llama3_8b]", "configs=[a,b,c,f,h]",
+                                       "skip=['*/*/add@eps/*']"]
 
 
 def test_order_dicts_packages_and_deletions_keep_their_effect():
@@ -18,7 +18,7 @@ def test_order_dicts_packages_and_deletions_keep_their_effect():
 
 
 def test_distinct_keys_and_prefixed_overrides_pass_unchanged():
-    given = ["run=[smollm2]", "+models.smollm2.env.VLLM_ENABLE_V1_MULTIPROCESSING=0", "models.smollm2.min_timed_s=8"]
+    given = ["run=[smollm2]", "+models.smollm2.foo=0", "models.smollm2.repeats=8"]
     assert effective(given) == given
     assert effective([]) == []
 
@@ -29,7 +29,10 @@ def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path):
 
     from helpers import cli_env
 
-    for override, says in (("bogus=1", "Key 'bogus' not in 'BenchConf'"), ("repeats=abc", "repeats=abc")):
+    # the schema's refusals and the bench's own checks alike, before any engine starts (none could start here)
+    for override, says in (("bogus=1", "Key 'bogus' not in 'BenchConf'"), ("repeats=abc", "repeats=abc"),
+                           ("repeats=0", "error repeats: must be >= 1, got 0"),
+                           ("configs=[a,q]", "error configs[1]: unknown configuration 'q'")):
         res = subprocess.run([sys.executable, "-m", "steer.bench", "run=[tiny]", override], cwd=tmp_path,
                              env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and res.stderr.startswith("error ") and says in res.stderr, res.stderr

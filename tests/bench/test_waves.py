@@ -1,186 +1,117 @@
-"""The bench's scheduler: engines start a wave at a time and are timed in rounds, one at a time (fake engines; two
-tests with real child processes)."""
+"""The bench's scheduler: a model's engines start a wave at a time and are timed in rounds, the references in
+every round of every wave (fake engines; three tests with real child processes)."""
 
 import os
 import time
-
-import pytest
 
 from steer.bench import waves
 
 
 class Fake:
-    """An engine that is ready after `polls` looks (never, if None), or dies while starting when `dies`; it wants
-    `rounds` rounds, and on its way out ends unless it `lingers`."""
+    """An engine that is ready after its first look unless it `dies` while starting; it wants `rounds` rounds, and
+    answers nothing (fails) at round `fails_at`."""
 
-    def __init__(self, name, log, polls=1, dies=False, lingers=False, rounds=1, fails_after=None):
-        self.name, self.log, self.polls, self.dies, self.lingers = name, log, polls, dies, lingers
-        self.rounds, self.timed, self.passes, self.fails_after = rounds, 0, {}, fails_after
-        self.exitcode, self.killed, self.looks, self.ended = None, False, 0, False
+    def __init__(self, name, log, dies=False, rounds=2, fails_at=None):
+        self.name, self.log, self.dies, self.rounds, self.fails_at = name, log, dies, rounds, fails_at
+        self.timed, self.killed, self.ended = 0, False, False
         log.append(("start", name))
 
     def ready(self):
-        if self.polls is None or self.dies:
-            return False
-        self.looks += 1
-        return self.looks > self.polls
+        return not self.dies
 
     def alive(self):
         return not self.dies and not self.killed and not self.ended
 
-    def round(self, timeout, ask=waves.ROUND):
-        """A plain round; in a paired run a pass at `ask.batch` (the reference's with `keep`), or the close."""
-        if ask == waves.ROUND:
-            self.timed += 1
-            self.log.append(("round", self.name))
-            return [(1, 1)] if self.timed < self.rounds else []
-        self.log.append(("close", self.name) if ask.close else ("pass", self.name, ask.batch, ask.scenario))
-        if ask.close or (self.fails_after is not None and len(self.log) > self.fails_after):
-            return [] if ask.close else None
-        if not ask.keep:
-            self.passes[ask.scenario, ask.batch] = self.passes.get((ask.scenario, ask.batch), 0) + 1
-        return [c for c in CELLS.get(self.name, []) if ask.keep or self.passes.get(c, 0) < self.rounds]
+    def round(self, timeout, ask):
+        if ask.close:
+            self.log.append(("close", self.name))
+            return False
+        if ask.round == self.fails_at:
+            return None
+        self.timed += 1
+        self.log.append((ask.round, self.name, ask.keep))
+        return self.timed < self.rounds
 
     def join(self, timeout):
-        self.ended = not self.lingers
+        self.ended = True
 
     def kill(self):
-        if self.alive():
-            self.log.append(("killed", self.name))
         self.killed = True
 
 
-BATCHES = [(64, 128), (256, 256)]
-SMALL, LARGE = BATCHES
-# each engine's cells (scenario, batch), in order: b is the pairing reference, c has two scenarios, f one
-CELLS = {"b": [("unsteered", SMALL), ("unsteered", LARGE)],
-         "c": [("add", SMALL), ("k1", SMALL), ("add", LARGE), ("k1", LARGE)],
-         "f": [("add", SMALL), ("add", LARGE)]}
-
-
-def schedule(groups, width, make, timeout_s=5.0, reference=None):
-    log = []
-    tries = {}
+def schedule(groups, width, **how):
+    """`groups` (names; a and b are references) under the scheduler; the log of starts, passes and closes, and
+    the order engines were finished in."""
+    log, done, engines = [], [], {}
 
     def start(g):
-        tries[g] = tries.get(g, 0) + 1
-        return Fake(g, log, **make(g, tries[g]))
+        engines[g] = Fake(g, log, **how.get(g, {}))
+        return engines[g]
 
-    done = []
-    waves.run(groups, width, start, lambda g, e: done.append((g, e.ready())), timeout_s, poll_s=0.001,
-              reference=reference, cells=lambda g: CELLS.get(g, []))
-    return log, done
-
-
-def test_a_wave_starts_together_and_is_timed_one_at_a_time():
-    log, done = schedule(list("abcde"), 2, lambda g, n: {"polls": 3})
-    assert log == [("start", "a"), ("start", "b"), ("round", "a"), ("round", "b"),
-                   ("start", "c"), ("start", "d"), ("round", "c"), ("round", "d"),
-                   ("start", "e"), ("round", "e")]
-    assert [g for g, _ in done] == list("abcde")
+    waves.run(groups, width, start, lambda g, e: done.append(g), timeout_s=5.0, poll_s=0.001,
+              reference=lambda g: g in ("a", "b"))
+    return log, done, engines
 
 
-def test_a_waves_engines_take_turns_round_by_round_until_each_has_its_passes():
-    log, done = schedule(list("abc"), 3, lambda g, n: {"rounds": {"a": 3, "b": 1, "c": 2}[g]})
-    rounds = [name for what, name in log if what == "round"]
-    assert rounds == ["a", "b", "c", "a", "c", "a"]
-    assert [g for g, _ in done] == ["b", "c", "a"]  # each finished as soon as it has all its rounds
+def test_the_references_start_first_and_time_every_round_of_every_wave():
+    log, done, _ = schedule(["a", "b", "c", "f", "h"], 4)
+    # a, b and two others in the first wave; h alone beside a and b in the second
+    assert [x[1] for x in log if x[0] == "start"] == ["a", "b", "c", "f", "h"]
+    assert log.index(("start", "h")) > log.index((2, "f", False))  # h starts once c and f are done
+    rounds = [x for x in log if isinstance(x[0], int)]
+    assert rounds == [(1, "a", True), (1, "b", True), (1, "c", False), (1, "f", False),
+                      (2, "a", True), (2, "b", True), (2, "c", False), (2, "f", False),
+                      (3, "a", True), (3, "b", True), (3, "h", False),
+                      (4, "a", True), (4, "b", True), (4, "h", False)]
+    assert log[-2:] == [("close", "a"), ("close", "b")]
+    assert done == ["c", "f", "h", "a", "b"]
 
 
-def test_a_start_that_fails_beside_others_is_tried_again_alone():
-    log, done = schedule(list("abc"), 3, lambda g, n: {"dies": g == "b" and n == 1})
-    assert log == [("start", "a"), ("start", "b"), ("start", "c"), ("round", "a"), ("round", "c"),
-                   ("start", "b"), ("round", "b")]
-    assert [g for g, _ in done] == ["a", "c", "b"]
+def test_without_others_the_references_take_rounds_until_they_have_their_passes():
+    log, done, _ = schedule(["a", "b"], 2, a={"rounds": 3})
+    assert [x for x in log if isinstance(x[0], int)][-2:] == [(3, "a", True), (3, "b", True)]
+    assert done == ["a", "b"]
 
 
-@pytest.mark.parametrize("make, log_", [(lambda g, n: {"dies": True}, [("start", "a")]),
-                                       (lambda g, n: {"polls": None}, [("start", "a"), ("killed", "a")])])
-def test_a_start_that_fails_alone_is_finished_as_failed(make, log_):
-    log, done = schedule(["a"], 4, make, timeout_s=0.05)
-    assert log == log_ and done == [("a", False)]
+def test_a_reference_that_fails_is_finished_and_the_others_go_on():
+    log, done, engines = schedule(["a", "b", "c", "f"], 3, b={"fails_at": 2})
+    assert done[0] == "b" and engines["b"].killed
+    assert [x[1] for x in log if isinstance(x[0], int) and x[0] >= 2] == ["a", "c", "a", "f", "a", "f"]
 
 
-def test_a_start_that_never_gets_ready_is_killed_and_retried_once():
-    log, done = schedule(["a", "b"], 2, lambda g, n: {"polls": None if g == "a" else 0}, timeout_s=0.05)
-    assert log == [("start", "a"), ("start", "b"), ("killed", "a"), ("round", "b"), ("start", "a"),
-                   ("killed", "a")]
-    assert done == [("b", True), ("a", False)]
-
-
-def test_an_engine_that_is_finished_but_never_ends_is_killed_and_the_next_goes():
-    log, done = schedule(list("ab"), 2, lambda g, n: {"lingers": g == "a"})
-    assert log == [("start", "a"), ("start", "b"), ("round", "a"), ("killed", "a"), ("round", "b")]
-    assert [g for g, _ in done] == ["a", "b"]
-
-
-def test_paired_the_reference_times_a_pass_before_and_after_every_other_engines_cell_batch_by_batch():
-    log, done = schedule(list("bcf"), 3, lambda g, n: {"rounds": {"b": 0, "c": 2, "f": 1}[g]},
-                         reference=lambda g: g == "b")
-
-    def around(batch, *passes):  # b, then each engine's pass followed by b's
-        return [("pass", "b", batch, None)] + [x for p in passes for x in (("pass", *p), ("pass", "b", batch, None))]
-
-    one = around(SMALL, ("c", SMALL, "add"), ("c", SMALL, "k1"), ("f", SMALL, "add")) + \
-        around(LARGE, ("c", LARGE, "add"), ("c", LARGE, "k1"), ("f", LARGE, "add"))  # f has its one pass at each
-    two = around(SMALL, ("c", SMALL, "add"), ("c", SMALL, "k1")) + around(LARGE, ("c", LARGE, "add"),
-                                                                          ("c", LARGE, "k1"))
-    assert [e for e in log if e[0] != "start"] == one + two + [("close", "b")]
-    assert [g for g, _ in done] == ["f", "c", "b"]  # the reference closes once every other is finished
-
-
-def test_paired_without_its_reference_in_the_wave_the_rounds_are_plain():
-    log, done = schedule(list("bcf"), 2, lambda g, n: {"rounds": 1}, reference=lambda g: g == "b")
-    assert [e for e in log if e[0] != "start"][-1] == ("round", "f")  # f's wave has no b: a plain round
-    assert ("pass", "c", SMALL, "add") in log  # b's wave (b, c) is paired
-
-
-def test_paired_a_reference_that_fails_leaves_the_others_timed_unpaired():
-    log, done = schedule(list("bf"), 2, lambda g, n: {"rounds": 2, "fails_after": 4 if g == "b" else None},
-                         reference=lambda g: g == "b")
-    timed = [e for e in log if e[0] != "start"]
-    # b answers nothing from its second pass on (the fifth entry of the log): finished as failed, f goes on alone
-    assert timed == [("pass", "b", SMALL, None), ("pass", "f", SMALL, "add"), ("pass", "b", SMALL, None),
-                     ("pass", "f", LARGE, "add"), ("pass", "f", SMALL, "add"), ("pass", "f", LARGE, "add")]
-    assert [g for g, _ in done] == ["b", "f"]
-
-
-def test_paired_an_engine_wanting_no_cell_it_was_given_gets_plain_rounds():
-    class Odd(Fake):
-        def round(self, timeout, ask=waves.ROUND):  # wants a cell nobody named, until a plain round
-            self.log.append(("asked", self.name, ask))
-            return [("add", (9, 9))] if ask != waves.ROUND else []
-
-    log, finished = [], []
-    waves._paired(("b", Fake("b", log)), [("c", Odd("c", log), [("add", SMALL)])], 1.0, 0.0,
-                  lambda g, e: finished.append(g))
-    assert [e[2] for e in log if e[0] == "asked"] == [waves.Ask(SMALL, "add"), waves.ROUND]
-    assert finished == ["c", "b"] and log[-1] == ("close", "b")
+def test_an_engine_that_never_gets_ready_is_killed_and_finished_and_the_rest_are_timed():
+    log, done, engines = schedule(["a", "c", "f"], 3, c={"dies": True})
+    assert done[0] == "c" and engines["c"].killed and not any(x[1] == "c" for x in log if isinstance(x[0], int))
+    assert [x[1] for x in log if x[0] == 1] == ["a", "f"] and done[1:] == ["f", "a"]
 
 
 def _child(path, ready, turns):
     """Two rounds, each appending to `path` only when asked for."""
     ready.set()
     for i in range(2):
-        assert turns.wait() == waves.ROUND
+        assert turns.wait() == waves.Ask(i + 1)
         with open(path, "a") as f:
             f.write(f"round {i};")
-        turns.answer([("add", (64, 128))] if i == 0 else [])
+        turns.answer(i == 0)
+
+
+def _wait(cond, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_a_child_process_times_a_round_only_when_asked(tmp_path):
     import multiprocessing
 
     p = waves.Process(multiprocessing.get_context("spawn"), _child, (str(tmp_path / "out"),))
-    deadline = time.monotonic() + 60
-    while not p.ready() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait(p.ready)
     assert p.ready() and p.alive() and not (tmp_path / "out").exists()
-    assert p.round(30) == [("add", (64, 128))] and (tmp_path / "out").read_text() == "round 0;"
-    assert p.round(30) == [] and (tmp_path / "out").read_text() == "round 0;round 1;"
+    assert p.round(30, waves.Ask(1)) is True and (tmp_path / "out").read_text() == "round 0;"
+    assert p.round(30, waves.Ask(2)) is False and (tmp_path / "out").read_text() == "round 0;round 1;"
     p.join(30)
     assert p.exitcode == 0 and not p.alive() and not p.killed
-    assert p.round(1) is None  # nobody there to answer
+    assert p.round(1, waves.Ask(3)) is None  # nobody there to answer
 
 
 def _hangs_on_its_way_out(path, ready, turns):
@@ -193,7 +124,7 @@ def _hangs_on_its_way_out(path, ready, turns):
         f.write(str(grandchild.pid))
     ready.set()
     turns.wait()
-    turns.answer([])
+    turns.answer(False)
     time.sleep(600)
 
 
@@ -209,22 +140,17 @@ def test_a_finished_process_that_hangs_is_killed_with_what_it_started(tmp_path):
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    engines = []
+    engines, finished = [], []
 
     def start(g):
         engines.append(waves.Process(ctx, _hangs_on_its_way_out, (str(tmp_path / "pid"),)))
         return engines[-1]
 
-    finished = []
-    t0 = time.monotonic()
-    waves.run(["a"], 1, start, lambda g, e: finished.append(g), timeout_s=60, poll_s=0.05, exit_s=0.5)
+    waves.run(["c"], 1, start, lambda g, e: finished.append(g), timeout_s=60, poll_s=0.05, exit_s=0.5)
     grandchild = int((tmp_path / "pid").read_text())
-    deadline = time.monotonic() + 10
-    while _running(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert finished == ["a"] and engines[0].killed and not engines[0].alive()
+    _wait(lambda: not _running(grandchild), 10)
+    assert finished == ["c"] and engines[0].killed and not engines[0].alive()
     assert not _running(grandchild)
-    assert time.monotonic() - t0 < 60  # the child's own sleep is 600 s
 
 
 def _dies_leaving_its_grandchild(path, ready, turns):
@@ -243,13 +169,9 @@ def test_a_process_that_died_is_killed_with_what_it_started(tmp_path):
     import multiprocessing
 
     p = waves.Process(multiprocessing.get_context("spawn"), _dies_leaving_its_grandchild, (str(tmp_path / "pid"),))
-    deadline = time.monotonic() + 60
-    while p.alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait(lambda: not p.alive())
     grandchild = int((tmp_path / "pid").read_text())
     assert not p.alive() and _running(grandchild)
     p.kill()
-    deadline = time.monotonic() + 10
-    while _running(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait(lambda: not _running(grandchild), 10)
     assert not _running(grandchild) and p.exitcode == 3 and not p.killed  # it had ended: not killed running
