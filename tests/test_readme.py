@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 TEXT = README.read_text()
 # Placeholders (`python -m steer -m ...`) and a model that only the Hugging Face hub serves are not runnable here.
 LEFT_OUT = ("...", "model=llama")
-ENTRY = r"python -m steer(?:\.serve|\.bench)?"
+LINK = r"\]\(([\w./-]+)(?:#[\w-]*)?\)"  # a markdown link to a file of the checkout (not a URL)
 
 
 def commands(text: str, entry: str = r"python -m steer") -> list:
@@ -94,10 +94,10 @@ def test_the_fresh_machine_commands_are_the_ones_ci_runs():
 
 def test_the_readme_stays_short_and_links_only_to_pages_that_exist():
     assert len(TEXT.splitlines()) < 250
-    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", TEXT)
+    links = re.findall(LINK, TEXT)
     assert "docs/configs.md" in links and "CONTRIBUTING.md" in links
     for page in [README] + sorted((ROOT / "docs").glob("*.md")) + [ROOT / "CONTRIBUTING.md"]:
-        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+        for link in re.findall(LINK, page.read_text()):
             assert (page.parent / link).exists(), f"{page.relative_to(ROOT)} links to {link}, which does not exist"
 
 
