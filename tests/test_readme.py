@@ -2,7 +2,7 @@
 ones that run before any engine starts, steer.job.validate), its group file and `--config-dir` work as shown, its
 fresh-machine commands are the ones CI runs, and every page it links to exists. A command on engine=vllm is
 checked on the HF engine (no GPU here; the engine is the one thing that changes), a sweep at its first value, and
-SmolLM2's commands on the session's cache, where the model is converted once."""
+SmolLM2's commands on the tests' shared cache, where the model is converted once."""
 
 import re
 import shlex
