@@ -1,5 +1,5 @@
 """The README a new user reads: every `python -m steer` command it shows composes and passes the run's checks (the
-ones that run before any engine starts, steer.job.validate), its group file and `--config-dir` work as shown, its
+ones that run before any engine starts, steer.runs.job.prepare), its group file and `--config-dir` work as shown, its
 fresh-machine commands are the ones CI runs, and every page it links to exists. A command on engine=vllm is
 checked on the HF engine (no GPU here; the engine is the one thing that changes), a sweep at its first value, and
 SmolLM2's commands on the tests' shared cache, where the model is converted once."""
@@ -14,9 +14,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from helpers import compose_conf
-from steer import vector
+from steer.edits import vector
 from steer.errors import ConfigError
-from steer.job import validate
+from steer.runs.job import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -120,7 +120,7 @@ def test_every_readme_command_passes_the_checks_before_an_engine_starts(command,
                                                                + [f"cache_dir={cache_dir}"])), tmp_path).spec.hidden
             vector.save(cfg.edit.vector.path, {"direction": torch.ones(hidden)}, model=cfg.model.name,
                         tap="layer12", method="diffmean")
-        job = validate(cfg, tmp_path)
+        job = prepare(cfg, tmp_path)
     except ConfigError as e:
         if e.field == "model.source" and cfg.model.name == "smollm2":  # as tests/test_smollm2.py: no wheel here
             pytest.skip(f"SmolLM2 is not available on this machine: {e}")
@@ -134,7 +134,7 @@ def test_a_vector_file_no_command_writes_fails_here(cache_dir, tiny_spec, tmp_pa
     cfg = OmegaConf.to_object(compose_conf("config", ["model=tiny", "tap=layer1", f"cache_dir={cache_dir}",
                                                       "edit.vector.path=outputs/nowhere.safetensors"]))
     with pytest.raises(ConfigError, match="edit.vector.path"):
-        validate(cfg, tmp_path)
+        prepare(cfg, tmp_path)
 
 
 def test_a_command_whose_tap_the_model_lacks_fails_here(cache_dir, tiny_spec, tmp_path):
@@ -142,13 +142,13 @@ def test_a_command_whose_tap_the_model_lacks_fails_here(cache_dir, tiny_spec, tm
     cfg = OmegaConf.to_object(compose_conf("config", split("python -m steer engine=vllm model=tiny")[1]
                                            + [f"cache_dir={cache_dir}"]))
     with pytest.raises(ConfigError, match="tap.layer"):
-        validate(cfg, tmp_path)
+        prepare(cfg, tmp_path)
 
 
 @pytest.mark.parametrize("name,command", [(n, c) for n in ("serve", "bench")
                                           for c in commands(TEXT, rf"python -m steer\.{n}")])
 def test_the_server_and_bench_commands_compose(name, command):
-    from steer.schema import to_object
+    from steer.config.schema import to_object
 
     args = shlex.split(command)[3:]
     to_object(compose_conf(name, args))
