@@ -158,7 +158,7 @@ class Fused:
         tensor objects every replay (vLLM writes their data, never their storage or layout; `_trim` hands trace
         code views, never these), and a steady decode step keeps its weights tensor, so the next break finds its
         launch without reading a tensor's attributes, which costs most of a break's host time when the step's
-        first break runs with the caches cold (DEVELOPERS.md). Weak references: a tensor that has gone is never
+        first break runs with the caches cold (docs/perf-log.md). Weak references: a tensor that has gone is never
         taken for the one now at its id."""
         if rows is None:  # an eager step's trimmed views are new objects every call
             return

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU check, for a GPU machine with vLLM (see DEVELOPERS.md). Stages, in the order given (default: tests
+# The whole GPU check, for a GPU machine with vLLM (see CONTRIBUTING.md). Stages, in the order given (default: tests
 # cli sweep bench):
 #   tests  the GPU tests (pytest -m gpu tests; TESTS_K=expr runs those pytest -k selects)
 #   cli    the acceptance CLI run on the vLLM and HF engines, steered tokens compared
