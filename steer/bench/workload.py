@@ -21,6 +21,7 @@ from steer.models import spec as model
 from steer.models import tiny
 from steer.bench.schema import CONFIGS, FAINT, REFERENCES, BenchConf, BenchModelConf
 from steer.edits.edit import Edit, compile_edit
+from steer.config import checks
 from steer.errors import ConfigError, refuse_repeats
 from steer.config.schema import EditKind, ModelConf
 
@@ -71,14 +72,12 @@ def check(cfg: BenchConf) -> None:
             if getattr(t, key) not in CONFIGS:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
     for name in ("prompt_len", "repeats", "tensor_parallel_size", "timeout_s"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
+        checks.at_least(name, getattr(cfg, name), 1)
     if cfg.warmup_tokens is not None and cfg.warmup_tokens < 1:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
     if not cfg.max_timed_s > 0:  # NaN too
         raise ConfigError("max_timed_s", f"must be > 0 (one pass is always timed), got {cfg.max_timed_s}")
-    if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ConfigError("gpu_memory_utilization", f"must be a share in (0, 1], got {cfg.gpu_memory_utilization}")
+    checks.memory_share("gpu_memory_utilization", cfg.gpu_memory_utilization)
     longest = max(cfg.prompt_len + t for _, t in cfg.batches)
     if cfg.max_model_len < longest:
         raise ConfigError("max_model_len", f"{cfg.max_model_len} cannot hold a request of the longest batch "
@@ -100,8 +99,7 @@ def check(cfg: BenchConf) -> None:
         if m.source not in ("tiny", "gguf", *_SHAPES) and not Path(m.source).is_dir():
             raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', 'gguf', one of "
                                                        f"{sorted(_SHAPES)}, nor a model directory")
-        if m.dtype not in model.DTYPES:
-            raise ConfigError(f"models.{name}.dtype", f"{m.dtype!r} is not one of {sorted(model.DTYPES)}")
+        model.check_dtype(f"models.{name}.dtype", m.dtype)
         if m.engines_at_once < alive:
             raise ConfigError(f"models.{name}.engines_at_once", f"must be >= {alive}: the references "
                                                                 f"({', '.join(refs) or 'none'}) stay up beside one "

@@ -48,10 +48,15 @@ class ModelSpec:
         return f"{self.layers_path}.{i}"
 
 
+def check_dtype(field: str, value: str) -> None:
+    """A dtype the engines load weights in (DTYPES), for a run's model and the bench's models alike."""
+    if value not in DTYPES:
+        raise ConfigError(field, f"{value!r} is not one of {sorted(DTYPES)}")
+
+
 def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
     """Read the model's shape and module tree from its config (the tiny model's recipe needs no files)."""
-    if conf.dtype not in DTYPES:
-        raise ConfigError("model.dtype", f"{conf.dtype!r} is not one of {sorted(DTYPES)}")
+    check_dtype("model.dtype", conf.dtype)
     if conf.source == "tiny":
         config = tiny.llama_config(conf.tiny)
         source, template = str(tiny.tiny_dir(cache_dir, conf.tiny)), False  # its tokenizer has no chat template
