@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
         ok = False
     if ok:
         return
-    skip = pytest.mark.skip(reason="needs CUDA and vLLM (run on the GPU machine: pytest -m gpu)")
+    skip = pytest.mark.skip(reason="needs CUDA and vLLM (run on a machine with both: pytest -m gpu)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

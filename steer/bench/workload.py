@@ -73,6 +73,7 @@ def check(cfg: BenchConf) -> None:
                 raise ConfigError(f"targets[{i}].{key}", f"unknown configuration {getattr(t, key)!r}")
     for name in ("prompt_len", "repeats", "tensor_parallel_size", "timeout_s"):
         checks.at_least(name, getattr(cfg, name), 1)
+    checks.enough_gpus("tensor_parallel_size", cfg.tensor_parallel_size)
     if cfg.warmup_tokens is not None and cfg.warmup_tokens < 1:
         raise ConfigError("warmup_tokens", f"must be >= 1 or null (a whole pass), got {cfg.warmup_tokens}")
     if not cfg.max_timed_s > 0:  # NaN too

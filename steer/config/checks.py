@@ -1,4 +1,4 @@
-"""Every rule across fields of a config, written once, for runs (`python -m steer`), the server and the bench.
+"""Every rule across a config's fields, written once, for runs (`python -m steer`), the server and the bench.
 
 The typed schema (schema.py) already refuses unknown keys and wrong types at composition; what it cannot say lives
 here: ranges, fields that exclude one another, and what an engine or machine must offer. Each function raises a
@@ -29,6 +29,14 @@ def memory_share(field: str, value: float) -> None:
     """A share of GPU memory, as vLLM's gpu_memory_utilization takes it."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 1):
         raise ConfigError(field, f"must be a share in (0, 1], got {value}")
+
+
+def enough_gpus(field: str, n: int) -> None:
+    """`n` GPUs per engine (tensor parallelism): this machine must have them."""
+    import torch
+
+    if n > 1 and torch.cuda.device_count() < n:
+        raise ConfigError(field, f"{n} GPUs per engine, but this machine has {torch.cuda.device_count()}")
 
 
 def optional_positive(field: str, value: Optional[int], what: str) -> None:
@@ -79,12 +87,8 @@ def vllm(v: VllmConf, engine: str, who: str = "this run") -> None:
     tp = v.tensor_parallel_size
     at_least("vllm.tensor_parallel_size", tp, 1)
     if tp > 1:
-        import torch
-
         _needs_vllm(engine, "vllm.tensor_parallel_size", f"{tp} GPUs per engine", who)
-        if torch.cuda.device_count() < tp:
-            raise ConfigError("vllm.tensor_parallel_size", f"{tp} GPUs per engine, but this machine has "
-                                                           f"{torch.cuda.device_count()}")
+        enough_gpus("vllm.tensor_parallel_size", tp)
     memory_share("vllm.gpu_memory_utilization", v.gpu_memory_utilization)
     optional_positive("vllm.kv_cache_memory_bytes", v.kv_cache_memory_bytes, "number of bytes")
     optional_positive("vllm.max_model_len", v.max_model_len, "number of positions")
@@ -127,7 +131,6 @@ def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least o
 
 def run(cfg: SteerConf, engine: str) -> None:
     """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
-    at_least("vllm.tensor_parallel_size", cfg.vllm.tensor_parallel_size, 1)
     # A steer run scores with the tap's values (projection metrics), which an engine with its edits in the graph
     # cannot keep: those modes are for the bench, the server and the API.
     if cfg.vllm.fold_norm:

@@ -5,7 +5,7 @@ plan or None, seed), score(_many) (prompt, continuation, plan, captured tap path
 and tap values), and close (also as a context manager); run.py needs nothing else.
 """
 
-from steer.engine.base import Engine, Scores
+from steer.engine.base import Engine, Scores, stop_ids
 from steer.errors import ConfigError
 
 __all__ = ["ENGINES", "Engine", "Scores", "make", "resolve", "stop_ids"]
@@ -38,18 +38,3 @@ def make(name: str, spec, device: str, vllm_conf=None, taps=()) -> Engine:
     from steer.engine.hf import HFEngine
 
     return HFEngine(spec, device)
-
-
-def stop_ids(tokenizer, source: str) -> frozenset:
-    """The tokens that end generation: the tokenizer's EOS and every EOS the model's config and generation config
-    name (an instruct model ends a turn with its own token). Both engines stop on exactly this set."""
-    from transformers import AutoConfig, GenerationConfig
-
-    ids = {tokenizer.eos_token_id}
-    for load in (AutoConfig.from_pretrained, GenerationConfig.from_pretrained):
-        try:
-            eos = getattr(load(source), "eos_token_id", None)
-        except (OSError, ValueError):  # no generation_config.json: the config's and the tokenizer's then
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return frozenset(int(i) for i in ids if i is not None)

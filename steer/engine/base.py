@@ -42,7 +42,7 @@ class Engine(Protocol):
     name: str  # "hf" or "vllm"
     spec: ModelSpec
     tokenizer: Any  # the model's HF tokenizer
-    stop_ids: FrozenSet[int]  # generation stops before any of these (steer.engine.stop_ids)
+    stop_ids: FrozenSet[int]  # generation stops before any of these (stop_ids, below)
 
     @property
     def max_len(self) -> int:
@@ -93,3 +93,18 @@ class Engine(Protocol):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_ids(tokenizer, source: str) -> frozenset:
+    """The tokens that end generation: the tokenizer's EOS and every EOS the model's config and generation config
+    name (an instruct model ends a turn with its own token). Both engines stop on exactly this set."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    for load in (AutoConfig.from_pretrained, GenerationConfig.from_pretrained):
+        try:
+            eos = getattr(load(source), "eos_token_id", None)
+        except (OSError, ValueError):  # no generation_config.json: the config's and the tokenizer's then
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return frozenset(int(i) for i in ids if i is not None)

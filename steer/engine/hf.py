@@ -12,8 +12,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from steer.engine import stop_ids
-from steer.engine.base import Engine, Scores
+from steer.engine.base import Engine, Scores, stop_ids
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf
@@ -32,7 +31,7 @@ class HFEngine(Engine):
         self.model.to(self.device).eval()
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
         self._is_prompt: Optional[torch.Tensor] = None  # per row of the forward being run
-        # transformers 5.2x renamed `past_key_values` to `cache`; the GPU machine's 5.17 knows only the old name.
+        # transformers 5.2x renamed `past_key_values` to `cache`; earlier releases (5.17) know only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @property

@@ -24,8 +24,7 @@ from interleaver.vllm_internals import shutdown, tap_location
 from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY,
                                     worker_cls)
 from steer.edits.edit import Edit
-from steer.engine import stop_ids
-from steer.engine.base import Engine, GenJob, ScoreJob, Scores
+from steer.engine.base import Engine, GenJob, ScoreJob, Scores, stop_ids
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf, VllmConf

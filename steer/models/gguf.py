@@ -166,7 +166,7 @@ def _convert(gguf: Path, dest: Path) -> None:
     config["dtype"] = "float32"
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(dest)
-    # transformers before 5.2x (the GPU machine's 5.17) knows no TokenizersBackend and then loses the special
+    # transformers before 5.2x (5.17, say) knows no TokenizersBackend and then loses the special
     # tokens (no EOS: generation never stops); the fast class reads the same files in every version.
     tc = dest / "tokenizer_config.json"
     tok_conf = json.loads(tc.read_text())

@@ -51,7 +51,7 @@ class ServeOptions:
 @dataclass
 class ServeVllmConf(VllmConf):
     # null: the server picks. engine=vllm compiles the presets' edits into vLLM's own torch.compile'd graphs, the
-    # fastest mode (README, "Serving benchmark"), unless vllm.edits_in_graph, vllm.tap_graphs or
+    # fastest mode (docs/benchmark.md, "Serving"), unless vllm.edits_in_graph, vllm.tap_graphs or
     # serve.inline_layers ask for another (requests' own vectors need replay mode); engine=hf has no graphs.
     compiled_edits: Optional[bool] = None
 

@@ -44,14 +44,14 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
 
 def pick_mode(conf: ServeConf, name: str) -> None:
     """Set vllm.compiled_edits where it is null: true on engine=vllm unless another mode or requests' own vectors
-    are asked for (the fastest mode: README, "Serving benchmark"), else false."""
+    are asked for (the fastest mode: docs/benchmark.md, "Serving"), else false."""
     v = conf.vllm
     if v.compiled_edits is None:
         v.compiled_edits = name == "vllm" and not (v.edits_in_graph or v.tap_graphs or list(conf.serve.inline_layers))
 
 
 def mode_name(conf: ServeConf) -> str:
-    """How the vLLM server runs the presets' edits, in the words of the README."""
+    """How the vLLM server runs the presets' edits, in the words of docs/vllm-engine.md."""
     v = conf.vllm
     return ("compiled edits" if v.compiled_edits else "edits in the graph" if v.edits_in_graph
             else "tap graphs" if v.tap_graphs else "replay")

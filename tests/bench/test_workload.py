@@ -80,7 +80,7 @@ def test_the_references_and_one_more_engine_must_fit_at_once():
 
 
 def test_the_readme_table_command_passes_the_checks():
-    # tests/gpu/run.sh's `table` is the README's table: its arguments must compose and check here, every skip
+    # tests/gpu/run.sh's `table` is docs/benchmark.md's table: its arguments must compose and check here, every skip
     # pattern naming cells of the run
     from pathlib import Path
 

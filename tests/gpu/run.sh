@@ -5,7 +5,7 @@
 #   cli    the acceptance CLI run on the vLLM and HF engines, steered tokens compared
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
-#   table  the README's table: the bench on the 8B shape, then SmolLM2, a b b2 c f h
+#   table  docs/benchmark.md's table: the bench on the 8B shape, then SmolLM2, a b b2 c f h
 #   tp     two GPUs: the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
@@ -13,8 +13,8 @@
 set -uo pipefail
 OUT=${OUT:-gpu-report}; mkdir -p "$OUT"
 export STEER_CACHE=${STEER_CACHE:-/tmp/steer-cache} PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-# The GPU machines keep NVLink multicast off (a program using it can take a shared host's GPUs down); vLLM's
-# symmetric-memory all-reduce is the part of it that would reach for multicast, so TP runs use NCCL's and vLLM's own.
+# NVLink multicast stays off (a program using it can take a shared host's GPUs down); vLLM's symmetric-memory
+# all-reduce is the part of it that would reach for multicast, so TP runs use NCCL's and vLLM's own all-reduce.
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 runs=/tmp/steer-runs; rm -rf "$runs"; mkdir -p "$runs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
