@@ -20,10 +20,11 @@ __all__ = sorted(_WHERE)
 
 
 def _load_anyio() -> None:
-    """Import every anyio module before nnsight (nnsight_internals.py): nnsight mounts `.save` on `object`, and anyio's TypedAttributeSet
-    refuses a subclass defined after that ("Attribute 'save' is missing its type annotation"). anyio loads its
-    modules lazily, so in a server that imports nnsight early (vLLM's OpenAI server, through the tap worker's
-    package) the first streamed response would define anyio's socket and stream attribute sets too late."""
+    """Import every anyio module before nnsight (nnsight_internals.py): nnsight mounts `.save` on `object`, and
+    anyio's TypedAttributeSet refuses a subclass defined after that ("Attribute 'save' is missing its type
+    annotation"). anyio loads its modules lazily, so in a server that imports nnsight early (vLLM's OpenAI server,
+    through the tap worker's package) the first streamed response would define anyio's socket and stream attribute
+    sets too late."""
     try:
         import anyio
     except ImportError:

@@ -134,7 +134,8 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
     run_dir.mkdir()
     # Stand in for a first run holding the directory: the same lock, from another process.
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                               "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); "
+                               "print('held', flush=True); "
                                "time.sleep(120)", str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -2,7 +2,8 @@
 
 The run (engine=hf on the tiny model, `add` of a vector whose norm is not 1) writes results.jsonl and metrics.json;
 here plain transformers in float64, with the edit applied by a forward hook of this file's own, generates both
-continuations again and recomputes each metric as docs/metrics.md defines it: KL(steered || unsteered) over the rows that
+continuations again and recomputes each metric as docs/metrics.md defines it: KL(steered || unsteered) over the rows
+that
 predict the steered continuation, each continuation's perplexity under the unsteered model, the concept (signed
 projection on the unit direction) of the continuation's rows as the unsteered model reads them, and the projections
 |h . d| on every row of prompt + steered continuation, unsteered and steered.

@@ -19,7 +19,8 @@ def _select(tmp_path, caplog, *overrides):
     with caplog.at_level(logging.INFO, logger="steer.runs.select"):
         caplog.clear()
         summary = run.main(compose(*GRID, *overrides), tmp_path / "sel", Console(file=io.StringIO()))
-    said = [r.getMessage() for r in caplog.records if r.name == "steer.runs.select" and r.getMessage().startswith("select")]
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "steer.runs.select" and r.getMessage().startswith("select")]
     return summary, said[0]
 
 

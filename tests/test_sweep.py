@@ -48,7 +48,8 @@ def test_report_cli_rebuilds_from_job_dirs(tmp_path):
     res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "2 jobs, swept ['edit.scale']" in res.stdout and (tmp_path / "summary.csv").exists()
-    res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path / "nope")], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path / "nope")], capture_output=True,
+                         text=True)
     assert res.returncode == 2 and "is not a directory" in res.stderr
 
 

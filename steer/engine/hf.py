@@ -2,7 +2,8 @@
 
 It is the product's portable engine and the independent reference the vLLM engine is checked against, so it
 stays plain: one request at a time, a KV cache, and hooks that edit the tap's output in place. HF decoder
-layers return the summed residual stream, so a residual tap sees exactly the `h` the edits are defined on (steer/edits/edit.py).
+layers return the summed residual stream, so a residual tap sees exactly the `h` the edits are defined on
+(steer/edits/edit.py).
 """
 
 import gc

@@ -1,7 +1,7 @@
 """Presets: named lists of {tap, edit} pairs (conf/preset/<name>.yaml), checked and compiled when the server starts.
 
-`read` and `check` run before any engine loads, with the CLI's own checks (steer.edits.plan, steer.edits.vector): a bad preset
-stops the start with a ConfigError naming it and the field, e.g. `preset joy: edits[0].edit.vector.path: ...`.
+`read` and `check` run before any engine loads, with the CLI's own checks (steer.edits.plan, steer.edits.vector): a bad
+preset stops the start with a ConfigError naming it and the field, e.g. `preset joy: edits[0].edit.vector.path: ...`.
 `compile_all` then compiles every preset as `python -m steer` compiles the same edits (a null vector path is the
 default direction at the tap, steer.runs.extract.cached_default with the config's prompts), so a preset served is the
 CLI run with those edits, and `compose` stacks presets for one request.

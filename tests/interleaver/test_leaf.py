@@ -41,7 +41,8 @@ g = torch.Generator().manual_seed(0)
 v, c = torch.randn(1, H, generator=g), torch.randn(1, H, generator=g)
 d = torch.nn.functional.normalize(torch.randn(1, H, generator=g), dim=1)
 asks = [StageEdit(EditKind.add, v, strength=2.0), StageEdit(EditKind.ablate, d, rows=Tokens.generated),
-        StageEdit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5), StageEdit(EditKind.set, d, value=1.5, rows=Tokens.prompt),
+        StageEdit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5),
+        StageEdit(EditKind.set, d, value=1.5, rows=Tokens.prompt),
         StageEdit(EditKind.scale, c, strength=-0.5), None]
 
 
