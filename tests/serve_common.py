@@ -12,7 +12,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import httpx
 
 from helpers import cli_env
-from steer.serve.process import free_port, running
+from steer.bench.server_process import free_port, running
 
 MODEL = "steer-test"  # the served model name every test server is started with, whatever the model
 PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
@@ -28,7 +28,7 @@ CASES: List[Tuple[Optional[str], Optional[float]]] = [
 @contextmanager
 def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> Iterator[str]:
     """`python -m steer.serve *args` on a free port; yields its base URL once /health answers. The server runs in
-    a session of its own, ended (with any process it started) on exit."""
+    a process group of its own, ended (with any process it started) on exit."""
     port = free_port()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -130,17 +130,16 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
     import subprocess
     import sys
 
+    from helpers import started
+
     run_dir = tmp_path / "held"
     run_dir.mkdir()
     # Stand in for a first run holding the directory: the same lock, from another process.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from steer.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
-                               "time.sleep(120)", str(run_dir)], stdout=subprocess.PIPE, text=True)
-    try:
+    with started([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                  "from steer.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                  "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
         res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)
-    finally:
-        holder.kill()
     assert res.returncode == 2 and f"'{run_dir}' is in use by another steer run" in res.stderr
     assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
 

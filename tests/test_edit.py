@@ -1,4 +1,4 @@
-"""Each edit's math against a direct computation (GUIDE.md section 5), and the exact no-ops."""
+"""Each edit's math against a direct computation, and the exact no-ops."""
 
 import re
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import TWO_PROMPTS, cli_env, on_tiny, run_cli, sweep_jobs as jobs, summary_rows
+from helpers import TWO_PROMPTS, cli_env, on_tiny, run_cli, started, sweep_jobs as jobs, summary_rows
 
 from hydra_plugins.steer_launcher.packed import complete
 
@@ -146,13 +146,13 @@ def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = SWEEP + QUICK + ["hydra.launcher.pack_size=1", f"hydra.sweep.dir={sweep}"]
     env = cli_env(cache_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and sum(complete(j) for j in jobs(sweep)) < 3:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with started([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=tmp_path, env=env,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        deadline = time.time() + 300
+        while time.time() < deadline and sum(complete(j) for j in jobs(sweep)) < 3 and proc.poll() is None:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     done = {j.name: (j / "metrics.json").stat().st_mtime_ns for j in jobs(sweep) if complete(j)}
     assert 3 <= len(done) < 8, "the sweep should have been stopped part way"
     res = run_cli(args, tmp_path, cache_dir)
