@@ -45,9 +45,16 @@ def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
     rows = list(csv.DictReader(summary.open()))
     assert [r["edit.scale"] for r in rows] == ["0", "4"]
     assert float(rows[0]["kl_mean"]) == 0.0 and float(rows[0]["tokens_changed_frac"]) == 0.0
-    assert float(rows[1]["kl_mean"]) > 0.0 and float(rows[1]["tokens_changed_frac"]) > 0.0
-    zero = [json.loads(line) for line in (summary.parent / "0" / "results.jsonl").read_text().splitlines()]
+    assert float(rows[1]["kl_mean"]) > 1e-4  # adding 4 x joy moves the next-token distributions
+    zero, four = ([json.loads(line) for line in (summary.parent / job / "results.jsonl").read_text().splitlines()]
+                  for job in ("0", "1"))
     assert all(r["steered"] == r["baseline"] for r in zero)
+    # the summary's changed-token fraction is the jobs' own count (whether 4 x joy moves a greedy token of the tiny
+    # model, trained where the tests run, differs between CPUs)
+    changed = sum(sum(a != b for a, b in zip(r["baseline_ids"], r["steered_ids"])) +
+                  abs(len(r["baseline_ids"]) - len(r["steered_ids"])) for r in four)
+    positions = sum(max(len(r["baseline_ids"]), len(r["steered_ids"])) for r in four)
+    assert float(rows[1]["tokens_changed_frac"]) == pytest.approx(changed / positions)
     assert "summary:" in res.stdout
 
 
