@@ -96,6 +96,38 @@ def run_cli(args, cwd, cache_dir, timeout=600):
                timeout=timeout)
 
 
+def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python -m steer` run in this process (steer/__main__.py as the command runs it, from `cwd`), for a
+    command that stops at its config: its exit code (0 if it returned) and what it printed. Hydra's logging and
+    its global state are put back afterwards."""
+    import logging
+
+    import runpy
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["steer", *on_tiny(args), "progress=false"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as a user's shell has it; run_app sets it while it runs
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    try:
+        runpy.run_module("steer", run_name="__main__", alter_sys=True)  # as `python -m steer`: Hydra finds conf/
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+        GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 # Every process a test starts leads a process group of its own, and the group is ended when the test is done with
 # it, whether the test passed, failed or timed out: nothing it started outlives it. The fixture `no_process_left`
 # (conftest.py) checks, once every test has run, that none did.

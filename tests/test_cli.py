@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import run_cli
+from helpers import cli_here, run_cli
 
 
 def run_dirs(cwd):
@@ -20,10 +20,22 @@ def ok(res):
 
 
 def test_default_run(tmp_path, cache_dir):
-    res = run_cli([], tmp_path, cache_dir)
+    """The default run's outputs, their modes under the umask, and the log saying what ran."""
+    import os
+    import stat
+
+    env_umask = os.umask(0o022)
+    try:
+        res = run_cli([], tmp_path, cache_dir)
+    finally:
+        os.umask(env_umask)
     ok(res)
     assert "Loading weights" not in res.stderr + res.stdout  # progress=false: transformers' bar too
     [d] = run_dirs(tmp_path)
+    for name in ("results.jsonl", "metrics.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
+    log = (d / "steer.log").read_text()
+    assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
     rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
     m = json.loads((d / "metrics.json").read_text())
@@ -100,8 +112,11 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[a[0].split("=")[0] + str(i) for i, (a, _) in enumerate(BAD)])
-def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message):
-    res = run_cli([a.format(d=bad_files) for a in args], tmp_path, cache_dir)
+def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message, monkeypatch,
+                                                    capsys):
+    # in this process: the command's own path to its config error, without a subprocess's imports (one bad input
+    # goes through a subprocess in test_a_failed_run_says_why_in_its_directory)
+    res = cli_here([a.format(d=bad_files) for a in args], tmp_path, monkeypatch, capsys)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert message in res.stderr + res.stdout
@@ -149,22 +164,6 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
         res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)
     assert res.returncode == 2 and f"'{run_dir}' is in use by another steer run" in res.stderr
     assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
-
-
-def test_outputs_honour_the_umask_and_the_log_says_what_ran(tmp_path, cache_dir):
-    import os
-    import stat
-
-    env_umask = os.umask(0o022)
-    try:
-        ok(run_cli(["gen.max_new_tokens=3", "prompts.steer=[Hello]", "hydra.run.dir=run"], tmp_path, cache_dir))
-    finally:
-        os.umask(env_umask)
-    d = tmp_path / "run"
-    for name in ("results.jsonl", "metrics.json"):
-        assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
-    log = (d / "steer.log").read_text()
-    assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
 
 
 def test_a_failed_run_says_why_in_its_directory(tmp_path, cache_dir):
