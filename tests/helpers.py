@@ -142,10 +142,24 @@ def run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def dies_with_parent(then=None):
+    """A preexec_fn: the child gets SIGTERM when the process that started it dies (Linux's PR_SET_PDEATHSIG), so a
+    test run killed before its fixtures end their servers (a CI timeout) leaves none behind; then `then()`."""
+    def preexec():
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+
+    return preexec
+
+
 @contextmanager
-def started(cmd, **kw) -> Iterator[subprocess.Popen]:
-    """subprocess.Popen(cmd, **kw) in a process group of its own, ended whole on exit (end_group)."""
-    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+def started(cmd, preexec_fn=None, **kw) -> Iterator[subprocess.Popen]:
+    """subprocess.Popen(cmd, **kw) in a process group of its own, ended whole on exit (end_group), and sent
+    SIGTERM should this process die first (dies_with_parent); `preexec_fn` runs in the child after that."""
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=dies_with_parent(preexec_fn), **kw)
     try:
         yield proc
     finally:

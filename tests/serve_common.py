@@ -11,7 +11,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import httpx
 
-from helpers import cli_env
+from helpers import cli_env, dies_with_parent
 from steer.bench.server_process import free_port, running
 
 MODEL = "steer-test"  # the served model name every test server is started with, whatever the model
@@ -32,13 +32,15 @@ LADDER = (1.0, 3.0, 10.0, 30.0, 100.0)
 @contextmanager
 def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> Iterator[str]:
     """`python -m steer.serve *args` on a free port; yields its base URL once /health answers. The server runs in
-    a process group of its own, ended (with any process it started) on exit."""
+    a process group of its own, ended (with any process it started) on exit, and sent SIGTERM should the test run
+    die first."""
     port = free_port()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "steer.serve", *args, f"serve.port={port}", "serve.log_level=warning",
            f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
-    with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir) as url:
+    with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir,
+                 preexec_fn=dies_with_parent()) as url:
         yield url
 
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 
 def free_port() -> int:
@@ -20,21 +20,23 @@ def free_port() -> int:
 
 @contextmanager
 def running(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env: Optional[Dict[str, str]] = None,
-            cwd: Optional[Path] = None) -> Iterator[str]:
+            cwd: Optional[Path] = None, preexec_fn: Optional[Callable[[], None]] = None) -> Iterator[str]:
     """Run `cmd` (a server listening on `port`) in a process group of its own, its output in `log_path`; yield its
     base URL once /health answers; on exit end the group (SIGTERM, then SIGKILL after 60 s)."""
-    with started(cmd, port, log_path, timeout, env, cwd) as (url, _):
+    with started(cmd, port, log_path, timeout, env, cwd, preexec_fn) as (url, _):
         yield url
 
 
 @contextmanager
 def started(cmd: List[str], port: int, log_path: Path, timeout: float = 900, env: Optional[Dict[str, str]] = None,
-            cwd: Optional[Path] = None) -> Iterator[Tuple[str, subprocess.Popen]]:
-    """`running`, yielding (base URL, the server's process)."""
+            cwd: Optional[Path] = None, preexec_fn: Optional[Callable[[], None]] = None
+            ) -> Iterator[Tuple[str, subprocess.Popen]]:
+    """`running`, yielding (base URL, the server's process); `preexec_fn` runs in the child before the command."""
     import httpx
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=preexec_fn)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

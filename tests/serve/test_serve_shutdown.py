@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers import cli_env
+from helpers import cli_env, dies_with_parent
 from serve_common import MODEL
 from steer.bench.server_process import free_port, started
 
@@ -24,7 +24,8 @@ def _server(cache_dir, run_dir):
     cmd = [sys.executable, "-m", "steer.serve", "engine=hf", f"serve.port={port}", "serve.log_level=info",
            f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    return started(cmd, port, run_dir / "server.log", env=cli_env(cache_dir), cwd=run_dir)
+    return started(cmd, port, run_dir / "server.log", env=cli_env(cache_dir), cwd=run_dir,
+                   preexec_fn=dies_with_parent())
 
 
 def _wait_for(what, seconds: float = 300):
