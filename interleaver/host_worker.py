@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 from typing import Any, Iterable, Optional, Tuple
 
-from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin
+from interleaver.tap_worker import TAPS_KEY, _TapWorkerMixin
 
 
 class _NoWorker:

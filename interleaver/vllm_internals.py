@@ -450,7 +450,7 @@ def _tap_hook(il, location: str):
 
 def worker_cls() -> str:
     """The dotted path vLLM imports the tap worker from (in every worker process)."""
-    return "interleaver.vllm_internals.TapWorker"
+    return "interleaver.tap_worker.TapWorker"
 
 
 def __getattr__(name):

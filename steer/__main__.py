@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer import schema
+from steer.config import schema
 from steer.errors import ConfigError, run_app
 
 schema.register()
@@ -23,7 +23,7 @@ PACKED = "hydra_plugins.steer_launcher.packed.PackedLauncher"
 def app(cfg: DictConfig):
     """One job. Under the packed launcher a steer or extract job comes back validated (Hydra hands the return
     value to the launcher), to run with the other jobs that share its engine."""
-    from steer import run  # heavy imports (torch, transformers) after Hydra has parsed the command line
+    from steer.runs import run  # heavy imports (torch, transformers) after Hydra has parsed the command line
 
     console = Console(stderr=True, soft_wrap=True)
     hc = HydraConfig.get()
@@ -43,8 +43,8 @@ def app(cfg: DictConfig):
 
 
 def _claimer(hc):
-    """A sweep's job holds the file it writes outside its directory (steer.sweep.claim)."""
-    from steer import sweep
+    """A sweep's job holds the file it writes outside its directory (steer.runs.sweep.claim)."""
+    from steer.runs import sweep
 
     hint = (": give each its own (e.g. extract.out='vectors/layer${tap.layer}.safetensors'), or leave it unset (each "
             "job's directory)")

@@ -29,9 +29,9 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_spec(cache_dir):
-    from steer import tiny
-    from steer.model import spec
-    from steer.schema import ModelConf
+    from steer.models import tiny
+    from steer.models.spec import spec
+    from steer.config.schema import ModelConf
 
     conf = ModelConf(name="tiny")
     tiny.ensure_tiny(str(cache_dir), conf.tiny)

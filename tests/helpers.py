@@ -38,7 +38,7 @@ def on_tiny(overrides):
 
 
 # The schema each top-level config is checked against, as its command registers it.
-SCHEMAS = {"config": "steer.schema", "serve": "steer.serve.schema", "bench": "steer.bench.schema"}
+SCHEMAS = {"config": "steer.config.schema", "serve": "steer.serve.schema", "bench": "steer.bench.schema"}
 
 
 def compose_conf(name, overrides, **kw):
@@ -61,9 +61,9 @@ def compose(*overrides, tiny=True):
 
 def plan(spec, layer, edit):
     """A plan of one edit at the residual stream after decoder `layer`."""
-    from steer.plan import Plan
-    from steer.schema import TapConf
-    from steer.tap import resolve
+    from steer.edits.plan import Plan
+    from steer.config.schema import TapConf
+    from steer.edits.tap import resolve
 
     p = Plan()
     p.add(resolve(TapConf(layer=layer), spec), edit)

@@ -358,8 +358,8 @@ def own_reference(engine, spec):
     import torch
 
     from helpers import plan
-    from steer.edit import compile_edit
-    from steer.schema import EditKind, GenConf, Tokens
+    from steer.edits.edit import compile_edit
+    from steer.config.schema import EditKind, GenConf, Tokens
 
     def text(prompt, v, layer, strength, tokens):
         one = plan(spec, layer, compile_edit(EditKind.add, strength, torch.from_numpy(v)[None], tokens=Tokens(tokens)))

@@ -158,7 +158,7 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
     run_dir.mkdir()
     # Stand in for a first run holding the directory: the same lock, from another process.
     with started([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                  "from steer.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                  "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
                   "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
         res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)

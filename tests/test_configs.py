@@ -5,7 +5,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from helpers import CONF, compose, compose_conf, on_tiny
-from steer.schema import EditKind, SteerConf
+from steer.config.schema import EditKind, SteerConf
 
 # conf/preset/ belongs to conf/serve.yaml (python -m steer.serve): tests/serve/test_serve_presets.py checks it.
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "preset"))
@@ -59,7 +59,7 @@ def test_bad_overrides_fail_at_composition(override):
     ("config", ["+nonsense=1"], None)])
 def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_naming_the_nearest(name, overrides, near):
     from steer.errors import ConfigError
-    from steer.schema import to_object
+    from steer.config.schema import to_object
 
     key = overrides[-1][1:].split("=")[0]
     with pytest.raises(ConfigError) as e:
@@ -78,7 +78,7 @@ def test_launcher_configs_compose(launcher, key, value):
 
 def test_an_interpolation_that_does_not_resolve_is_refused_naming_its_field():
     from steer.errors import ConfigError
-    from steer.schema import to_object
+    from steer.config.schema import to_object
 
     with pytest.raises(ConfigError) as e:
         to_object(compose_conf("config", on_tiny(["edit.vector.path=vecs/l${tap.layerr}.safetensors"])))

@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from steer.edit import compile_edit, orthonormal
+from steer.edits.edit import compile_edit, orthonormal
 from steer.errors import ConfigError
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 H = 16
 

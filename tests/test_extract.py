@@ -3,11 +3,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from steer import vector
+from steer.edits import vector
 from steer.errors import ConfigError
-from steer.extract import Recipe, cached_default, diff_of_means, direction, extract_to, prompt_rows
-from steer.schema import ExtractConf, TapConf
-from steer.tap import resolve
+from steer.runs.extract import Recipe, cached_default, diff_of_means, direction, extract_to, prompt_rows
+from steer.config.schema import ExtractConf, TapConf
+from steer.edits.tap import resolve
 
 POS = ["I am happy and glad", "What a lovely bright day"]
 NEG = ["I am sad and tired", "What a grim dark day"]

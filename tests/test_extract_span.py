@@ -5,11 +5,13 @@ import copy
 import pytest
 import torch
 
-from steer import prompt, vector
+from steer.models import prompt
+
+from steer.edits import vector
 from steer.errors import ConfigError
-from steer.extract import Recipe, cached_default, direction, extract_to, prompt_rows
-from steer.schema import ExtractConf, TapConf
-from steer.tap import resolve
+from steer.runs.extract import Recipe, cached_default, direction, extract_to, prompt_rows
+from steer.config.schema import ExtractConf, TapConf
+from steer.edits.tap import resolve
 
 POS = ["I am happy and glad", "What a lovely bright day, we laughed"]
 NEG = ["I am sad and tired", "What a grim dark day"]

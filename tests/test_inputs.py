@@ -1,4 +1,4 @@
-"""A job's inputs beside its config (steer/inputs.py): what a resume re-reads to tell a finished job from a stale
+"""A job's inputs beside its config (steer/runs/inputs.py): what a resume re-reads to tell a finished job from a stale
 one."""
 
 import json
@@ -8,8 +8,8 @@ import torch
 from helpers import compose
 from safetensors.torch import save_file
 
-from steer import inputs
-from steer.model import spec as model_spec
+from steer.runs import inputs
+from steer.models.spec import spec as model_spec
 
 
 def _vector(path, seed):
@@ -53,7 +53,7 @@ def test_a_local_checkpoint_changed_in_place_is_named(tmp_path, tiny_spec, cache
 
 
 def test_a_hub_model_is_named_once_its_revision_resolves_to_another_cached_snapshot(tmp_path, monkeypatch):
-    from steer.inputs import _model
+    from steer.runs.inputs import _model
 
     repo = tmp_path / "hub" / "models--org--name"
     for commit in ("a" * 40, "b" * 40):
@@ -76,7 +76,7 @@ def test_a_job_dir_without_inputs_json_counts_as_changed(tmp_path):
 
 
 def test_a_vector_file_is_read_once_while_it_stays_as_it_was(tmp_path):
-    from steer.inputs import _sha256_of, digest
+    from steer.runs.inputs import _sha256_of, digest
 
     a = tmp_path / "a.safetensors"
     _vector(a, 0)
@@ -96,7 +96,7 @@ def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_pat
 
     from rich.console import Console
 
-    from steer import run
+    from steer.runs import run
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_spec.source, ckpt)
@@ -120,8 +120,8 @@ def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_pat
 def test_a_hub_models_record_holds_the_files_its_engine_fetched(tmp_path, monkeypatch, tiny_spec):
     from contextlib import contextmanager
 
-    from steer import job as job_mod
-    from steer.job import Job
+    from steer.runs import job as job_mod
+    from steer.runs.job import Job
 
     snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)

@@ -4,7 +4,7 @@ import pytest
 
 import torch
 
-from steer import metrics
+from steer.runs import metrics
 
 
 def test_kl_is_zero_for_equal_logits_and_matches_direct():

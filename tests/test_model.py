@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from steer import tiny
+from steer.models import tiny
 from steer.errors import ConfigError
-from steer.model import spec
-from steer.schema import ModelConf, TinyConf
+from steer.models.spec import spec
+from steer.config.schema import ModelConf, TinyConf
 
 
 def test_tiny_spec_needs_no_weights(tmp_path):

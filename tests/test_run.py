@@ -1,7 +1,7 @@
 """`run.execute`: a pack of jobs gives each job exactly what it gives alone."""
 
 from helpers import TWO_PROMPTS, compose
-from steer import run
+from steer.runs import run
 
 QUICK = [TWO_PROMPTS, "progress=false"]
 
@@ -13,7 +13,7 @@ def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cach
 
     def job(cfg, name):
         (tmp_path / name).mkdir()
-        return run.validate(cfg, tmp_path / name)
+        return run.prepare(cfg, tmp_path / name)
 
     packed = run.execute([job(c, f"pack{i}") for i, c in enumerate(cfgs)], console)
     for i, c in enumerate(cfgs):
@@ -40,7 +40,7 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
                            ("device=cuda:x", "expected cpu, cuda or cuda:N"),
                            ("device=cuda:4096", "CUDA device(s)")]:
         with pytest.raises(ConfigError) as e:
-            run.validate(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
+            run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
         assert e.value.field == override.split("=")[0] and says in str(e.value)
 
 
@@ -48,7 +48,7 @@ def test_a_run_into_a_directory_that_held_one_keeps_none_of_its_results(tmp_path
     import pytest
 
     from steer.errors import ConfigError
-    from steer.rundir import STALE
+    from steer.runs.rundir import STALE
 
     d = tmp_path / "run"
     d.mkdir()
@@ -68,14 +68,14 @@ def test_prompts_that_are_no_text_and_an_extract_out_that_is_a_directory_are_ref
                              (["prompts.steer=[[a,b]]"], "prompts.steer[0]"),
                              (["task=extract", f"extract.out={tmp_path}"], "extract.out")]:
         with pytest.raises(ConfigError) as e:
-            run.validate(compose(*QUICK, *overrides), tmp_path)
+            run.prepare(compose(*QUICK, *overrides), tmp_path)
         assert e.value.field == field, (overrides, e.value)
 
 
 def test_a_run_clears_the_last_runs_results_before_hydra_writes_its_config(tmp_path):
     from omegaconf import OmegaConf
 
-    from steer.rundir import STALE, RunDirLock
+    from steer.runs.rundir import STALE, RunDirLock
 
     d = tmp_path / "run"
     d.mkdir()
@@ -90,16 +90,16 @@ def test_a_run_clears_the_last_runs_results_before_hydra_writes_its_config(tmp_p
 def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_path, cache_dir, monkeypatch):
     import pytest
 
-    from steer import job
+    from steer.runs import job
     from steer.errors import ConfigError
 
     monkeypatch.setattr(job, "engine_for", lambda jobs: pytest.fail("an engine was started"))
     for limit, overrides in [(2048, ["gen.max_new_tokens=2048"]),
                              (64, ["model=tiny", "gen.max_new_tokens=64", "model.tiny.max_positions=64"])]:
         with pytest.raises(ConfigError) as e:
-            run.validate(compose(*QUICK, *overrides), tmp_path)
+            run.prepare(compose(*QUICK, *overrides), tmp_path)
         assert e.value.field == "gen.max_new_tokens" and f"tiny has {limit} positions" in str(e.value)
-    run.validate(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
+    run.prepare(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
 
 
 def test_a_pack_leaves_no_log_file_open_and_a_later_line_still_lands(tmp_path, cache_dir, console):
@@ -125,7 +125,7 @@ def test_a_pack_leaves_no_log_file_open_and_a_later_line_still_lands(tmp_path, c
 
 def _job(cfg, d):
     d.mkdir()
-    return run.validate(cfg, d)
+    return run.prepare(cfg, d)
 
 
 LONG = "the weather " * 1100  # about 2,200 tokens against the tiny model's 2,048 positions

@@ -9,17 +9,17 @@ from rich.console import Console
 from safetensors.torch import save_file
 
 from helpers import TWO_PROMPTS, compose
-from steer import run
+from steer.runs import run
 
 GRID = ["task=select", "select.layers=[1,2]", "select.scales=[2,4]", "gen.max_new_tokens=3", TWO_PROMPTS,
         "progress=false"]
 
 
 def _select(tmp_path, caplog, *overrides):
-    with caplog.at_level(logging.INFO, logger="steer.select"):
+    with caplog.at_level(logging.INFO, logger="steer.runs.select"):
         caplog.clear()
         summary = run.main(compose(*GRID, *overrides), tmp_path / "sel", Console(file=io.StringIO()))
-    said = [r.getMessage() for r in caplog.records if r.name == "steer.select" and r.getMessage().startswith("select")]
+    said = [r.getMessage() for r in caplog.records if r.name == "steer.runs.select" and r.getMessage().startswith("select")]
     return summary, said[0]
 
 

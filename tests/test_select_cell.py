@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import compose
-from steer import select
+from steer.runs import select
 
 CAP = 2.0
 # (layer, scale) -> the metrics its steer run wrote: gain 2 at ppl x1.25; gain 5 at x2 exactly (values exactly
@@ -32,8 +32,8 @@ def direct(m):
 @pytest.fixture
 def selected(tmp_path, monkeypatch, console):
     """select.run over a 2 x 2 grid whose cells 'ran' into METRICS; its summary."""
-    from steer import job as jobs_mod
-    from steer import run as runs
+    from steer.runs import job as jobs_mod
+    from steer.runs import run as runs
 
     cfg = compose("task=select", "select.layers=[1,2]", "select.scales=[2,4]", f"select.max_ppl_ratio={CAP}",
                   "progress=false")

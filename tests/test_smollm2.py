@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from steer import gguf_model
+from steer.models import gguf as gguf_model
 from steer.errors import ConfigError
-from steer.extract import Recipe, direction
-from steer.model import spec
-from steer.schema import GenConf, ModelConf, TapConf
-from steer.tap import resolve
+from steer.runs.extract import Recipe, direction
+from steer.models.spec import spec
+from steer.config.schema import GenConf, ModelConf, TapConf
+from steer.edits.tap import resolve
 
 POS = ["I am so happy and grateful, this is a wonderful day", "What a joy, everything is bright and lovely",
        "We laughed and smiled, the party was great fun"]

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import run
 
-from steer.report import build, job_rows, swept
+from steer.runs.report import build, job_rows, swept
 
 
 def job(root, num, overrides, metrics):
@@ -46,10 +46,10 @@ def test_report_cli_rebuilds_from_job_dirs(tmp_path):
 
     for n, scale in enumerate((0, 4)):
         job(tmp_path, n, [f"edit.scale={scale}"], {"kl_mean": float(scale)})
-    res = run([sys.executable, "-m", "steer.report", str(tmp_path)])
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path)])
     assert res.returncode == 0, res.stderr
     assert "2 jobs, swept ['edit.scale']" in res.stdout and (tmp_path / "summary.csv").exists()
-    res = run([sys.executable, "-m", "steer.report", str(tmp_path / "nope")])
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path / "nope")])
     assert res.returncode == 2 and "is not a directory" in res.stderr
 
 
@@ -83,7 +83,7 @@ def test_report_of_a_directory_without_jobs_is_an_error_and_writes_nothing(tmp_p
     import sys
 
     job(tmp_path, 0, ["edit.scale=0"], None)  # set up but never finished: still no job to report
-    res = run([sys.executable, "-m", "steer.report", str(tmp_path)])
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path)])
     assert res.returncode == 2
     assert str(tmp_path) in res.stderr and "metrics.json" in res.stderr and "Traceback" not in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]  # no summary.csv, no plots
@@ -123,7 +123,7 @@ def test_metrics_are_told_from_overrides_whatever_their_names(tmp_path):
 
 def test_a_smaller_sweep_into_the_same_directory_reports_its_own_jobs_alone(tmp_path, capsys):
     from hydra_plugins.steer_launcher.packed import _list_jobs
-    from steer.report import main
+    from steer.runs.report import main
 
     for n in range(6):  # an earlier sweep of six
         job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
@@ -145,7 +145,7 @@ def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
     from omegaconf import OmegaConf
 
     from hydra_plugins.steer_launcher.packed import _list_jobs
-    from steer.sweep import SummaryCallback
+    from steer.runs.sweep import SummaryCallback
 
     for n in range(3):
         job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10})
@@ -157,7 +157,7 @@ def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
 def test_a_sweep_starting_removes_the_report_of_the_one_before_and_only_it(tmp_path):
     from omegaconf import OmegaConf
 
-    from steer.sweep import SummaryCallback
+    from steer.runs.sweep import SummaryCallback
 
     for n in range(2):
         job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
@@ -216,7 +216,7 @@ def test_a_failed_jobs_error_is_the_exceptions_own_line_not_its_indented_tail(tm
 def test_a_plot_over_an_integer_setting_has_integer_ticks(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    from steer.report import plot
+    from steer.runs.report import plot
 
     for layer in range(4):
         job(tmp_path, layer, [f"tap.layer={layer}"], {"kl_mean": layer / 10})
@@ -231,7 +231,7 @@ def test_a_file_is_held_by_one_job_of_a_sweep(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from steer.errors import ConfigError
-    from steer.sweep import claim
+    from steer.runs.sweep import claim
 
     out = tmp_path / "v.safetensors"
     claim(tmp_path, 3, "extract.out", out)
@@ -257,7 +257,7 @@ def test_a_file_is_held_by_one_job_where_the_file_system_has_no_hard_links(tmp_p
     from concurrent.futures import ThreadPoolExecutor
 
     from steer.errors import ConfigError
-    from steer.sweep import claim
+    from steer.runs.sweep import claim
 
     def no_links(src, dst):
         raise OSError(errno.EPERM, "Operation not permitted")

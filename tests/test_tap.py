@@ -1,8 +1,8 @@
 import pytest
 
 from steer.errors import ConfigError
-from steer.schema import TapConf
-from steer.tap import resolve
+from steer.config.schema import TapConf
+from steer.edits.tap import resolve
 
 
 def test_layer_tap(tiny_spec):
@@ -61,7 +61,7 @@ def test_a_path_whose_output_is_hidden_wide_is_a_tap(tiny_spec, path):
 def test_where_a_forward_cannot_run_on_meta_tensors_the_module_types_still_say_what_they_output():
     import torch
 
-    from steer.model import _outputs
+    from steer.models.spec import _outputs
 
     class Broken(torch.nn.Module):
         def __init__(self):

@@ -1,7 +1,7 @@
 """The embedded tiny model's build."""
 
-from steer import tiny
-from steer.schema import TinyConf
+from steer.models import tiny
+from steer.config.schema import TinyConf
 
 
 def test_building_the_tiny_model_prints_no_tokenizer_warning(tmp_path, capfd):

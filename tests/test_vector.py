@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from steer import vector
+from steer.edits import vector
 from steer.errors import ConfigError
 
 

@@ -29,8 +29,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from steer import rundir
-from steer.schema import NOT_RESULTS
+from steer.runs import rundir
+from steer.config.schema import NOT_RESULTS
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
             return f" (config changed: {changed}, rerunning)"
         if cfg.get("task") == "select":  # its pairs hold the record of their inputs, and are kept where current
             return " (a select: run again, keeping its pairs that are current)"
-        from steer import inputs
+        from steer.runs import inputs
 
         changed = inputs.recorded_changes(job_dir)  # the same config may read files that have changed since
         return None if changed is None else f" (inputs changed: {changed}, rerunning)"
@@ -156,7 +156,7 @@ class PackedLauncher(Launcher):
 
     def _launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, sweep_dir: Path,
                 job_dirs: List[Path]) -> Tuple[List[JobReturn], List[str]]:
-        from steer.job import Job
+        from steer.runs.job import Job
 
         returns: List[JobReturn] = []
         pending: Dict[str, Tuple[int, str, JobReturn]] = {}
@@ -224,7 +224,7 @@ class PackedLauncher(Launcher):
     def _run_groups(self, jobs: list, pending: Dict[str, Tuple[int, str, JobReturn]]) -> List[str]:
         """Run the validated jobs, a group per engine (the first here, each other in a process of its own); set
         each job's return value; the numbers of those that failed."""
-        from steer.job import engine_key
+        from steer.runs.job import engine_key
 
         groups: Dict[str, list] = {}
         for job in jobs:
@@ -254,14 +254,14 @@ def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: st
 
 def _list_jobs(sweep_dir: Path, job_dirs: List[Path], initial_job_idx: int) -> None:
     # The report then leaves out the job directories an earlier, larger sweep left in the same sweep dir.
-    from steer import report
+    from steer.runs import report
 
     report.list_jobs(sweep_dir, [d.name for d in job_dirs if d.parent == sweep_dir], append=initial_job_idx > 0)
 
 
 def _report(sweep_dir: Path) -> str:
-    from steer import sweep
-    from steer.report import left_out
+    from steer.runs import sweep
+    from steer.runs.report import left_out
 
     out = sweep.write_report(sweep_dir)
     if not out:
@@ -283,8 +283,8 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
     from rich.console import Console
 
     from steer import progress as progress_bar
-    from steer import run
-    from steer.job import engine_for
+    from steer.runs import run
+    from steer.runs.job import engine_for
 
     console = Console(stderr=True)
     out = []
@@ -378,10 +378,10 @@ def _group_child(jobs: list, pack_size: int, send) -> None:
 
 
 def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> None:
-    """A finished extraction skipped on resume holds the file it wrote (steer.sweep.claim), as it did when it ran:
+    """A finished extraction skipped on resume holds the file it wrote (steer.runs.sweep.claim), as it did when it ran:
     a job of the sweep that would write it over is refused."""
     from steer.errors import ConfigError
-    from steer.sweep import claim
+    from steer.runs.sweep import claim
 
     if cfg.get("task") != "extract":
         return

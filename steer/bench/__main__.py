@@ -27,7 +27,7 @@ from rich.markup import escape
 
 from steer.bench import hostspeed, nvml, schema, waves
 from steer.errors import ConfigError
-from steer.schema import to_object
+from steer.config.schema import to_object
 
 schema.register()
 

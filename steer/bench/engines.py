@@ -71,7 +71,7 @@ def llm_kwargs(cfg: BenchConf, m: BenchModelConf, where: Path, trace_dir: Option
 def vllm_conf(cfg: BenchConf, m: BenchModelConf, where: Path, in_graph: bool = False, tap_graphs: bool = False,
               compiled: bool = False, fold: bool = False):
     """The engine settings every configuration shares (the graph ones too: the same steps get a graph)."""
-    from steer.schema import VllmConf
+    from steer.config.schema import VllmConf
 
     sizes = sorted(set(cfg.capture_sizes or [r for r, _ in cfg.batches]))
     biggest = max(r for r, _ in cfg.batches)
@@ -120,8 +120,8 @@ def _plain(cfg, m, where, group, breakable: bool, v1: bool = False):
 def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = False, compiled: bool = False,
            fold: bool = False):
     from steer.engine.vllm import VLLMEngine
-    from steer.plan import Plan
-    from steer.tap import Tap
+    from steer.edits.plan import Plan
+    from steer.edits.tap import Tap
 
     spec = workload.spec(m, "bench", where)
     layers = group.layers

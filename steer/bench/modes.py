@@ -205,7 +205,7 @@ def main(argv=None) -> None:
     from hydra import compose, initialize_config_dir
 
     from steer.bench import schema
-    from steer.schema import to_object
+    from steer.config.schema import to_object
 
     schema.register()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.schema import GgufConf, TinyConf
+from steer.config.schema import GgufConf, TinyConf
 
 CONFIGS = {
     "a": "vLLM default (torch.compile + CUDA graphs), unsteered",

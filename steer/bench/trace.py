@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from steer.edit import Edit
-from steer.schema import EditKind
+from steer.edits.edit import Edit
+from steer.config.schema import EditKind
 
 
 def generate(model, prompts: Sequence[List[int]], edits: Sequence[Optional[Edit]], layers: List[int],

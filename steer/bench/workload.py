@@ -15,12 +15,16 @@ from typing import List, Optional
 
 import torch
 
-from steer import gguf_model, model, tiny
+from steer.models import gguf as gguf_model
+
+from steer.models import spec as model
+
+from steer.models import tiny
 from steer.bench import placement
 from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf, BenchModelConf, timed_window
-from steer.edit import Edit, compile_edit
+from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError, refuse_repeats
-from steer.schema import EditKind, ModelConf
+from steer.config.schema import EditKind, ModelConf
 
 # Llama-3-8B's architecture (its public config.json), for load_format=dummy: the real shape, random weights.
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

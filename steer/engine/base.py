@@ -2,7 +2,7 @@
 
 `Engine` is a typing.Protocol: whatever has these members is an engine, and run.py, extract.py, steer.serve and
 the bench need nothing else. Both engines also subclass it, which gives them the shared members written out here
-(render / encode / decode through steer.prompt, and `with` closing the engine), so the two feed identical ids.
+(render / encode / decode through steer.models.prompt, and `with` closing the engine), so the two feed identical ids.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence,
                     Tuple, runtime_checkable)
 
-from steer import prompt
+from steer.models import prompt
 
 if TYPE_CHECKING:
     import torch
 
-    from steer.model import ModelSpec
-    from steer.plan import Plan
-    from steer.schema import GenConf
+    from steer.models.spec import ModelSpec
+    from steer.edits.plan import Plan
+    from steer.config.schema import GenConf
 
 GenJob = Tuple[List[int], Optional["Plan"], int]  # (prompt ids, plan or None: unsteered, seed)
 ScoreJob = Tuple[List[int], List[int], Optional["Plan"], Tuple[str, ...]]  # (prompt, continuation, plan, taps)
@@ -56,7 +56,7 @@ class Engine(Protocol):
 
     def render(self, text: str, chat: str = "false") -> Tuple[str, List[int]]:
         """The exact text fed for prompt `text` and its ids: raw, or a user turn of the chat template (`chat`:
-        auto / true / false, as prompts.chat). Every engine goes through steer.prompt.render: identical ids."""
+        auto / true / false, as prompts.chat). Every engine goes through steer.models.prompt.render: identical ids."""
         return prompt.render(self.tokenizer, text, chat)
 
     def encode(self, text: str, chat: str = "false") -> List[int]:

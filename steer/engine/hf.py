@@ -14,9 +14,9 @@ import torch
 
 from steer.engine import stop_ids
 from steer.engine.base import Engine, Scores
-from steer.model import ModelSpec
-from steer.plan import Plan
-from steer.schema import GenConf
+from steer.models.spec import ModelSpec
+from steer.edits.plan import Plan
+from steer.config.schema import GenConf
 
 
 class HFEngine(Engine):

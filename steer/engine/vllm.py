@@ -20,15 +20,16 @@ import torch
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import Kind, Rows, StageEdit
 from interleaver.clock import Clock
-from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY,
-                                        TAPS_KEY, shutdown, tap_location, worker_cls)
-from steer.edit import Edit
+from interleaver.vllm_internals import shutdown, tap_location
+from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY,
+                                    worker_cls)
+from steer.edits.edit import Edit
 from steer.engine import stop_ids
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores
-from steer.model import ModelSpec
-from steer.plan import Plan
-from steer.schema import GenConf, VllmConf
-from steer.tap import Tap
+from steer.models.spec import ModelSpec
+from steer.edits.plan import Plan
+from steer.config.schema import GenConf, VllmConf
+from steer.edits.tap import Tap
 
 
 def stage_edit(e: Edit) -> StageEdit:

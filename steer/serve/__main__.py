@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from steer.errors import ConfigError, run_app
-from steer.schema import to_object
+from steer.config.schema import to_object
 from steer.serve import schema
 
 schema.register()

@@ -1,9 +1,9 @@
 """Presets: named lists of {tap, edit} pairs (conf/preset/<name>.yaml), checked and compiled when the server starts.
 
-`read` and `check` run before any engine loads, with the CLI's own checks (steer.plan, steer.vector): a bad preset
+`read` and `check` run before any engine loads, with the CLI's own checks (steer.edits.plan, steer.edits.vector): a bad preset
 stops the start with a ConfigError naming it and the field, e.g. `preset joy: edits[0].edit.vector.path: ...`.
 `compile_all` then compiles every preset as `python -m steer` compiles the same edits (a null vector path is the
-default direction at the tap, steer.extract.cached_default with the config's prompts), so a preset served is the
+default direction at the tap, steer.runs.extract.cached_default with the config's prompts), so a preset served is the
 CLI run with those edits, and `compose` stacks presets for one request.
 """
 
@@ -14,14 +14,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from steer import vector
-from steer.edit import Edit, compile_edit
+from steer.edits import vector
+from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError
-from steer.model import ModelSpec
-from steer.plan import Plan, compile_entries, needs_default_vector
-from steer.schema import EditConf, EditKind, TapEditConf, Tokens
+from steer.models.spec import ModelSpec
+from steer.edits.plan import Plan, compile_entries, needs_default_vector
+from steer.config.schema import EditConf, EditKind, TapEditConf, Tokens
 from steer.serve.schema import PresetConf, ServeOptions
-from steer.tap import Tap
+from steer.edits.tap import Tap
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # no commas: a request composes presets as "a,b"
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -126,7 +126,7 @@ def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
 
 
 def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> List[Tuple[Tap, Edit]]:
-    """The preset's (tap, compiled edit) pairs in config order, by the CLI's own steer.plan (one entry at a time,
+    """The preset's (tap, compiled edit) pairs in config order, by the CLI's own steer.edits.plan (one entry at a time,
     which is what `build` does for a run's tap/edit and extra_edits)."""
     out = []
     for i, te in enumerate(conf.edits):

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.schema import ExtractConf, ModelConf, PromptsConf, TapEditConf, VllmConf
+from steer.config.schema import ExtractConf, ModelConf, PromptsConf, TapEditConf, VllmConf
 
 
 @dataclass

@@ -14,10 +14,10 @@ The stage list travels to the worker as plain data in vLLM's additional_config (
 import json
 from typing import Dict, List, Optional, Sequence
 
-from steer.kinds import EditKind
+from interleaver.kinds import EditKind
 from steer.serve.presets import Preset
 from steer.serve.protocol import InlinePolicy, InlineVector
-from steer.tap import Tap
+from steer.edits.tap import Tap
 
 
 class StageTable:

@@ -10,15 +10,15 @@ from rich.console import Console
 from rich.markup import escape
 
 from steer import engine as engines
-from steer import tiny
+from steer.models import tiny
 from steer.errors import ConfigError
-from steer.extract import Recipe, cached_default
-from steer.prompt import check_texts
-from steer.model import ModelSpec, spec as model_spec
+from steer.runs.extract import Recipe, cached_default
+from steer.models.prompt import check_texts
+from steer.models.spec import ModelSpec, spec as model_spec
 from steer.serve import presets
-from steer.schema import TapConf
+from steer.config.schema import TapConf
 from steer.serve.schema import PresetConf, ServeConf, ServeOptions
-from steer.tap import Tap, resolve
+from steer.edits.tap import Tap, resolve
 
 
 def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dict[int, Tap]]:

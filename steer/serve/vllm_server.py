@@ -19,21 +19,21 @@ from pathlib import Path
 from typing import Dict, List
 
 from steer.errors import ConfigError
-from steer.model import ModelSpec
+from steer.models.spec import ModelSpec
 from steer.serve import presets as presets_mod
 from steer.serve.middleware import TABLE_ENV
 from steer.serve.presets import Preset
 from steer.serve.schema import ServeConf
 from steer.serve.stages import StageTable
-from steer.tap import Tap
+from steer.edits.tap import Tap
 
 KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's api_server reads its idle-connection timeout from it at start
 
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
     """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
-    from interleaver.vllm_internals import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, STAGES_KEY,
-                                            TAP_GRAPHS_KEY, TAPS_KEY)
+    from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, STAGES_KEY,
+                                        TAP_GRAPHS_KEY, TAPS_KEY)
 
     extra = {TAPS_KEY: table.tap_list()}
     if conf.vllm.in_graph_field():
@@ -53,7 +53,7 @@ def engine_config(conf: ServeConf, table: StageTable) -> dict:
 
 def argv(conf: ServeConf, spec: ModelSpec, model_name: str) -> List[str]:
     """`vllm serve` flags for this server (the settings that have no flag here are set on the parsed args)."""
-    from interleaver.vllm_internals import worker_cls
+    from interleaver.tap_worker import worker_cls
     from steer.engine.vllm import compilation_config
 
     v, s = conf.vllm, conf.serve

@@ -13,7 +13,7 @@ import threading
 from contextlib import closing
 from typing import AsyncIterator, List, Optional, Tuple
 
-from steer.schema import GenConf
+from steer.config.schema import GenConf
 
 log = logging.getLogger("steer.serve")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from steer.bench import kernel, workload
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 
 EPS = 1e-6
 

@@ -315,7 +315,7 @@ def test_declared_plans_name_every_edit_of_the_group(bench_model):
     from pathlib import Path
 
     from steer.bench import workload
-    from steer.plan import Plan
+    from steer.edits.plan import Plan
 
     cfg = bench_conf("configs=[f]", "batches=[[16,4]]")
     group = one_tap(cfg, "f")

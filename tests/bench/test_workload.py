@@ -10,7 +10,7 @@ import torch
 from bench_common import bench_conf
 from steer.bench import placement, runs, schema, workload
 from steer.errors import ConfigError
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 
 
 def test_committed_bench_config_composes_and_checks():
@@ -210,7 +210,7 @@ def test_llama3_8b_shape_is_written_once_with_the_tiny_tokenizer(cache_dir, benc
 
 
 def test_a_gguf_model_is_converted_into_the_cache(monkeypatch, tmp_path):
-    from steer import gguf_model
+    from steer.models import gguf as gguf_model
 
     asked = []
     monkeypatch.setattr(gguf_model, "ensure", lambda cache, conf: asked.append((cache, conf)) or tmp_path)

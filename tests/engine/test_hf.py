@@ -3,8 +3,8 @@
 import torch
 
 from helpers import plan as plan_of
-from steer.edit import compile_edit
-from steer.schema import EditKind, GenConf, Tokens
+from steer.edits.edit import compile_edit
+from steer.config.schema import EditKind, GenConf, Tokens
 
 PROMPT = "When I opened the letter, I felt"
 

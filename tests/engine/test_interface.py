@@ -9,7 +9,7 @@ import torch
 from interleaver import EditBank, Kind, StageEdit, TapProgram
 from steer.engine import Engine, Scores
 from steer.engine.hf import HFEngine
-from steer.schema import GenConf
+from steer.config.schema import GenConf
 
 PROMPT = "When I opened the letter, I felt"
 

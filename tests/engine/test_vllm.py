@@ -9,7 +9,7 @@ import torch
 
 from interleaver.clock import Clock
 from steer.engine.vllm import _dense, rank_zero, set_environment
-from steer.schema import VllmConf
+from steer.config.schema import VllmConf
 
 
 def test_flat_logprobs_become_dense_rows():
@@ -38,8 +38,8 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     from interleaver.bank import EditBank
     from steer.bench import workload
     from steer.engine.vllm import VLLMEngine
-    from steer.plan import Plan
-    from steer.tap import Tap
+    from steer.edits.plan import Plan
+    from steer.edits.tap import Tap
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
     ablate, add = (workload.scenario(name, 16, 4, 1, 0).edits[0] for name in ("ablate_all", "add"))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from steer.schema import TapConf
-from steer.tap import resolve
+from steer.config.schema import TapConf
+from steer.edits.tap import resolve
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def hf(tiny_spec):
 
 @pytest.fixture(scope="module")
 def direction(hf, tiny_spec):
-    from steer.extract import diff_of_means
+    from steer.runs.extract import diff_of_means
 
     return diff_of_means(hf, resolve(TapConf(layer=1), tiny_spec), ["I am happy and glad today"],
                          ["I am sad and tired today"])[None]

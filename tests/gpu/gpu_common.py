@@ -1,7 +1,7 @@
 """What the GPU tests share: prompts, generation settings, tolerances, and how they build engines and edits."""
 
-from steer.edit import compile_edit
-from steer.schema import EditKind, GenConf, Tokens, VllmConf
+from steer.edits.edit import compile_edit
+from steer.config.schema import EditKind, GenConf, Tokens, VllmConf
 
 PROMPTS = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said"]
 GEN = GenConf(max_new_tokens=16)

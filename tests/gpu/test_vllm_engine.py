@@ -10,11 +10,12 @@ import torch
 
 from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
 from helpers import plan
-from interleaver.vllm_internals import eager_breaks, folds, graphs_captured
-from steer.edit import compile_edit
+from interleaver.vllm_internals import eager_breaks, graphs_captured
+from interleaver.tap_worker import folds
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import set_environment
-from steer.schema import EditKind, TapConf, VllmConf
-from steer.tap import resolve
+from steer.config.schema import EditKind, TapConf, VllmConf
+from steer.edits.tap import resolve
 
 pytestmark = pytest.mark.gpu
 

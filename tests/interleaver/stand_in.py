@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 from torch import nn
 
-from interleaver.vllm_internals import TAPS_KEY, _TapWorkerMixin
+from interleaver.tap_worker import TAPS_KEY, _TapWorkerMixin
 
 H = 4
 

@@ -1,14 +1,14 @@
 """EditBank stage keys: requests at one tap whose `set` edits differ only in value, or whose `clamp` edits differ
 only in their window, each get a stage of their own, while edits that differ only in scale share one. A mixed
-step's rows, run by the tap's program, are checked row by row against steer.edit's eager edit of each request's
+step's rows, run by the tap's program, are checked row by row against steer.edits.edit's eager edit of each request's
 rows, and against the target each edit moves the projection to."""
 
 import torch
 
 from interleaver import EditBank, RequestEdits, Span, StepRows, TapProgram
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 
 TAP = "model.layers.1.output"
 H = 8
@@ -48,7 +48,7 @@ def test_set_edits_with_different_values_get_their_own_stages():
     bank, starts, got, want = run_step(edits, counts)
     check_rows(edits, starts, counts, got, want, "set value=2 / value=-5 / value=2 at half strength")
     u = edits[0].basis[0]  # unit: compile_edit normalised it
-    # Independent of steer.edit: a full-strength set lands the projection on its own value.
+    # Independent of steer.edits.edit: a full-strength set lands the projection on its own value.
     assert torch.allclose(got[:3] @ u, torch.full((3,), 2.0), atol=1e-5), got[:3] @ u
     assert torch.allclose(got[3:5] @ u, torch.full((2,), -5.0), atol=1e-5), got[3:5] @ u
     # Scale is a row weight; the value is part of what the stage computes.

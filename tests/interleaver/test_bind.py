@@ -15,9 +15,9 @@ from interleaver import kernels, nnsight_internals, triton_internals
 from interleaver.bank import EditBank
 from interleaver.interleaver import VLLMInterleaver
 from interleaver.program import TapProgram
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 from test_program import TAP
 
 

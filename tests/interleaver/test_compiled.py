@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.vllm_internals import COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY, tap_location
+from interleaver.vllm_internals import tap_location
+from interleaver.tap_worker import COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY
 from stand_in import H, step, tap_worker
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 TAPS = (("layers.0", True), ("layers.1", True))
 

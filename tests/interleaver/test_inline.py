@@ -7,9 +7,9 @@ import torch
 from interleaver.bank import EditBank, InlineStages, RequestEdits
 from interleaver.vllm_internals import tap_location
 from stand_in import H, step
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 from steer.serve.protocol import encode_vector
 
 LOC = tap_location("layers.0")

@@ -8,9 +8,9 @@ from nnsight.intervention.interleaver import OutOfOrderError
 
 from fake import H, PAD, Graphed
 from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 TAP = "model.layers.1.output"
 

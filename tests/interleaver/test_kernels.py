@@ -8,9 +8,9 @@ import torch
 from fake_triton import direction_table, in_torch
 from interleaver import kernels
 from interleaver.program import TapProgram
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 from test_program import TAP, _each_alone, _mixed_edits, _run
 
 

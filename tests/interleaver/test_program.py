@@ -6,9 +6,9 @@ import torch
 from interleaver.bank import EditBank, RequestEdits, layout
 from interleaver.rows import Span, StepRows
 from interleaver.program import TapProgram
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 H = 16
 TAP = "model.layers.1.output"

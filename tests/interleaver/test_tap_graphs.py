@@ -13,9 +13,9 @@ from fake import H, PAD
 from interleaver import EditBank, RequestEdits, Span, vllm_internals
 from interleaver.tap_graphs import TapGraphs
 from stand_in import tap_worker
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 
 TAPS = ["model.layers.0.output", "model.layers.1.output"]
 
@@ -122,7 +122,7 @@ def test_serve_declines_what_needs_the_eager_path():
 
 
 def test_worker_rebuilds_its_weight_buffer_and_forgets_graphs_when_stages_change():
-    w = tap_worker({vllm_internals.TAP_GRAPHS_KEY: True})
+    w = tap_worker({tap_worker.TAP_GRAPHS_KEY: True})
     il = w.steer_il
     assert isinstance(il.tap_graphs, TapGraphs) and tuple(il.step.static.shape) == (8, 1)
     il.tap_graphs._graphs[("x", 0, (8, 4))] = lambda: None

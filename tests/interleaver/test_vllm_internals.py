@@ -8,9 +8,9 @@ import torch
 from interleaver.bank import EditBank, RequestEdits, encode_vector
 from interleaver.vllm_internals import tap_location
 from stand_in import H, step, tap_worker
-from steer.edit import compile_edit
+from steer.edits.edit import compile_edit
 from steer.engine.vllm import stage_edits
-from steer.schema import EditKind, Tokens
+from steer.config.schema import EditKind, Tokens
 
 
 def _serving(worker, *edits):
@@ -67,7 +67,7 @@ def test_tap_naming_no_module_fails_at_load():
 
 
 def test_folding_into_norms_is_refused_without_edits_in_the_graph():
-    from interleaver.vllm_internals import FOLD_KEY
+    from interleaver.tap_worker import FOLD_KEY
 
     with pytest.raises(ValueError, match=f"{FOLD_KEY}: only an in-graph engine"):
         tap_worker({FOLD_KEY: True})
@@ -302,7 +302,7 @@ def test_a_streaming_request_updated_under_its_id_is_looked_up_again(worker):
 
 
 def test_an_in_graph_worker_serves_only_its_declared_stages():
-    from interleaver.vllm_internals import IN_GRAPH_KEY
+    from interleaver.tap_worker import IN_GRAPH_KEY
 
     bank = EditBank()
     loc = tap_location("layers.0")

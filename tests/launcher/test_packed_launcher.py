@@ -117,7 +117,7 @@ def test_a_finished_extraction_skipped_on_resume_still_holds_its_file(tmp_path, 
 def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(tmp_path, cache_dir, tiny_spec):
     import torch
 
-    from steer import vector
+    from steer.edits import vector
 
     good, nan, wide = (tmp_path / f"{n}.safetensors" for n in ("good", "nan", "wide"))
     vector.save(good, {"direction": torch.randn(tiny_spec.hidden)}, model="tiny", tap="layer1", method="m")

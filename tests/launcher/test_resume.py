@@ -11,8 +11,8 @@ from helpers import (TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, start
                      sweep_jobs as jobs)
 
 from hydra_plugins.steer_launcher import packed
-from steer import inputs
-from steer.report import job_rows
+from steer.runs import inputs
+from steer.runs.report import job_rows
 from hydra_plugins.steer_launcher.packed import complete
 
 QUICK = ["engine=hf", "gen.max_new_tokens=4", TWO_PROMPTS]
@@ -114,7 +114,9 @@ def _stand_in_jobs(tmp_path, n):
 def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypatch):
     from contextlib import nullcontext
 
-    from steer import job, run
+    from steer.runs import job
+
+    from steer.runs import run
 
     js = _stand_in_jobs(tmp_path, 4)
     engine = object()
@@ -135,7 +137,7 @@ def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypa
 
 
 def test_run_group_fails_every_job_when_its_engine_does_not_start(tmp_path, monkeypatch):
-    from steer import job
+    from steer.runs import job
 
     js = _stand_in_jobs(tmp_path, 3)
 
@@ -207,9 +209,9 @@ def test_a_validated_job_crosses_into_a_spawned_process(tmp_path, cache_dir, tin
     import pickle
 
     from helpers import compose
-    from steer.job import validate
+    from steer.runs.job import prepare
 
-    job = validate(compose("tap.path=model.layers.1.mlp"), tmp_path)
+    job = prepare(compose("tap.path=model.layers.1.mlp"), tmp_path)
     assert job.spec.outputs and pickle.loads(pickle.dumps(job)).spec.outputs == job.spec.outputs
 
 

@@ -1,5 +1,5 @@
 """The CLI side of the server tests: a request's presets and steer_scale as the `python -m steer` run with the same
-edits, run through steer.run.main (what the CLI runs after Hydra composes its config)."""
+edits, run through steer.runs.run.main (what the CLI runs after Hydra composes its config)."""
 
 import copy
 import json
@@ -27,9 +27,9 @@ def cli_edits(steer, scale):
 
 
 def cli_run(edits, out_dir, *overrides):
-    """steer.run.main (what `python -m steer engine=hf` runs) on PROMPTS with these edits as tap/edit and
+    """steer.runs.run.main (what `python -m steer engine=hf` runs) on PROMPTS with these edits as tap/edit and
     extra_edits; its results.jsonl rows."""
-    from steer import run
+    from steer.runs import run
 
     quoted = ",".join("'" + p.replace("'", "\\'") + "'" for p in PROMPTS)
     cfg = compose("engine=hf", "progress=false", f"gen.max_new_tokens={MAX_TOKENS}", f"prompts.steer=[{quoted}]",

@@ -10,7 +10,7 @@ from helpers import run
 
 STUCK = """
 import asyncio, signal, threading
-from steer.schema import GenConf
+from steer.config.schema import GenConf
 from steer.serve.hf_serve import _join
 from steer.serve.worker import EngineWorker
 

@@ -4,7 +4,7 @@ the presets listing, bad requests, concurrency. Greedy unless said; the tiny mod
 import httpx
 
 from serve_cli import cli_edits, cli_run
-from steer.schema import TinyConf
+from steer.config.schema import TinyConf
 from serve_common import (MAX_TOKENS, MODEL, PROMPTS, chat, check_against, check_bad_requests, check_concurrent,
                           check_idle_connection_kept, check_listing, check_sse_done, check_streaming, complete)
 

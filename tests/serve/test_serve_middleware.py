@@ -10,11 +10,12 @@ from starlette.testclient import TestClient
 
 from interleaver.bank import EditBank, RequestEdits
 from interleaver.stage import StageEdit
-from interleaver.vllm_internals import COMPILED_KEY, IN_GRAPH_KEY, STAGES_KEY, TAPS_KEY, tap_location
+from interleaver.vllm_internals import tap_location
+from interleaver.tap_worker import COMPILED_KEY, IN_GRAPH_KEY, STAGES_KEY, TAPS_KEY
 from serve_common import bad_requests
 from steer.engine.vllm import stage_edits
-from steer.model import spec
-from steer.schema import ModelConf
+from steer.models.spec import spec
+from steer.config.schema import ModelConf
 from steer.serve import presets
 from steer.serve.middleware import SteerMiddleware
 from steer.serve.schema import ServeConf, ServeOptions
@@ -185,7 +186,7 @@ def test_engine_config_is_plain_data(compiled, table):
     assert engine_config(conf, table)[IN_GRAPH_KEY] == stages and engine_config(conf, table)[COMPILED_KEY]
     s = spec(ModelConf(name="tiny"), "/nonexistent")
     flags = argv(conf, s, "tiny")
-    for flag, value in (("--worker-cls", "interleaver.vllm_internals.TapWorker"),
+    for flag, value in (("--worker-cls", "interleaver.tap_worker.TapWorker"),
                         ("--middleware", "steer.serve.middleware.SteerMiddleware"), ("--served-model-name", "tiny"),
                         ("--host", "127.0.0.1"), ("--port", "8000")):
         assert flags[flags.index(flag) + 1] == value
@@ -194,9 +195,9 @@ def test_engine_config_is_plain_data(compiled, table):
 def test_own_vectors_reach_the_worker_after_the_presets_edits(compiled):
     """steer_vector at the server's inline layers: each vector rides to the worker with its tap's location and
     the position after the request's preset edits there; strength 0 is left out; a layer not served is refused."""
-    from steer.schema import TapConf
+    from steer.config.schema import TapConf
     from steer.serve.protocol import encode_vector
-    from steer.tap import resolve
+    from steer.edits.tap import resolve
 
     s = spec(ModelConf(name="tiny"), "/nonexistent")
     table = StageTable(compiled, {layer: resolve(TapConf(layer=layer), s) for layer in (1, 3)})

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import cli_env, compose, compose_conf, run
-from steer.edit import Edit
+from steer.edits.edit import Edit
 from steer.errors import ConfigError
-from steer.schema import EditKind
+from steer.config.schema import EditKind
 from steer.serve import presets
 from steer.serve.schema import ServeOptions
 

@@ -4,7 +4,7 @@ the requests waiting on a step in progress at once, then the thread."""
 import asyncio
 import threading
 
-from steer.schema import GenConf
+from steer.config.schema import GenConf
 from steer.serve.worker import EngineWorker, ServerClosing
 
 

@@ -18,13 +18,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from steer import inputs, metrics, results, rundir
+from steer import results
+
+from steer.runs import inputs
+
+from steer.runs import metrics
+
+from steer.runs import rundir
 from steer.errors import ConfigError
-from steer.extract import Recipe, cached_default, extract_to
-from steer.job import Job, engine_for, validate  # noqa: F401 (validate: the tests' name for it)
-from steer.plan import Plan
+from steer.runs.extract import Recipe, cached_default, extract_to
+from steer.runs.job import Job, engine_for, validate  # noqa: F401 (validate: the tests' name for it)
+from steer.edits.plan import Plan
 from steer.progress import bar as progress_bar
-from steer.schema import SteerConf, Task
+from steer.config.schema import SteerConf, Task
 
 
 def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
@@ -32,13 +38,13 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path).
     With `defer` (the packed launcher), a steer or extract job is returned validated, for the launcher to run
     with the other jobs that share its engine. `hold`: called, once the job is valid, with the file it will
-    write outside `out_dir` (a sweep's jobs must not share one: steer.sweep.claim)."""
+    write outside `out_dir` (a sweep's jobs must not share one: steer.runs.sweep.claim)."""
     rundir.clear_stale(out_dir)  # a run into a directory that held one: none of its results may stand beside ours
     job = validate(cfg, out_dir)
     if hold is not None and cfg.task == Task.extract and cfg.extract.out:
         hold(Path(cfg.extract.out))
     if cfg.task == Task.select:
-        from steer import select
+        from steer.runs import select
 
         return select.run(job, console)
     if defer:
@@ -238,7 +244,7 @@ def job_log(job: Job) -> logging.Logger:
 
 
 def _dir_log(out_dir: Path) -> logging.Logger:
-    logger = logging.getLogger(f"steer.job.{out_dir.resolve()}")
+    logger = logging.getLogger(f"steer.runs.job.{out_dir.resolve()}")
     if not logger.handlers:
         handler = logging.FileHandler(out_dir / "steer.log", delay=True)
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] - %(message)s"))
@@ -250,7 +256,7 @@ def _dir_log(out_dir: Path) -> logging.Logger:
 
 def close_log(out_dir: Path) -> None:
     """Close the run directory's steer.log (a later line opens it again, appending)."""
-    logger = logging.getLogger(f"steer.job.{Path(out_dir).resolve()}")
+    logger = logging.getLogger(f"steer.runs.job.{Path(out_dir).resolve()}")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
         handler.close()

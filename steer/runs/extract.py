@@ -33,11 +33,11 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from steer import vector
+from steer.edits import vector
 from steer.errors import ConfigError
-from steer.prompt import chat_mode, text_tokens, uses_chat
-from steer.schema import ExtractConf
-from steer.tap import Tap
+from steer.models.prompt import chat_mode, text_tokens, uses_chat
+from steer.config.schema import ExtractConf
+from steer.edits.tap import Tap
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negati
     """The default direction at `tap`: extracted once per (model, tap, prompt sets, recipe with its chat mode
     resolved), then read from cache. The model is its weights as loaded: its files (a checkpoint retrained in
     place, a hub revision's newer snapshot make a new direction) and dtype."""
-    from steer import inputs
+    from steer.runs import inputs
 
     recipe = resolve(recipe, engine, positive, negative)
     model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]

@@ -14,9 +14,13 @@ from typing import Dict, FrozenSet, Optional, Tuple, Union
 
 import torch
 
-from steer import gguf_model, prompt, tiny
+from steer.models import gguf as gguf_model
+
+from steer.models import prompt
+
+from steer.models import tiny
 from steer.errors import ConfigError
-from steer.schema import ModelConf
+from steer.config.schema import ModelConf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -42,7 +42,7 @@ def render(tokenizer, text: str, chat) -> Tuple[str, List[int]]:
     """The exact text fed for prompt `text` and its token ids. Chat: the text as the one user turn, then the
     assistant's generation prompt (`apply_chat_template(..., add_generation_prompt=True)`), tokenized without
     added special tokens. Raw: `text` itself, tokenized with the tokenizer's own special tokens (e.g. a BOS)."""
-    # verbose=False: a prompt longer than the model's positions is refused (or truncated) by steer.run with its
+    # verbose=False: a prompt longer than the model's positions is refused (or truncated) by steer.runs.run with its
     # index and length; transformers' own "indexing errors" warning would only alarm.
     if uses_chat(tokenizer, chat):
         fed = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

@@ -13,9 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from steer.model import ModelSpec, cached_snapshot
-from steer.plan import entries
-from steer.schema import SteerConf, Task
+from steer.models.spec import ModelSpec, cached_snapshot
+from steer.edits.plan import entries
+from steer.config.schema import SteerConf, Task
 
 FILE = "inputs.json"
 _HASHED = 1 << 20  # model files up to this size (configs, tokenizers) are hashed too, not only stat'ed

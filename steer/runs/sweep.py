@@ -1,4 +1,4 @@
-"""The multirun callback: when a sweep ends, rebuild its report (summary.csv and plots, see steer.report). And
+"""The multirun callback: when a sweep ends, rebuild its report (summary.csv and plots, see steer.runs.report). And
 the files a sweep's jobs write outside their own directories, each held by one job (`claim`).
 
 Hydra 1.3 hands `on_multirun_end` no job results, so the report is built from what each job wrote.
@@ -24,9 +24,9 @@ CLAIMS = ".claims"  # in the sweep directory: a file per output path held, namin
 
 
 def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
-    """Rebuild the sweep's report (see steer.report.build) with Ctrl-C held off until it is written; None where
+    """Rebuild the sweep's report (see steer.runs.report.build) with Ctrl-C held off until it is written; None where
     no job of the sweep finished or failed (one stopped before its first pack)."""
-    from steer import report
+    from steer.runs import report
 
     main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -94,7 +94,7 @@ class SummaryCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
         # and one left there by an earlier packed sweep would hide this sweep's other jobs from its report.
-        from steer.report import JOBS, clear
+        from steer.runs.report import JOBS, clear
 
         Path(config.hydra.sweep.dir, JOBS).unlink(missing_ok=True)
         clear(Path(config.hydra.sweep.dir))  # stopped before its own report, it must not show the last one's
@@ -107,6 +107,6 @@ class SummaryCallback(Callback):
             if out is None:
                 print(f"summary: none written (no job in {sweep_dir} finished or failed)")
             else:
-                from steer.report import left_out
+                from steer.runs.report import left_out
 
                 print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})")

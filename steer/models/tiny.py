@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from steer import results
-from steer.schema import TinyConf
+from steer.config.schema import TinyConf
 
 # Bump when the recipe changes, so caches of an older recipe are not reused.
 _RECIPE = 1

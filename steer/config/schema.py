@@ -12,7 +12,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from steer.errors import ConfigError
-from steer.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
+from interleaver.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
 
 
 class Task(str, Enum):
@@ -101,7 +101,7 @@ class PromptsConf:
     truncate: bool = False
     # "auto": where the tokenizer has a chat template, every prompt (steer and contrastive) is fed as a user turn
     # followed by the assistant's generation prompt; "true": the same, and a tokenizer without one is an error;
-    # "false": the raw text (steer/prompt.py).
+    # "false": the raw text (steer/models/prompt.py).
     chat: str = "auto"
 
 
@@ -116,14 +116,14 @@ class GenConf:
 @dataclass
 class ExtractConf:
     # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
-    # positive_i - negative_i, pointing toward the positive set (steer/extract.py)
+    # positive_i - negative_i, pointing toward the positive set (steer/runs/extract.py)
     method: str = "diffmean"
     position: str = "mean"  # "mean" over the span's tokens or its "last" token
     # The tokens a row is read from: "all", every token fed; "user", the prompt's own text (in a chat rendering, the
     # user turn's content, not the system prompt, turn markers or generation prompt that every prompt shares)
     span: str = "all"
     # Take out of the direction its part along the rows' mean (the midpoint of the two sets' means): a direction
-    # that shares the mean every token has moves every token when it is ablated (steer/extract.py)
+    # that shares the mean every token has moves every token when it is ablated (steer/runs/extract.py)
     orthogonal_to_mean: bool = True
     skip_first: bool = True  # leave the first token (an attention sink, GUIDE.md section 9) out of means
     skip_special: bool = True  # leave special tokens (BOS, chat markers) out of means

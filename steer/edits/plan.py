@@ -1,7 +1,7 @@
 """Config plus loaded vectors -> a Plan: the compiled edits of a run, grouped by tap, in config order.
 
 Vectors named by a file are loaded and checked here; a vector left to the default (no path) is asked of
-`default_vector(tap)`, which the caller backs with extraction (see steer.extract). Nothing here loads a model.
+`default_vector(tap)`, which the caller backs with extraction (see steer.runs.extract). Nothing here loads a model.
 """
 
 import logging
@@ -11,11 +11,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from steer import vector
-from steer.edit import Edit, compile_edit
-from steer.model import ModelSpec
-from steer.schema import EditConf, EditKind, SteerConf, TapConf
-from steer.tap import Tap, resolve
+from steer.edits import vector
+from steer.edits.edit import Edit, compile_edit
+from steer.models.spec import ModelSpec
+from steer.config.schema import EditConf, EditKind, SteerConf, TapConf
+from steer.edits.tap import Tap, resolve
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from steer.schema import EditKind, Tokens
-from steer.vector import F32_MAX
+from steer.config.schema import EditKind, Tokens
+from steer.edits.vector import F32_MAX
 
 
 @dataclass(frozen=True, eq=False)

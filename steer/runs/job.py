@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from steer import engine as engines
-from steer import inputs, prompt, tiny
+from steer.runs import inputs
+from steer.models import prompt
+from steer.models import tiny
 from steer.errors import ConfigError
-from steer.extract import Recipe
-from steer.model import ModelSpec, spec as model_spec
-from steer.plan import Plan, build
-from steer.schema import SteerConf, Task
-from steer.tap import Tap, resolve
+from steer.runs.extract import Recipe
+from steer.models.spec import ModelSpec, spec as model_spec
+from steer.edits.plan import Plan, build
+from steer.config.schema import SteerConf, Task
+from steer.edits.tap import Tap, resolve
 
 
 @dataclass
@@ -53,7 +55,7 @@ def validate(cfg: SteerConf, out_dir: Path) -> Job:
         job.plan = build(cfg, spec)
         job.taps = list(job.plan.taps.values())
     elif cfg.task == Task.select:
-        from steer import select
+        from steer.runs import select
 
         for cell in select.grid(cfg, spec.layers):
             digests = inputs.vectors(cell)

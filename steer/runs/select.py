@@ -1,7 +1,7 @@
 """task=select: choose a layer and a strength for the config's edit.
 
 Every (layer, scale) pair of `select.layers` x `select.scales` runs the edit at that layer and strength, all of
-them one packed sweep on one engine (steer.run.execute), each into a directory of its own under the run dir.
+them one packed sweep on one engine (steer.runs.run.execute), each into a directory of its own under the run dir.
 A pair's score is its concept gain (concept_steered - concept_baseline: how much more of the direction the
 unsteered model reads in the steered text) among pairs whose perplexity stays within `max_ppl_ratio` of the
 baseline's (a strength that breaks the text is rejected however much concept it shows). The run dir gets
@@ -19,9 +19,11 @@ from typing import Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
-from steer import results, rundir
+from steer import results
+
+from steer.runs import rundir
 from steer.errors import ConfigError, refuse_repeats
-from steer.schema import NOT_RESULTS, EditKind, SteerConf, TapConf, Task
+from steer.config.schema import NOT_RESULTS, EditKind, SteerConf, TapConf, Task
 
 log = logging.getLogger(__name__)
 PACK = 16  # jobs per batch, as the packed launcher's default
@@ -69,7 +71,7 @@ CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a f
 
 
 def _settings(cfg: SteerConf) -> Dict:
-    """A pair's config as a rerun compares it: what changes its results (steer.schema.NOT_RESULTS left out)."""
+    """A pair's config as a rerun compares it: what changes its results (steer.config.schema.NOT_RESULTS left out)."""
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
@@ -81,7 +83,7 @@ def _settings(cfg: SteerConf) -> Dict:
 def _done(cell) -> bool:
     """Whether a pair finished before with these settings, and its vector files and model read as they did then;
     its metrics then stand as its result."""
-    from steer import inputs
+    from steer.runs import inputs
 
     d = cell.out_dir
     got = results.read_json(d / "metrics.json")
@@ -96,8 +98,8 @@ def _done(cell) -> bool:
 def run(job, console: Console) -> Dict:
     """Run the grid of a validated task=select job into its run directory, write the selection report and return
     the best pair (or none)."""
-    from steer import job as jobs_mod
-    from steer import run as runs
+    from steer.runs import job as jobs_mod
+    from steer.runs import run as runs
 
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
     todo = [cell for cell in jobs if not _done(cell)]

@@ -5,8 +5,8 @@ more specific of the two and wins when both are set (so `tap.path=...` works on 
 from dataclasses import dataclass
 
 from steer.errors import ConfigError
-from steer.model import ModelSpec
-from steer.schema import TapConf
+from steer.models.spec import ModelSpec
+from steer.config.schema import TapConf
 
 
 @dataclass(frozen=True)

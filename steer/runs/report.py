@@ -1,6 +1,6 @@
 """Sweep reports, rebuilt from the job directories alone: `summary.csv` and one PNG per metric.
 
-    python -m steer.report outputs/multirun/2026-11-29/10-00-00-000000
+    python -m steer.runs.report outputs/multirun/2026-11-29/10-00-00-000000
 
 A job directory counts once its metrics.json exists (written last, atomically): status `ok`. One that holds
 error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import yaml
 
 from steer import results
-from steer.schema import NOT_RESULTS
+from steer.config.schema import NOT_RESULTS
 
 METRICS = ("kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "tokens_per_s")  # plotted first
 NOT_PLOTTED = ("prompts",)  # metrics.json keys that are counts, not metrics
@@ -236,7 +236,7 @@ def _job_key(name: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m steer.report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m steer.runs.report", description=__doc__.splitlines()[0])
     p.add_argument("sweep_dir", type=Path)
     args = p.parse_args(argv)
     if not args.sweep_dir.is_dir():

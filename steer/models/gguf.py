@@ -26,7 +26,7 @@ from typing import Optional
 
 from steer import results
 from steer.errors import ConfigError
-from steer.schema import GgufConf
+from steer.config.schema import GgufConf
 
 log = logging.getLogger(__name__)
 

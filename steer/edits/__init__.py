@@ -1,0 +1,1 @@
+"""Config -> compiled edits: taps, vectors, the in-place edit programs, and the plan that groups them by tap."""

@@ -1,0 +1,1 @@
+"""Runs: a job from its config, baseline and steered generation, extraction, select, metrics, sweeps and reports."""
