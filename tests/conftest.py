@@ -3,10 +3,25 @@ import os
 
 import pytest
 
+from helpers import MARK, end_processes_left
+
+
+def pytest_configure(config):
+    os.environ[MARK] = str(os.getpid())  # inherited by every process the tests start: processes_left() finds them
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left():
+    """The test run leaves no process behind: once every other fixture has ended its servers, any process the tests
+    started that is still running (an orphaned server, a CLI's worker) fails the run, named, and is killed."""
+    yield
+    left = end_processes_left()
+    assert not left, "processes the tests started outlived them (killed now):\n" + "\n".join(left)
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One steer cache for the whole session: the tiny model is built once and shared by every test."""
+    """One steer cache for the whole test run: the tiny model is built once and shared by every test."""
     d = tmp_path_factory.mktemp("steer-cache")
     os.environ["STEER_CACHE"] = str(d)
     return d

@@ -4,9 +4,13 @@ what a sweep wrote."""
 import csv
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator, List
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -88,9 +92,127 @@ def cli_env(cache_dir):
 
 def run_cli(args, cwd, cache_dir, timeout=600):
     """Run `python -m steer` in a subprocess from `cwd`; outputs land under cwd/outputs."""
-    env = cli_env(cache_dir)
-    return subprocess.run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=cli_env(cache_dir),
+               timeout=timeout)
+
+
+def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python -m steer` run in this process (steer/__main__.py as the command runs it, from `cwd`), for a
+    command that stops at its config: its exit code (0 if it returned) and what it printed. Hydra's logging and
+    its global state are put back afterwards."""
+    import logging
+
+    import runpy
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["steer", *on_tiny(args), "progress=false"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as a user's shell has it; run_app sets it while it runs
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capsys.readouterr()
+    try:
+        runpy.run_module("steer", run_name="__main__", alter_sys=True)  # as `python -m steer`: Hydra finds conf/
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+        GlobalHydra.instance().clear()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+# Every process a test starts leads a process group of its own, and the group is ended when the test is done with
+# it, whether the test passed, failed or timed out: nothing it started outlives it. The fixture `no_process_left`
+# (conftest.py) checks, once every test has run, that none did.
+MARK = "STEER_TESTS_PID"  # in the environment of every process the test run starts: the pytest process's pid
+
+
+def run(cmd, timeout=600, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw), in a process group of its own
+    that is ended whole on return (what the command started and left behind) and on a timeout or an error."""
+    with started(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as proc:
+        out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def dies_with_parent(then=None):
+    """A preexec_fn: the child gets SIGTERM when the process that started it dies (Linux's PR_SET_PDEATHSIG), so a
+    test run killed before its fixtures end their servers (a CI timeout) leaves none behind; then `then()`."""
+    def preexec():
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+
+    return preexec
+
+
+@contextmanager
+def started(cmd, preexec_fn=None, **kw) -> Iterator[subprocess.Popen]:
+    """subprocess.Popen(cmd, **kw) in a process group of its own, ended whole on exit (end_group), and sent
+    SIGTERM should this process die first (dies_with_parent); `preexec_fn` runs in the child after that."""
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=dies_with_parent(preexec_fn), **kw)
+    try:
+        yield proc
+    finally:
+        end_group(proc)
+
+
+def end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM to every process of the group `proc` leads, SIGKILL to those left after `grace` seconds; `proc`
+    reaped (its pipes closed)."""
+    from steer import procgroup
+
+    procgroup.end_group(proc, grace)
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None:
+            f.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def processes_left() -> List[str]:
+    """The processes this test run started (MARK names its pid in their environment) that are still running, each
+    as "pid: command line"; multiprocessing's own helpers of this process (they end with it) left out."""
+    mine, out = os.environ.get(MARK), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone, or not ours to read
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if f"{MARK}={mine}".encode() not in env or state in ("Z", "X"):
+            continue
+        if int(ppid) == os.getpid() and "multiprocessing" in cmd and ("resource_tracker" in cmd or "forkserver" in cmd):
+            continue
+        out.append(f"{d.name}: {cmd}")
+    return out
+
+
+def end_processes_left(wait: float = 30.0) -> List[str]:
+    """processes_left(), after up to `wait` seconds for them to end on their own; those still there are killed."""
+    deadline = time.monotonic() + wait
+    while (left := processes_left()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for line in left:
+        try:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
 
 
 class DiesWhenRun:

@@ -11,8 +11,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import httpx
 
-from helpers import cli_env
-from steer.serve.process import free_port, running
+from helpers import cli_env, dies_with_parent
+from steer.procgroup import free_port, running
 
 MODEL = "steer-test"  # the served model name every test server is started with, whatever the model
 PROMPTS = ["The weather today is", "When I opened the letter, I felt"]
@@ -23,18 +23,24 @@ CASES: List[Tuple[Optional[str], Optional[float]]] = [
     (None, None), ("joy", None), ("gloom", None), ("joy_two_taps", None), ("gloom,joy_two_taps", None),
     ("joy_two_taps,joy", None), ("joy", 3.0), ("joy", 0.0),
 ]
+# steer_scale, weakest first, up to serve.max_steer_scale: a check that steering moved a text goes up it until the
+# reference's text moves. The tiny model is trained where the tests run, and whether a preset at its own strength
+# moves a greedy token differs between CPUs; at 100 x it dominates the residual stream on any of them.
+LADDER = (1.0, 3.0, 10.0, 30.0, 100.0)
 
 
 @contextmanager
 def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> Iterator[str]:
     """`python -m steer.serve *args` on a free port; yields its base URL once /health answers. The server runs in
-    a session of its own, ended (with any process it started) on exit."""
+    a process group of its own, ended (with any process it started) on exit, and sent SIGTERM should the test run
+    die first."""
     port = free_port()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "steer.serve", *args, f"serve.port={port}", "serve.log_level=warning",
            f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
-    with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir) as url:
+    with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir,
+                 preexec_fn=dies_with_parent()) as url:
         yield url
 
 
@@ -78,18 +84,32 @@ def check_against(c, expected: Expected, expected_chat: Optional[Expected] = Non
                   steers: Optional[Callable[[str, str, float], bool]] = None) -> None:
     """Greedy completions for every prompt and case equal `expected(prompt, steer, scale)`, chat completions
     `expected_chat(...)` (default: `expected`, for a model without a chat template, whose one user message is fed
-    as the prompt), and every preset steers some prompt: `steers(prompt, preset, scale)`, by default its text
-    differs from the unsteered text. (The tiny model is trained where the tests run, and on another torch its
-    text may not move at these strengths: a server with `logprobs` passes a check on those instead.)"""
+    as the prompt), and every preset steers: at the weakest scale of LADDER where the expected text of some prompt
+    differs from the unsteered one (there must be one), the server's text equals the expected, so a server that
+    dropped the preset fails. A server with `logprobs` also passes `steers(prompt, preset, scale)`: whether the
+    preset moves the answer's log-probs, at a strength asked for above."""
     expected_chat = expected_chat or expected
-    steers = steers or (lambda p, name, s: expected(p, name, s) != expected(p, None, None))
     for steer, scale in CASES:
         for p in PROMPTS:
             assert complete(c, p, steer, scale) == expected(p, steer, scale), (p, steer, scale)
             assert chat(c, p, steer, scale) == expected_chat(p, steer, scale), (p, steer, scale)
-    for name in PRESETS:  # each preset, at some strength asked for above, steers some prompt
-        scales = [scale for steer, scale in CASES if steer == name and scale != 0.0]
-        assert any(steers(p, name, s) for p in PROMPTS for s in scales), name
+    for name in PRESETS:
+        p, s = moved_text(lambda p, s: expected(p, name, s), lambda p: expected(p, None, None), name)
+        assert complete(c, p, name, s) == expected(p, name, s), (p, name, s)
+        if steers is not None:
+            scales = [scale for steer, scale in CASES if steer == name and scale != 0.0]
+            assert any(steers(p, name, s) for p in PROMPTS for s in scales), name
+
+
+def moved_text(steered: Callable[[str, float], str], plain: Callable[[str], str], what: str,
+               ladder=LADDER) -> Tuple[str, float]:
+    """(prompt, scale): the weakest scale of `ladder` at which `steered(prompt, scale)` differs from `plain(prompt)`
+    for some prompt of PROMPTS; an AssertionError where none does (the edit steers nothing)."""
+    for s in ladder:
+        for p in PROMPTS:
+            if steered(p, s) != plain(p):
+                return p, s
+    raise AssertionError(f"{what} moves no text of {PROMPTS} at any scale up to {ladder[-1]}")
 
 
 def check_streaming(c) -> None:
@@ -296,23 +316,25 @@ def joy_vector(url: str):
 def check_own_vectors(url: str, c, logprobs: bool = False) -> None:
     """A server with serve.inline_layers=[1, 2]: the joy preset's vector sent as steer_vector (at joy's layer, at
     joy's strength and 3 x) answers as steer=joy (at steer_scale 1 and 3), alone, in a list with a vector at
-    strength 0, and in a chat; it moves some answer (with `logprobs`, compared on the tokens' log-probs too)."""
+    strength 0, and in a chat (with `logprobs`, compared on the tokens' log-probs too); and it steers: at the
+    weakest multiple of joy's strength (LADDER, within serve.max_steer_scale) where it moves some prompt's text,
+    steer=joy at that scale gives the same moved text."""
     from steer.serve.protocol import encode_vector
 
     scale, v = joy_vector(url)
-    moved = False
     for p in PROMPTS:
         for k in (1.0, 3.0):
             want = complete(c, p, "joy", k)
             assert complete(c, p, **own(encode_vector(v), 1, k * scale)) == want, (p, k)
             assert complete(c, p, **own([encode_vector(v), encode_vector(-v)], [1, 2], [k * scale, 0])) == want
             assert chat(c, p, **own(encode_vector(v), 1, k * scale)) == chat(c, p, "joy", k)
-            moved |= want != complete(c, p)
             if logprobs:
                 mine = token_logprobs(c, p, **own(encode_vector(v), 1, k * scale))
                 assert mine == token_logprobs(c, p, "joy", k), (p, k)
-                moved |= mine != token_logprobs(c, p)
-    assert moved  # the vector steers some answer
+    ladder = [k for k in LADDER if k * abs(scale) < LADDER[-1]] + [LADDER[-1] / abs(scale)]  # up to strength 100
+    p, k = moved_text(lambda p, k: complete(c, p, **own(encode_vector(v), 1, k * scale)), lambda p: complete(c, p),
+                      "the joy vector sent as steer_vector", ladder)
+    assert complete(c, p, "joy", k) == complete(c, p, **own(encode_vector(v), 1, k * scale)), (p, k)
     # with a preset: joy, then a vector of zeros at layer 2 (an add of nothing): joy's answer
     assert complete(c, PROMPTS[0], **own(encode_vector(v * 0), 2, 1.0, steer="joy")) == complete(c, PROMPTS[0], "joy")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import run_cli
+from helpers import cli_here, run_cli
 
 
 def run_dirs(cwd):
@@ -20,10 +20,22 @@ def ok(res):
 
 
 def test_default_run(tmp_path, cache_dir):
-    res = run_cli([], tmp_path, cache_dir)
+    """The default run's outputs, their modes under the umask, and the log saying what ran."""
+    import os
+    import stat
+
+    env_umask = os.umask(0o022)
+    try:
+        res = run_cli([], tmp_path, cache_dir)
+    finally:
+        os.umask(env_umask)
     ok(res)
     assert "Loading weights" not in res.stderr + res.stdout  # progress=false: transformers' bar too
     [d] = run_dirs(tmp_path)
+    for name in ("results.jsonl", "metrics.json"):
+        assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
+    log = (d / "steer.log").read_text()
+    assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
     rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
     m = json.loads((d / "metrics.json").read_text())
@@ -45,9 +57,16 @@ def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
     rows = list(csv.DictReader(summary.open()))
     assert [r["edit.scale"] for r in rows] == ["0", "4"]
     assert float(rows[0]["kl_mean"]) == 0.0 and float(rows[0]["tokens_changed_frac"]) == 0.0
-    assert float(rows[1]["kl_mean"]) > 0.0 and float(rows[1]["tokens_changed_frac"]) > 0.0
-    zero = [json.loads(line) for line in (summary.parent / "0" / "results.jsonl").read_text().splitlines()]
+    assert float(rows[1]["kl_mean"]) > 1e-4  # adding 4 x joy moves the next-token distributions
+    zero, four = ([json.loads(line) for line in (summary.parent / job / "results.jsonl").read_text().splitlines()]
+                  for job in ("0", "1"))
     assert all(r["steered"] == r["baseline"] for r in zero)
+    # the summary's changed-token fraction is the jobs' own count (whether 4 x joy moves a greedy token of the tiny
+    # model, trained where the tests run, differs between CPUs)
+    changed = sum(sum(a != b for a, b in zip(r["baseline_ids"], r["steered_ids"])) +
+                  abs(len(r["baseline_ids"]) - len(r["steered_ids"])) for r in four)
+    positions = sum(max(len(r["baseline_ids"]), len(r["steered_ids"])) for r in four)
+    assert float(rows[1]["tokens_changed_frac"]) == pytest.approx(changed / positions)
     assert "summary:" in res.stdout
 
 
@@ -93,8 +112,11 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[a[0].split("=")[0] + str(i) for i, (a, _) in enumerate(BAD)])
-def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message):
-    res = run_cli([a.format(d=bad_files) for a in args], tmp_path, cache_dir)
+def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message, monkeypatch,
+                                                    capsys):
+    # in this process: the command's own path to its config error, without a subprocess's imports (one bad input
+    # goes through a subprocess in test_a_failed_run_says_why_in_its_directory)
+    res = cli_here([a.format(d=bad_files) for a in args], tmp_path, monkeypatch, capsys)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert message in res.stderr + res.stdout
@@ -130,36 +152,18 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
     import subprocess
     import sys
 
+    from helpers import started
+
     run_dir = tmp_path / "held"
     run_dir.mkdir()
     # Stand in for a first run holding the directory: the same lock, from another process.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); "
-                               "print('held', flush=True); "
-                               "time.sleep(120)", str(run_dir)], stdout=subprocess.PIPE, text=True)
-    try:
+    with started([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                  "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
+                  "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
         res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)
-    finally:
-        holder.kill()
     assert res.returncode == 2 and f"'{run_dir}' is in use by another steer run" in res.stderr
     assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
-
-
-def test_outputs_honour_the_umask_and_the_log_says_what_ran(tmp_path, cache_dir):
-    import os
-    import stat
-
-    env_umask = os.umask(0o022)
-    try:
-        ok(run_cli(["gen.max_new_tokens=3", "prompts.steer=[Hello]", "hydra.run.dir=run"], tmp_path, cache_dir))
-    finally:
-        os.umask(env_umask)
-    d = tmp_path / "run"
-    for name in ("results.jsonl", "metrics.json"):
-        assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
-    log = (d / "steer.log").read_text()
-    assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
 
 
 def test_a_failed_run_says_why_in_its_directory(tmp_path, cache_dir):

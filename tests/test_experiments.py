@@ -1,13 +1,18 @@
 """Every committed experiment runs end to end on the tiny model (shortened generation), as a sweep: one job per
 value its config sweeps, each job running the edits its config names, and those edits changing what the model
-does where they should."""
+does where they should.
 
+The tiny model is trained where the tests run, so whether an experiment's edits move a greedy token at its
+strengths differs between CPUs: the checks here are on the next-token distributions (KL, projections), and on the
+texts as the model with the job's edits reads them here, never on whether a text moved."""
+
+import json
 import math
 
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import CONF, run_cli, summary_rows
+from helpers import CONF, compose, run_cli, summary_rows
 
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 QUICK = ["model=tiny", "gen.max_new_tokens=4", "prompts.steer=['The weather today is','Tell me how to bake bread']"]
@@ -33,12 +38,34 @@ def swept(name):
     return key, str(values).split(",")
 
 
+def check_greedy(job_dir, cfg, engine):
+    """Each continuation the job wrote is the greedy one of its model, read back here teacher-forced: the baseline's
+    tokens the argmax of the unsteered model's log-probs, the steered ones' of the model with the job's edits (to
+    1e-4 in log-prob: a near tie may go either way). A generation that left out an edit its scoring applied fails
+    wherever that edit moves a greedy token."""
+    from steer.runs import run
+    from steer.runs.extract import Recipe, cached_default
+
+    job = run.prepare(cfg, job_dir)
+    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
+    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe),
+                                  job.spec.hidden).active()
+    plan = plan if plan.edits else None  # as the run holds it: a plan that edits nothing runs as none
+    for row in map(json.loads, (job_dir / "results.jsonl").read_text().splitlines()):
+        ids, n = row["prompt_ids"], len(row["prompt_ids"])
+        for cont, edits in ((row["baseline_ids"], None), (row["steered_ids"], plan)):
+            lp = engine.score(ids, cont, edits).logprobs[n - 1: n - 1 + len(cont)]
+            chosen = lp[range(len(cont)), cont]
+            assert (chosen >= lp.max(-1).values - 1e-4).all(), (job_dir.name, row["prompt"], edits is not None)
+
+
 def test_every_experiment_is_listed_here():
     assert set(EXPERIMENTS) == set(EDITS) | REAL
 
 
 @pytest.mark.parametrize("name", sorted(EDITS))
-def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec):
+def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec, hf_engine):
     sweep = tmp_path / "sweep"
     res = run_cli(["-m", f"+experiment={name}", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -51,9 +78,11 @@ def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec):
         assert f"edits: {EDITS[name](v)}\n" in (sweep / r["job"] / "steer.log").read_text()
         if name == "add_scale_sweep" and float(v) == 0:  # adding nothing: the steered run is the baseline
             assert mr["kl_mean"] == 0 and mr["tokens_changed_frac"] == 0 and mr["ppl_steered"] == mr["ppl_baseline"]
-        else:  # every other job's edits move the next-token distributions
-            assert mr["kl_mean"] > 0, r
-    assert any(mr["tokens_changed_frac"] > 0 for mr in m)  # and the steered text, somewhere
+        else:  # every other job's edits move the next-token distributions, well past float32's rounding
+            assert mr["kl_mean"] > 1e-4, r
+        # and its texts are what greedy decoding with and without those edits gives
+        check_greedy(sweep / r["job"], compose(f"+experiment={name}", *QUICK, *([f"{key}={v}"] if key else [])),
+                     hf_engine)
     if name == "add_scale_sweep":  # the strongest add moves the tap along the direction
         assert m[-1]["proj_steered"] > 1.5 * m[-1]["proj_baseline"]
     if name == "refusal_ablation_layers":  # the direction is gone at the tap, whichever layer it is

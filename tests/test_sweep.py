@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from helpers import run
+
 from steer.runs.report import build, job_rows, swept
 
 
@@ -40,16 +42,14 @@ def test_swept_keys_and_plots_one_line_per_other_value(tmp_path):
 
 
 def test_report_cli_rebuilds_from_job_dirs(tmp_path):
-    import subprocess
     import sys
 
     for n, scale in enumerate((0, 4)):
         job(tmp_path, n, [f"edit.scale={scale}"], {"kl_mean": float(scale)})
-    res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path)], capture_output=True, text=True)
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path)])
     assert res.returncode == 0, res.stderr
     assert "2 jobs, swept ['edit.scale']" in res.stdout and (tmp_path / "summary.csv").exists()
-    res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path / "nope")], capture_output=True,
-                         text=True)
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path / "nope")])
     assert res.returncode == 2 and "is not a directory" in res.stderr
 
 
@@ -80,11 +80,10 @@ def test_summary_csv_ends_lines_with_lf(tmp_path):
 
 
 def test_report_of_a_directory_without_jobs_is_an_error_and_writes_nothing(tmp_path):
-    import subprocess
     import sys
 
     job(tmp_path, 0, ["edit.scale=0"], None)  # set up but never finished: still no job to report
-    res = subprocess.run([sys.executable, "-m", "steer.runs.report", str(tmp_path)], capture_output=True, text=True)
+    res = run([sys.executable, "-m", "steer.runs.report", str(tmp_path)])
     assert res.returncode == 2
     assert str(tmp_path) in res.stderr and "metrics.json" in res.stderr and "Traceback" not in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0"]  # no summary.csv, no plots

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from steer.results import write_json, write_text
-from steer.serve.process import free_port, running
+from steer.procgroup import free_port, running
 
 SERVED = "llama3_8b_shape"
 LAYERS = 32

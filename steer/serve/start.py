@@ -1,8 +1,10 @@
 """Starting the server: check everything a user can get wrong before any engine loads, compile the presets as the
 CLI compiles the same edits, then serve on the chosen engine."""
 
+import errno
+import socket
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -13,7 +15,7 @@ from steer.config import checks
 from steer.errors import ConfigError
 from steer.runs.extract import Recipe, cached_default
 from steer.models.spec import ModelSpec, spec as model_spec
-from steer.serve import presets, process
+from steer.serve import presets
 from steer.config.schema import TapConf
 from steer.serve.schema import PresetConf, ServeConf, ServeOptions
 from steer.edits.tap import Tap, resolve
@@ -36,10 +38,34 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
         checks.prompt_sets(conf.prompts, ("positive", "negative"), "presets with a null vector path use the default "
                            "direction, extracted from prompts.positive and prompts.negative")
         Recipe.from_conf(conf.extract, conf.prompts.chat).check(conf.prompts.positive, conf.prompts.negative)
-    refused = process.bind_error(s.host, s.port)  # last: a config error says more than a busy port
+    refused = bind_error(s.host, s.port)  # last: a config error says more than a busy port
     if refused is not None:
         raise ConfigError(*refused)
     return name, spec, confs, inline
+
+
+def bind_error(host: str, port: int) -> Optional[Tuple[str, str]]:
+    """(field, why) where a server could not listen on host:port now, None where it could: tried as uvicorn binds
+    (SO_REUSEADDR; "" is every IPv4 interface; any of the host's addresses will do), so a port in use is found
+    before a model loads rather than after."""
+    try:
+        addrs = [(socket.AF_INET, ("", port))] if host == "" else \
+            [(i[0], i[4]) for i in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    except OSError as e:
+        return "serve.host", f"cannot resolve {host!r}: {e}"
+    err: OSError = OSError(f"no address for {host!r}")
+    for family, addr in addrs:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(addr)
+            return None
+        except OSError as e:
+            err = e
+    if err.errno == errno.EADDRINUSE:
+        return "serve.port", (f"cannot listen on {host}:{port}: {err.strerror}; is another server there? Pick a free "
+                              "port with serve.port=N")
+    return "serve.host", f"cannot listen on {host}:{port}: {err.strerror or err}"
 
 
 def pick_mode(conf: ServeConf, name: str) -> None:

@@ -17,12 +17,12 @@ from serve_common import (CASES, MAX_TOKENS, MODEL, PRESETS, PROMPTS, check_bad_
 
 pytestmark = pytest.mark.gpu
 # How far the server's token log-probs may be from the HF engine's (and a served token below the HF engine's greedy
-# one). On the H200 (2026-12-02) an unsteered completion, no edit at all, was off by up to 3.8e-3: float32 in vLLM's
+# one). On an H200 an unsteered completion, no edit at all, was off by up to 3.8e-3: float32 in vLLM's
 # kernels against torch's, over 30 layers. Against it, on the CPU, scoring each preset's greedy answers with its
 # strength 1% off moves them by 4e-3 to 1.7e-2 and 5% off by 2e-2 to 8.6e-2, and a preset ignored by 0.47 or more:
 # 1e-2 stays above the kernels' rounding and catches any strength error past a few percent.
 # Compiled edits run inside vLLM's torch.compile'd model, whose Inductor kernels round float32 in their own way: on
-# the H200 (778ba3d, 2026-12-02) its unsteered cases were off by up to 4.3e-3, and one chat case steered by two presets
+# an H200 its unsteered cases were off by up to 4.3e-3, and one chat case steered by two presets
 # at once (joy_two_taps,joy) by 1.08e-2, with every one of the 256 served tokens the HF engine's greedy one. 2e-2 still
 # catches a preset ignored and most strength errors of 5%; test_compiled_edits_equal_replay_mode
 # (tests/gpu/test_vllm_engine.py) checks compiled edits against replay's on the tiny model, tokens equal.

@@ -11,7 +11,7 @@ from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, edits, vllm_engine
 from helpers import plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                                  reason="needs two GPUs (the nvidia-h200-x2 machine)")]
+                                                  reason="needs two GPUs")]
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,10 @@ imported (as in a vLLM worker, which should not pay for Hydra), and no module of
 
 import ast
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,8 +88,7 @@ print("leaf ok")
 def test_a_tap_program_runs_where_steer_and_hydra_cannot_be_imported():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "leaf ok" in out.stdout
 

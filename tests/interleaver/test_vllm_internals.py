@@ -287,7 +287,7 @@ def test_a_batch_whose_last_steered_request_left_builds_no_weights(worker):
 
 
 def test_a_streaming_request_updated_under_its_id_is_looked_up_again(worker):
-    """A streaming session's request comes back among vLLM's new requests under the same id, in the same row, with
+    """A streaming request comes back among vLLM's new requests under the same id, in the same row, with
     new sampling params and a prompt that now holds its earlier output: its new edits and prompt length serve."""
     v = torch.randn(1, H)
     [gen] = _serving(worker, compile_edit(EditKind.add, 1.0, v, tokens=Tokens.generated))

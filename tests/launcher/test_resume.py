@@ -3,12 +3,12 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from helpers import TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, summary_rows as summary, sweep_jobs as jobs
+from helpers import (TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, started, summary_rows as summary,
+                     sweep_jobs as jobs)
 
 from hydra_plugins.steer_launcher import packed
 from steer.runs import inputs
@@ -248,14 +248,13 @@ def test_ctrl_c_keeps_finished_jobs_writes_their_summary_and_exits_130(tmp_path,
     env = cli_env(cache_dir)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         # Ctrl-C reaches the whole foreground process group; SIGINT must not be inherited as ignored.
-        proc = subprocess.Popen([sys.executable, "-m", "steer", *on_tiny(args)], cwd=tmp_path, env=env, stdout=out,
-                                stderr=err, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.time() + 300
-        while time.time() < deadline and not any(complete(j) for j in jobs(sweep)) and proc.poll() is None:
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=120)
+        with started([sys.executable, "-m", "steer", *on_tiny(args)], cwd=tmp_path, env=env, stdout=out, stderr=err,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
+            deadline = time.time() + 300
+            while time.time() < deadline and not any(complete(j) for j in jobs(sweep)) and proc.poll() is None:
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=300)
     stderr = (tmp_path / "err").read_text()
     finished = [j.name for j in jobs(sweep) if complete(j)]
     assert 1 <= len(finished) < 8, "the sweep should have been stopped part way"

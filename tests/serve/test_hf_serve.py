@@ -2,10 +2,11 @@
 long prompt of a large model) is not waited for past a second Ctrl-C or the limit; the process ends at once, with
 the signal's exit code, rather than abort as the interpreter exits around a thread inside torch."""
 
-import subprocess
 import sys
 
 import pytest
+
+from helpers import run
 
 STUCK = """
 import asyncio, signal, threading
@@ -38,7 +39,7 @@ print("returned")
 ], ids=["second-ctrl-c", "sigterm-past-the-limit", "no-signal"])
 def test_a_thread_stuck_in_a_step_is_left_and_the_process_ends_with_the_signals_code(forced, signals, wait, code):
     script = STUCK.replace("FORCED", forced).replace("SIGNALS", signals).replace("WAIT", wait)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    res = run([sys.executable, "-c", script], timeout=120)
     assert res.returncode == code, res.stderr[-2000:]
     assert "returned" not in res.stdout
     assert f"the engine's thread is still inside a step of the model: exiting without it ({code})" in res.stderr

@@ -1,10 +1,10 @@
-"""steer.serve.process: a server's whole session ends with it."""
+"""steer.procgroup: everything a server started ends with it."""
 
 import os
 
 import pytest
 
-from steer.serve.process import free_port, running
+from steer.procgroup import free_port, running
 
 
 def test_a_server_that_exits_takes_the_processes_it_started_with_it(tmp_path):

@@ -1,14 +1,13 @@
 """conf/serve.yaml and the presets: the committed ones check out, a bad one stops the start (exit 2, the preset and
 field named) before any engine loads, and composing presets is the CLI's edit list."""
 
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import cli_env, compose, compose_conf
+from helpers import cli_env, compose, compose_conf, run
 from steer.edits.edit import Edit
 from steer.errors import ConfigError
 from steer.config.schema import EditKind
@@ -97,17 +96,16 @@ def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
     _write(tmp_path / "p", "good", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
     _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
     env = cli_env(cache_dir)
-    res = subprocess.run([sys.executable, "-m", "steer.serve", "engine=hf", f"serve.preset_dir={tmp_path / 'p'}",
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = run([sys.executable, "-m", "steer.serve", "engine=hf", f"serve.preset_dir={tmp_path / 'p'}",
+               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "preset joy: edits[0].edit.vector.path: vector file '/no/such.st' does not exist" in res.stderr
     assert "Loading weights" not in res.stderr + res.stdout  # no engine was started
 
 
 def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path, cache_dir):
-    res = subprocess.run([sys.executable, "-m", "steer.serve", "serve.port=abc", f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=tmp_path, env=cli_env(cache_dir), capture_output=True, text=True, timeout=300)
+    res = run([sys.executable, "-m", "steer.serve", "serve.port=abc", f"hydra.run.dir={tmp_path / 'run'}"],
+              cwd=tmp_path, env=cli_env(cache_dir), timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1].startswith("error ") and "serve.port=abc" in res.stderr
     assert "Traceback" not in res.stderr
