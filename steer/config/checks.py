@@ -177,8 +177,10 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
                                          "extra_edits empty")
 
 
-def serve_inline(conf) -> None:
-    """Requests' own vectors against the server's mode: said before the engine is even resolved."""
+def serve_modes(conf) -> None:
+    """The server's mode settings that need no engine to judge: said before the engine is even resolved."""
+    if conf.vllm.fold_error():
+        raise ConfigError("vllm.fold_norm", conf.vllm.fold_error())
     if list(conf.serve.inline_layers) and conf.vllm.in_graph_field():
         raise ConfigError("serve.inline_layers", f"vllm.{conf.vllm.in_graph_field()} captures every edit into the "
                                                  "graphs at start, and a request's own vector is not known then; "

@@ -25,7 +25,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     """(engine name, model spec, presets read and checked, serve.inline_layers' taps): everything checked that
     needs no weights."""
     s = conf.serve
-    checks.serve_inline(conf)
+    checks.serve_modes(conf)
     name = engines.resolve(conf.engine)
     pick_mode(conf, name)
     checks.serve(conf, name)
