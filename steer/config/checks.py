@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, VllmConf
+from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, Task, VllmConf
 from steer.errors import ConfigError, refuse_repeats
+from steer.models.prompt import check_texts
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's and vLLM's --uvicorn-log-level
 
@@ -93,8 +94,7 @@ def vllm(v: VllmConf, engine: str, who: str = "this run") -> None:
     optional_positive("vllm.kv_cache_memory_bytes", v.kv_cache_memory_bytes, "number of bytes")
     optional_positive("vllm.max_model_len", v.max_model_len, "number of positions")
     at_least("vllm.max_num_seqs", v.max_num_seqs, 1)
-    if v.fold_error():
-        raise ConfigError("vllm.fold_norm", v.fold_error())
+    # fold_norm: a run refuses it outright (run), the server judges it before its engine resolves (serve_modes)
     if v.in_graph_field():
         _needs_vllm(engine, f"vllm.{v.in_graph_field()}", "capturing edits into vLLM's graphs", who)
     if v.tap_graphs:
@@ -122,8 +122,6 @@ def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least o
     for name in sets:
         if not list(getattr(p, name)):
             raise ConfigError(f"prompts.{name}", f"is empty; {why}")
-    from steer.models.prompt import check_texts
-
     check_texts(p, tuple(sets))
 
 
@@ -146,7 +144,7 @@ def run(cfg: SteerConf, engine: str) -> None:
     device(cfg.device)
     gen(cfg.gen)
     prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
-    if cfg.task.value == "extract" and cfg.extract.out:
+    if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
 
 
