@@ -75,3 +75,56 @@ def test_the_best_pair_is_the_kept_one_of_largest_gain(selected, tmp_path):
     assert selected["command"].endswith("tap.layer=1 edit.scale=4")
     assert json.loads((tmp_path / "selection.json").read_text())["best"] == best
     assert "**Best: layer 1, scale 4** (gain 5" in (tmp_path / "selection.md").read_text()
+
+
+def _contrast(a, b):
+    """WCAG 2 contrast ratio of two RGB colours (components in 0..1)."""
+    def lum(rgb):
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_the_heat_map_draws_rejected_pairs_apart_from_the_colour_map(selected):
+    import matplotlib
+    import numpy as np
+
+    cfg = compose("task=select", "select.layers=[1,2]", "select.scales=[2,4]", f"select.max_ppl_ratio={CAP}",
+                  "progress=false")
+    fig = select.figure(cfg, selected["cells"], selected["best"])
+    fig.canvas.draw()
+    px = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(float) / 255
+    ax = fig.axes[0]
+
+    def patch(j, i, dx=0.3, dy=0.3, r=4):
+        """The pixels of a small square inside cell (row i, column j), away from its label and its frame."""
+        x, y = ax.transData.transform((j + dx, i + dy))
+        row, col = int(round(px.shape[0] - y)), int(round(x))
+        return px[row - r: row + r + 1, col - r: col + r + 1].reshape(-1, 3)
+
+    kept = {k: direct(m)[0] for k, m in METRICS.items() if direct(m)[1]}
+    lo, hi = min(kept.values()), max(kept.values())  # the colour map spans the kept pairs' gains alone
+    layers, scales = [1, 2], [2.0, 4.0]
+    for (layer, scale), m in METRICS.items():
+        i, j = layers.index(layer), scales.index(scale)
+        got = patch(j, i)
+        if (layer, scale) in kept:
+            want = np.array(matplotlib.colormaps["viridis"]((kept[(layer, scale)] - lo) / (hi - lo))[:3])
+            assert np.abs(got - want).max() < 0.02, f"cell {(layer, scale)}: {got[0]} is not viridis' {want}"
+        else:  # grey and white only: no colour of the map
+            assert np.abs(got - got.mean(axis=1, keepdims=True)).max() < 0.02, f"cell {(layer, scale)} is coloured"
+            assert got.max() > 0.95 and got.min() < 0.85, f"cell {(layer, scale)}: no white hatching on grey"
+    # every label stands out from the cell behind it (WCAG's 4.5:1 for small text), read off the drawn pixels
+    for t in ax.texts:
+        x, y = t.get_position()
+        j, i = int(round(x)), int(round(y))
+        back = np.median(patch(j, i, dx=0.0, dy=-0.3), axis=0) if (layers[i], scales[j]) in kept else \
+            np.array(matplotlib.colors.to_rgb(select.REJECTED_FACE))
+        assert _contrast(matplotlib.colors.to_rgb(t.get_color()), back) >= 4.5, (t.get_text(), t.get_color(), back)
+    texts = {t.get_text() for t in ax.texts}
+    assert "9\nppl x2.0000001 > 2" in texts, texts  # a rejected pair says why
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -124,18 +124,34 @@ def _cell(cfg: SteerConf, m: Dict, cap: float) -> Dict:
     return cell
 
 
+# Overrides a rerun of the chosen pair leaves out: the select task's own, the pair's tap and strength (given anew),
+# and where this run and its sweep wrote (the rerun gets a directory of its own)
+DROPPED = ("task", "edit.scale", "hydra/launcher")
+DROPPED_UNDER = ("select", "tap", "hydra.run", "hydra.sweep", "hydra.launcher", "hydra.job.num", "hydra.job.id")
+
+
 def _command(best: Dict) -> str:
-    """The steer command that reruns the chosen pair: this run's own overrides, minus the select task's."""
-    over = []
+    """The steer command that reruns the chosen pair: this run's config directory and name, its overrides less the
+    select task's, task=steer and the pair's layer and scale."""
+    args = []
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        over = list(HydraConfig.get().overrides.task)
+        hc = HydraConfig.get()
     except ValueError:  # not under Hydra (called from Python)
-        pass
-    keep = [o for o in over if not o.split("=")[0].lstrip("+~").startswith(("task", "select.", "tap", "edit.scale",
-                                                                             "hydra."))]
-    args = keep + [f"tap.layer={best['layer']}", f"edit.scale={best['scale']:g}"]
+        hc = None
+    if hc is not None:
+        # --config-dir, as Hydra recorded it (an absolute path): the rerun finds the same groups from anywhere
+        for source in hc.runtime.config_sources:
+            if source.provider == "command-line" and source.schema == "file":
+                args += ["--config-dir", source.path]
+        if hc.job.config_name and hc.job.config_name != "config":
+            args += ["--config-name", hc.job.config_name]
+        for o in hc.overrides.task:
+            key = o.split("=")[0].lstrip("+~")
+            if key not in DROPPED and not any(key == k or key.startswith(k + ".") for k in DROPPED_UNDER):
+                args.append(o)
+    args += ["task=steer", f"tap.layer={best['layer']}", f"edit.scale={best['scale']:g}"]
     return "python -m steer " + " ".join(shlex.quote(a) for a in args)
 
 
@@ -172,7 +188,23 @@ def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: 
     return "\n".join(lines) + "\n"
 
 
+REJECTED_FACE, REJECTED_HATCH = "#bdbdbd", "white"  # a rejected pair: hatched grey, outside the colour map
+
+
 def _heatmap(path: Path, cfg: SteerConf, table: List[Dict], best: Optional[Dict]) -> None:
+    fig = figure(cfg, table, best)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    results.write_bytes(path, buf.getvalue())
+
+
+def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
+    """The layers x scales heat map of the gain: kept pairs on the colour map (its range theirs alone, so a
+    rejected pair's gain cannot make a kept one look pale), rejected pairs hatched grey with why, the best pair
+    framed; every label black or white, whichever stands out more from its cell."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,30 +213,44 @@ def _heatmap(path: Path, cfg: SteerConf, table: List[Dict], best: Optional[Dict]
 
     s = cfg.select
     by = {(c["layer"], c["scale"]): c for c in table}
-    gain = np.array([[by[(layer, float(x))]["gain"] if by[(layer, float(x))]["gain"] is not None else np.nan
-                      for x in s.scales] for layer in s.layers], dtype=float)
+    cells = [[by[(layer, float(x))] for x in s.scales] for layer in s.layers]
+    gain = np.ma.masked_invalid(np.array([[c["gain"] if c["ok"] and c["gain"] is not None else np.nan for c in row]
+                                          for row in cells], dtype=float))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=REJECTED_FACE)
     fig, ax = plt.subplots(figsize=(1.2 * len(s.scales) + 2.5, 0.6 * len(s.layers) + 1.8))
-    im = ax.imshow(gain, cmap="viridis", aspect="auto")
-    fig.colorbar(im, ax=ax, label="concept gain")
-    for i, layer in enumerate(s.layers):
-        for j, scale in enumerate(s.scales):
-            c = by[(layer, float(scale))]
-            label = _fmt(c["gain"], ".2g") + ("" if c["ok"] else "\nrejected")
-            ax.text(j, i, label, ha="center", va="center", fontsize=7, color="white" if c["ok"] else "red")
-            if not c["ok"]:
-                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="xx", edgecolor="red", lw=0))
+    im = ax.imshow(gain, cmap=cmap, aspect="auto")
+    fig.colorbar(im, ax=ax, label="concept gain (kept pairs)")
+    for i, row in enumerate(cells):
+        for j, c in enumerate(row):
+            if c["ok"]:
+                face = cmap(im.norm(c["gain"]))
+                label = _fmt(c["gain"], ".2g")
+            else:
+                face = matplotlib.colors.to_rgba(REJECTED_FACE)
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=REJECTED_FACE, hatch="//",
+                                           edgecolor=REJECTED_HATCH, lw=0))
+                label = f"{_fmt(c['gain'], '.2g')}\n{c['why'] or 'rejected'}"
+            ax.text(j, i, label, ha="center", va="center", fontsize=7, color=label_colour(face))
             if best is c:
-                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="orange", lw=3))
+                ax.add_patch(plt.Rectangle((j - 0.45, i - 0.45), 0.9, 0.9, fill=False, edgecolor="orange", lw=3))
     ax.set_xticks(range(len(s.scales)), [f"{x:g}" for x in s.scales])
     ax.set_yticks(range(len(s.layers)), [str(x) for x in s.layers])
     ax.set_xlabel("scale")
     ax.set_ylabel("layer")
-    ax.set_title(f"{cfg.edit.kind.value}: concept gain, ppl cap x{s.max_ppl_ratio:g}", fontsize=9)
+    ax.set_title(f"{cfg.edit.kind.value}: concept gain, ppl cap x{s.max_ppl_ratio:g} (hatched grey: rejected)",
+                 fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    results.write_bytes(path, buf.getvalue())
+    return fig
+
+
+def label_colour(face) -> str:
+    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
+    def lum(rgb):
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    y = lum(face)
+    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"
 
 
 def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str],
