@@ -37,7 +37,8 @@ def server(args: List[str], cache_dir, run_dir: Path, timeout: float = 900) -> I
     port = free_port()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "steer.serve", *args, f"serve.port={port}", "serve.log_level=warning",
+    tiny = [] if any(a.startswith("model=") for a in args) else ["model=tiny"]  # the server's default is SmolLM2
+    cmd = [sys.executable, "-m", "steer.serve", *args, *tiny, f"serve.port={port}", "serve.log_level=warning",
            f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
     with running(cmd, port, run_dir / "server.log", timeout, env=cli_env(cache_dir), cwd=run_dir,
                  preexec_fn=dies_with_parent()) as url:

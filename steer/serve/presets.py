@@ -1,4 +1,5 @@
-"""Presets: named lists of {tap, edit} pairs (conf/preset/<name>.yaml), checked and compiled when the server starts.
+"""Presets: named lists of {tap, edit} pairs (conf/preset/<name>.yaml, and those of `serve.preset_dir` beside them),
+checked and compiled when the server starts.
 
 `read` and `check` run before any engine loads, with the CLI's own checks (steer.edits.plan, steer.edits.vector): a bad
 preset stops the start with a ConfigError naming it and the field, e.g. `preset joy: edits[0].edit.vector.path: ...`.
@@ -14,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from steer.config.preset import edits_for
 from steer.edits import vector
 from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError
@@ -35,32 +37,50 @@ class Preset:
     vectors: List[Optional[dict]]  # per edit: the vector file, key and metadata (None: the edit takes none)
 
 
-def directory(opts: ServeOptions) -> Path:
-    return Path(opts.preset_dir).expanduser() if opts.preset_dir else CONF_DIR / "preset"
+def directories(opts: ServeOptions) -> List[Path]:
+    """Where presets are read from: the built-in conf/preset/, then `serve.preset_dir` where set (its presets add
+    to the built-in ones)."""
+    out = [CONF_DIR / "preset"]
+    if opts.preset_dir:
+        extra = Path(opts.preset_dir).expanduser()
+        if not extra.is_dir():
+            raise ConfigError("serve.preset_dir", f"{str(extra)!r} is not a directory")
+        if extra.resolve() != out[0].resolve():
+            out.append(extra)
+    return out
+
+
+def available(opts: ServeOptions) -> Dict[str, Path]:
+    """Every preset file of the preset directories by name; a name two files define is an error naming both."""
+    found: Dict[str, Path] = {}
+    for where in directories(opts):
+        for p in sorted(where.glob("*.yaml")) if where.is_dir() else []:
+            if p.stem in found:
+                raise ConfigError("serve.preset_dir", f"preset {p.stem!r} is defined twice: {found[p.stem]} and {p}; "
+                                                      "rename one")
+            found[p.stem] = p
+    return found
 
 
 def read(opts: ServeOptions, model: Optional[str] = None) -> Dict[str, PresetConf]:
-    """The presets `serve.presets` names (all in the preset directory if null), parsed onto PresetConf; a preset
-    with edits of its own for `model` (its `models` entry for that model.name) gets those."""
-    where = directory(opts)
-    found = {p.stem: p for p in sorted(where.glob("*.yaml"))} if where.is_dir() else {}
+    """The presets `serve.presets` names (all of them if null), parsed onto PresetConf; a preset with edits of its
+    own for `model` (its `models` entry for that model.name) gets those."""
+    found = available(opts)
+    where = " and ".join(repr(str(d)) for d in directories(opts))
     names = list(found) if opts.presets is None else list(opts.presets)
     if opts.presets is not None and not names:
         raise ConfigError("serve.presets", "is empty; name at least one preset, or null for all of them")
     if not names:
-        raise ConfigError("serve.preset_dir", f"no presets (*.yaml) in {str(where)!r}")
+        raise ConfigError("serve.preset_dir", f"no presets (*.yaml) in {where}")
     out = {}
     for name in names:
         if name not in found:
-            raise ConfigError("serve.presets", f"no preset {name!r} in {str(where)!r}; presets there: {sorted(found)}")
+            raise ConfigError("serve.presets", f"no preset {name!r} in {where}; presets there: {sorted(found)}")
         if not NAME.match(name):
             raise ConfigError(f"preset {name}", "a preset's name (its file name) may hold only letters, digits, "
                                                 "'_', '-' and '.'")
         conf = _parse(name, found[name])
-        if model in conf.models:
-            conf.edits = conf.models[model]
-        if not conf.edits:
-            raise ConfigError(f"preset {name}: edits", "is empty; a preset needs at least one {tap, edit} pair")
+        conf.edits = edits_for(conf, model, name)
         out[name] = conf
     return out
 

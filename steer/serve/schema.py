@@ -1,35 +1,23 @@
-"""The server's typed config (conf/serve.yaml) and a preset's (conf/preset/*.yaml): Hydra and OmegaConf merge the
-YAML onto these dataclasses, so an unknown key or a wrong type fails before anything loads."""
+"""The server's typed config (conf/serve.yaml; a preset's, conf/preset/*.yaml, is steer.config.schema.PresetConf):
+Hydra and OmegaConf merge the YAML onto these dataclasses, so an unknown key or a wrong type fails before anything
+loads."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.config.schema import ExtractConf, ModelConf, PromptsConf, TapEditConf, VllmConf
-
-
-@dataclass
-class PresetConf:
-    """A named steering: {tap, edit} pairs written like `extra_edits` in the steer config, applied in order. Served
-    as `vllm_xargs={"steer": "<file name>"}`; the same as `python -m steer` with these edits (the first as
-    tap/edit, the rest as extra_edits)."""
-
-    description: str = ""
-    edits: List[TapEditConf] = field(default_factory=list)
-    # By model.name: the edits that replace `edits` on that model (its own layer and strength: a layer that suits a
-    # 4-layer model is shallow in a 30-layer one)
-    models: Dict[str, List[TapEditConf]] = field(default_factory=dict)
+from steer.config.schema import ExtractConf, ModelConf, PresetConf, PromptsConf, VllmConf  # noqa: F401
 
 
 @dataclass
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Presets to load, by file name in the preset directory; null: every preset there.
+    # Presets to load, by file name in the preset directories; null: every preset there.
     presets: Optional[List[str]] = None
-    # Where presets are read from; null: the checkout's conf/preset/.
+    # A directory of presets served beside the built-in ones (conf/preset/); a name both define is an error.
     preset_dir: Optional[str] = None
     # The model name clients pass (and /v1/models lists); null: model.name.
     model_name: Optional[str] = None

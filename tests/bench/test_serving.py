@@ -16,8 +16,10 @@ from steer.serve import presets
 
 def test_the_presets_are_valid_presets_of_unit_directions(tmp_path):
     pdir = serving.write_presets(tmp_path, 64)
-    read = presets.read(ServeOptions(preset_dir=str(pdir)))
+    read = presets.read(ServeOptions(preset_dir=str(pdir), presets=list(serving.PRESETS)))
     assert sorted(read) == sorted(serving.PRESETS)
+    cmd = serving.steer_cmd(tmp_path / "model", pdir, 8000, 0.5, "replay")
+    assert f"serve.presets=[{','.join(serving.PRESETS)}]" in cmd  # its own presets only, not the built-in ones too
     assert [e.tap.layer for e in read["ablate_all"].edits] == list(range(serving.LAYERS))
     assert read["clamp16"].edits[0].edit.lo == -2.0
     for name, v in load_file(str(tmp_path / "vectors.safetensors")).items():

@@ -15,16 +15,21 @@ from steer.serve import presets
 from steer.serve.schema import ServeOptions
 
 
-def compose_serve(*overrides):
+def compose_serve(*overrides, tiny=True):
+    """conf/serve.yaml composed as `python -m steer.serve` composes it, on the tiny model unless `tiny` is False or
+    the overrides name a model (the server's default is SmolLM2)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_object(compose_conf("serve", overrides))
+    named = any(o.startswith("model=") for o in overrides)
+    return OmegaConf.to_object(compose_conf("serve", [*overrides, *([] if named or not tiny else ["model=tiny"])]))
 
 
 def test_serve_config_composes():
-    conf = compose_serve("serve.port=9000", "serve.presets=[joy]")
+    conf = compose_serve("serve.port=9000", "serve.presets=[joy]", tiny=False)
     assert (conf.serve.host, conf.serve.port, conf.serve.presets, conf.engine) == ("127.0.0.1", 9000, ["joy"], "auto")
-    assert conf.model.name == "tiny" and conf.prompts.positive
+    # the CLI's default model, as conf/config.yaml names it
+    assert conf.model == compose("task=steer", tiny=False).model and conf.model.name == "smollm2"
+    assert conf.prompts.positive
     with pytest.raises(Exception, match="serve.prot"):
         compose_serve("serve.prot=1")
 
@@ -92,19 +97,45 @@ def test_unknown_or_badly_named_presets(tmp_path):
         presets.read(ServeOptions(preset_dir=str(tmp_path)))
 
 
+def test_a_preset_dir_adds_to_the_built_in_presets(tmp_path, tiny_spec):
+    _write(tmp_path / "p", "mine", "edits:\n  - tap: {layer: 2}\n    edit: {kind: add, scale: 3.0}\n")
+    built_in = {p.stem for p in (presets.CONF_DIR / "preset").glob("*.yaml")}
+    confs = presets.read(ServeOptions(preset_dir=str(tmp_path / "p")))
+    assert set(confs) == built_in | {"mine"} and "joy" in built_in
+    assert (confs["mine"].edits[0].tap.layer, confs["mine"].edits[0].edit.scale) == (2, 3.0)
+    assert confs["joy"] == presets.read(ServeOptions())["joy"]  # the built-in one, as without the directory
+    assert set(presets.read(ServeOptions(preset_dir=str(presets.CONF_DIR / "preset")))) == built_in  # itself: once
+    with pytest.raises(ConfigError, match="serve.preset_dir: .* is not a directory"):
+        presets.read(ServeOptions(preset_dir=str(tmp_path / "none")))
+
+
+def test_a_name_defined_twice_stops_the_start_naming_both_files(tmp_path, cache_dir):
+    _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, scale: 2.0}\n")
+    ours, theirs = presets.CONF_DIR / "preset" / "joy.yaml", tmp_path / "p" / "joy.yaml"
+    with pytest.raises(ConfigError) as e:
+        presets.read(ServeOptions(preset_dir=str(tmp_path / "p")))
+    assert e.value.field == "serve.preset_dir" and f"'joy' is defined twice: {ours} and {theirs}" in str(e.value)
+    res = run([sys.executable, "-m", "steer.serve", "engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
+               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=cli_env(cache_dir), timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].endswith(f"defined twice: {ours} and {theirs}; rename one"), res.stderr
+    assert "Loading weights" not in res.stderr + res.stdout and "Traceback" not in res.stderr
+
+
 def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
     _write(tmp_path / "p", "good", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
-    _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
+    _write(tmp_path / "p", "mine", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
     env = cli_env(cache_dir)
-    res = run([sys.executable, "-m", "steer.serve", "engine=hf", f"serve.preset_dir={tmp_path / 'p'}",
+    res = run([sys.executable, "-m", "steer.serve", "engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
                f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "preset joy: edits[0].edit.vector.path: vector file '/no/such.st' does not exist" in res.stderr
+    assert "preset mine: edits[0].edit.vector.path: vector file '/no/such.st' does not exist" in res.stderr
     assert "Loading weights" not in res.stderr + res.stdout  # no engine was started
 
 
 def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path, cache_dir):
-    res = run([sys.executable, "-m", "steer.serve", "serve.port=abc", f"hydra.run.dir={tmp_path / 'run'}"],
+    res = run([sys.executable, "-m", "steer.serve", "model=tiny", "serve.port=abc",
+               f"hydra.run.dir={tmp_path / 'run'}"],
               cwd=tmp_path, env=cli_env(cache_dir), timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1].startswith("error ") and "serve.port=abc" in res.stderr

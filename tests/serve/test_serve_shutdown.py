@@ -21,7 +21,7 @@ LONG = {"model": MODEL, "prompt": ["Once upon a time"] * 16, "max_tokens": 200, 
 
 def _server(cache_dir, run_dir):
     port = free_port()
-    cmd = [sys.executable, "-m", "steer.serve", "engine=hf", f"serve.port={port}", "serve.log_level=info",
+    cmd = [sys.executable, "-m", "steer.serve", "engine=hf", "model=tiny", f"serve.port={port}", "serve.log_level=info",
            f"serve.model_name={MODEL}", f"hydra.run.dir={run_dir}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     return started(cmd, port, run_dir / "server.log", env=cli_env(cache_dir), cwd=run_dir,
