@@ -30,6 +30,8 @@ def on_tiny(overrides):
     keys = [o.lstrip("+~").split("=")[0] for o in overrides if not o.startswith("-")]
     if any(k == "experiment" for k in keys):
         return list(overrides)
+    if any(k == "preset" for k in keys):  # a preset gives the tap and edit
+        return list(overrides) + ([] if "model" in keys else [TINY["model"]])
 
     def named(k):
         return any(x == k or x.startswith(k + ".") or (k == "edit.scale" and x == "edit") for x in keys)

@@ -7,8 +7,8 @@ from omegaconf.errors import ValidationError
 from helpers import CONF, compose, compose_conf, on_tiny
 from steer.config.schema import EditKind, SteerConf
 
-# conf/preset/ belongs to conf/serve.yaml (python -m steer.serve): tests/serve/test_serve_presets.py checks it.
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("experiment", "preset"))
+# conf/preset/ is also the server's (tests/serve/test_serve_presets.py checks its presets there)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "experiment")
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 

@@ -148,6 +148,17 @@ def run(cfg: SteerConf, engine: str) -> None:
         writable("extract.out", Path(cfg.extract.out).expanduser())
 
 
+def preset(cfg: SteerConf, given: Sequence[str]) -> None:
+    """preset=NAME runs the preset's edits as a steer run; `given`: the keys the command line set."""
+    if cfg.task != Task.steer:
+        raise ConfigError("preset", f"runs the preset's edits as task=steer, not task={cfg.task.value}; for "
+                                    f"task={cfg.task.value}, write the edit as tap and edit")
+    for key in given:
+        if key.split(".")[0] in ("tap", "edit", "extra_edits"):
+            raise ConfigError(key, "is set beside preset, whose edits take the place of tap, edit and extra_edits; "
+                                   "leave it out, or drop preset and write every edit")
+
+
 def select_grid(cfg: SteerConf, layers: int) -> None:
     """task=select's grid against a model of `layers` decoder layers."""
     s = cfg.select

@@ -5,7 +5,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -192,6 +192,19 @@ class SelectConf:
     max_ppl_ratio: float = 2.0  # a pair is rejected where ppl_steered > max_ppl_ratio x ppl_baseline
 
 
+@dataclass
+class PresetConf:
+    """A named steering: {tap, edit} pairs written like `extra_edits` in the steer config, applied in order. Served
+    as `vllm_xargs={"steer": "<file name>"}`, and run by `python -m steer preset=<file name>`: the first edit as
+    tap/edit, the rest as extra_edits."""
+
+    description: str = ""
+    edits: List[TapEditConf] = field(default_factory=list)
+    # By model.name: the edits that replace `edits` on that model (its own layer and strength: a layer that suits a
+    # 4-layer model is shallow in a 30-layer one)
+    models: Dict[str, List[TapEditConf]] = field(default_factory=dict)
+
+
 # Settings that change how a job runs, not what it computes: a finished job made with other values of these is
 # still done (a resume), and they are no swept parameter of a sweep's report.
 NOT_RESULTS = ("progress", "cache_dir")
@@ -215,6 +228,8 @@ class SteerConf:
     cache_dir: str = MISSING
     device: str = "cpu"
     progress: bool = True
+    # preset=NAME (conf/preset/NAME.yaml): its edits for this model run in place of tap, edit and extra_edits
+    preset: Optional[PresetConf] = None
 
 
 def register() -> None:
