@@ -1,7 +1,10 @@
 """`python -m steer`: the Hydra entry point. Config groups live in the checkout's conf/."""
 
+import argparse
+import signal
 import sys
 from pathlib import Path
+from typing import List
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -10,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from steer.config import schema
+from steer.config import preset, schema
 from steer.errors import ConfigError, run_app
 
 schema.register()
@@ -29,7 +32,7 @@ def app(cfg: DictConfig):
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
     try:
-        conf = schema.to_object(cfg)
+        conf = preset.apply(schema.to_object(cfg), [o.split("=")[0].lstrip("+~") for o in hc.overrides.task])
         multirun = hc.mode == RunMode.MULTIRUN
         packed = multirun and OmegaConf.select(hc, "launcher._target_") == PACKED
         return run.main(conf, out_dir, console, defer=packed, hold=_claimer(hc) if multirun else None)
@@ -53,8 +56,34 @@ def _claimer(hc):
 
 
 def main() -> None:
-    """Run the app (steer.errors.run_app: a config error is one line, exit 2)."""
-    run_app(app)
+    """Run the app (steer.errors.run_app: a config error is one line, exit 2). SIGTERM stops it as Ctrl-C does (a
+    sweep keeps what finished, writes its report and says so; exit 130): a job scheduler's or `kill`'s stop is the
+    user's stop too."""
+    from steer.runs import sweep
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sys.argv[1:] = _flags_first(sys.argv[1:])
+    run_app(app, on_interrupt=sweep.interrupted)
+
+
+def _flags_first(argv: List[str]) -> List[str]:
+    """`argv` with Hydra's flags (--config-dir DIR, -m, ...) before the overrides, where Hydra's own parser takes
+    them: an override after a flag is otherwise an "unrecognized argument". Unchanged where the parser cannot read
+    it (Hydra then says why)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        ns, extra = parser.parse_known_intermixed_args(argv)
+    except (argparse.ArgumentError, TypeError):
+        return argv
+    if extra:
+        return argv
+    flags = list(argv)
+    for o in ns.overrides:
+        flags.remove(o)
+    return flags + list(ns.overrides)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ def _raised_in(e: BaseException, package: str) -> bool:
                for frame in traceback.extract_tb(e.__traceback__))
 
 
-def run_app(app) -> None:
-    """Run a Hydra entry point; a config Hydra or OmegaConf rejects is one line naming the file or key, exit 2."""
+def run_app(app, on_interrupt=None) -> None:
+    """Run a Hydra entry point; a config Hydra or OmegaConf rejects is one line naming the file or key, exit 2. Ctrl-C
+    says "interrupted" (or what `on_interrupt()` returns, where it returns a line), exit 130."""
     import os
     import sys
 
@@ -70,7 +71,7 @@ def run_app(app) -> None:
     try:
         app()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print((on_interrupt and on_interrupt()) or "interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
         line = config_error_line(e)

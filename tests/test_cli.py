@@ -171,3 +171,14 @@ def test_a_failed_run_says_why_in_its_directory(tmp_path, cache_dir):
     assert res.returncode == 2
     assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "error.txt").read_text()
     assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "steer.log").read_text()
+
+
+def test_flags_after_the_overrides_are_taken_as_before_them(tmp_path, cache_dir, monkeypatch, capsys):
+    # Hydra's parser alone reads an override after a flag as "unrecognized arguments"
+    (tmp_path / "mine" / "prompts").mkdir(parents=True)
+    (tmp_path / "mine" / "prompts" / "calm.yaml").write_text(
+        "steer: ['Tell me about your weekend.']\npositive: ['calm and steady']\nnegative: ['rushed and tense']\n")
+    res = cli_here(["prompts=calm", "--config-dir", str(tmp_path / "mine"), "--cfg", "job", "gen.max_new_tokens=5"],
+                   tmp_path, monkeypatch, capsys)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Tell me about your weekend." in res.stdout and "max_new_tokens: 5" in res.stdout, res.stdout[-2000:]

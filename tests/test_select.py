@@ -82,3 +82,39 @@ def test_a_sweep_of_selects_reports_each_ones_best_pair(tmp_path, cache_dir):
     said = again.stderr + again.stdout
     assert again.returncode == 0 and "inputs changed" not in said and said.count("keeping its pairs") == 2, said
     assert said.count("4 done before with these settings and inputs, kept") == 2
+
+
+def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cache_dir):
+    """A select run with its prompts from a config directory of the user's own (--config-dir, here after the
+    overrides): the command it prints keeps that directory and the overrides, exits 0 and gives the chosen pair's
+    own results."""
+    import shlex
+    import sys
+
+    from helpers import cli_env, run, run_cli
+
+    mine = tmp_path / "myconf" / "prompts"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text(
+        "steer: ['The weather today is', 'My friend looked at me and said']\n"
+        "positive: ['I am so happy and full of joy', 'What a wonderful, delightful day']\n"
+        "negative: ['I am so sad and full of gloom', 'What a miserable, dreadful day']\n")
+    res = run_cli(["prompts=mine", "task=select", "select.layers=[1,2]", "select.scales=[4,8]",
+                   "select.max_ppl_ratio=100", "gen.max_new_tokens=4", "hydra.run.dir=sel",
+                   "--config-dir", str(tmp_path / "myconf")], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "sel" / "selection.json").read_text())
+    best, command = summary["best"], summary["command"]
+    assert best and command in (tmp_path / "sel" / "selection.md").read_text(), summary
+    args = shlex.split(command)
+    assert args[:3] == ["python", "-m", "steer"] and args[3:5] == ["--config-dir", str(tmp_path / "myconf")]
+    assert "prompts=mine" in args and not any(a.startswith(("select.", "hydra.run")) for a in args), args
+
+    again = run([sys.executable, *args[1:]], cwd=tmp_path, env=cli_env(cache_dir), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = [d for d in (tmp_path / "outputs").glob("*/*") if (d / "results.jsonl").is_file()]
+    assert len(rerun) == 1, rerun
+    rows = [json.loads(line) for line in (rerun[0] / "results.jsonl").read_text().splitlines()]
+    pair = [json.loads(line) for line in (tmp_path / "sel" / best["dir"] / "results.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["baseline_ids"], r["steered_ids"]) for r in rows] == \
+        [(r["prompt"], r["baseline_ids"], r["steered_ids"]) for r in pair]

@@ -11,7 +11,8 @@ names, its vectors and its model's, read as they did) is skipped unless `force` 
 resumes where it left off.
 
 A job that fails (error.txt in its directory, no metrics.json) does not stop the others: every pack runs, the
-report is written, and the sweep then exits 1. Ctrl-C writes the report of the jobs that finished and exits 130.
+report is written, and the sweep then exits 1. Ctrl-C (or SIGTERM) writes the report of the jobs that finished and
+exits 130.
 """
 
 import logging
@@ -270,8 +271,12 @@ def _report(sweep_dir: Path) -> str:
 
 
 def _interrupted(sweep_dir: Path, job_dirs: List[Path], total: int) -> None:
-    """Ctrl-C: keep what finished, write its report, say so in one line, exit 130."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report short
+    """Ctrl-C (or SIGTERM, which python -m steer takes as one): keep what finished, write its report, say so in one
+    line, exit 130."""
+    from steer.runs.sweep import STOPS
+
+    for sig in STOPS:  # a second Ctrl-C must not cut the report short
+        signal.signal(sig, signal.SIG_IGN)
     done = sum(complete(d) for d in job_dirs)
     print(f"interrupted: {done} of {total} jobs finished; {_report(sweep_dir)}", file=sys.stderr)
     sys.exit(130)

@@ -23,20 +23,42 @@ from steer.errors import ConfigError
 CLAIMS = ".claims"  # in the sweep directory: a file per output path held, naming the job that holds it
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM)  # what stops a sweep (python -m steer takes SIGTERM as Ctrl-C)
+_sweeping: Optional[Path] = None  # the sweep directory of the sweep this process runs, once it has started
+
+
 def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
-    """Rebuild the sweep's report (see steer.runs.report.build) with Ctrl-C held off until it is written; None where
-    no job of the sweep finished or failed (one stopped before its first pack)."""
+    """Rebuild the sweep's report (see steer.runs.report.build) with Ctrl-C and SIGTERM held off until it is
+    written; None where no job of the sweep finished or failed (one stopped before its first pack)."""
     from steer.runs import report
 
     main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS} if main else {}
     try:
         return report.build(Path(sweep_dir))
     except report.NoJobs:
         return None
     finally:
-        if main and old is not None:
-            signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def interrupted() -> Optional[str]:
+    """The line a sweep stopped by Ctrl-C or SIGTERM ends with, its report of the jobs that finished written; None
+    outside a sweep. (The packed launcher says its own, with the number of jobs it had.)"""
+    if _sweeping is None or not _sweeping.is_dir():
+        return None
+    for sig in STOPS:  # a second Ctrl-C must not cut the report short
+        signal.signal(sig, signal.SIG_IGN)
+    from steer import results
+    from steer.runs.report import left_out
+
+    done = sum(results.read_json(d / "metrics.json") is not None for d in _sweeping.iterdir() if d.name.isdigit())
+    out = write_report(_sweeping)
+    said = f"summary written to {out['summary']}{left_out(out)}" if out else \
+        f"no summary written (no job in {_sweeping} finished)"
+    return f"interrupted: {done} job{'' if done == 1 else 's'} finished; {said}"
 
 
 def claim(sweep_dir: Path, job: int, field: str, path: Path, hint: str = "") -> None:
@@ -92,6 +114,8 @@ def _holder(held: Path, wait_s: float = 5.0) -> int:
 
 class SummaryCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweeping
+        _sweeping = Path(config.hydra.sweep.dir)
         # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
         # and one left there by an earlier packed sweep would hide this sweep's other jobs from its report.
         from steer.runs.report import JOBS, clear
