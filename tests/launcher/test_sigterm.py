@@ -15,7 +15,7 @@ from hydra_plugins.steer_launcher.packed import complete
 @pytest.mark.parametrize("launcher, said", [
     # packs of 2: a stop between packs keeps the packs done
     (["hydra.launcher.pack_size=2"], "interrupted: {done} of 8 jobs finished; summary written to {summary}"),
-    (["hydra/launcher=basic"], "interrupted: {done} jobs finished; summary written to {summary}"),
+    (["hydra/launcher=basic"], "interrupted: {done} job{s} finished; summary written to {summary}"),
 ], ids=["packed", "basic"])
 def test_sigterm_stops_a_sweep_as_ctrl_c_does(launcher, said, tmp_path, cache_dir, tiny_spec):
     sweep = tmp_path / "sweep"
@@ -44,6 +44,7 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(launcher, said, tmp_path, cache_di
     assert 1 <= len(finished) < 8, "the sweep should have been stopped part way"
     assert rc == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
-    assert stderr.splitlines()[-1] == said.format(done=len(finished), summary=sweep / "summary.csv"), stderr[-2000:]
+    assert stderr.splitlines()[-1] == said.format(done=len(finished), s="" if len(finished) == 1 else "s",
+                                                 summary=sweep / "summary.csv"), stderr[-2000:]
     rows = summary_rows(sweep)
     assert [r["job"] for r in rows if r["status"] == "ok"] == finished
