@@ -99,8 +99,9 @@ def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cache_dir):
         "steer: ['The weather today is', 'My friend looked at me and said']\n"
         "positive: ['I am so happy and full of joy', 'What a wonderful, delightful day']\n"
         "negative: ['I am so sad and full of gloom', 'What a miserable, dreadful day']\n")
-    res = run_cli(["prompts=mine", "task=select", "select.layers=[1,2]", "select.scales=[4,8]",
-                   "select.max_ppl_ratio=100", "gen.max_new_tokens=4", "hydra.run.dir=sel",
+    # On the tiny model this direction reads backwards: a negative strength is the one that gains (layer 2, -2)
+    res = run_cli(["prompts=mine", "task=select", "select.layers=[1,2]", "select.scales=[-2,-4]",
+                   "select.max_ppl_ratio=100", "gen.max_new_tokens=6", "hydra.run.dir=sel",
                    "--config-dir", str(tmp_path / "myconf")], tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "sel" / "selection.json").read_text())
