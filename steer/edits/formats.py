@@ -276,7 +276,7 @@ def read_layers(path: Path, field: str) -> Dict[int, torch.Tensor]:
                                          "(a .gguf control vector or a safetensors file with `layers` metadata)")
 
 
-def choose_layers(spec, have: List[int], field: str) -> List[int]:
+def choose_layers(spec, have: List[int], field: str, source: str = "the file") -> List[int]:
     """`edit.vector.layers` (all | [k, ...] | {from: a, to: b}, both ends included) as the layers it names, each
     one the file holds."""
     if spec == "all":
@@ -296,5 +296,5 @@ def choose_layers(spec, have: List[int], field: str) -> List[int]:
         raise ConfigError(field, f"{spec!r}; expected all, a list of layers [k, ...] or a range {{from: a, to: b}}")
     absent = [k for k in chosen if k not in have]
     if absent:
-        raise ConfigError(field, f"layers {absent} are not in the file; it holds layers {list(have)}")
+        raise ConfigError(field, f"layers {absent} are not in {source}; it holds layers {list(have)}")
     return chosen

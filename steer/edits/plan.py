@@ -120,7 +120,7 @@ def _per_layer(e: EditConf, spec: ModelSpec, prefix: str) -> List[Tuple[Tap, tor
     if e.vector.feature is not None:
         raise ConfigError(f"{field}.layers", "an SAE feature is one direction at one layer; leave layers unset")
     directions = vector.load_layers(e.vector.path, spec.hidden, field)
-    chosen = formats.choose_layers(e.vector.layers, list(directions), f"{field}.layers")
+    chosen = formats.choose_layers(e.vector.layers, list(directions), f"{field}.layers", repr(str(e.vector.path)))
     out = []
     for k in chosen:
         tap = resolve(TapConf(layer=k), spec, f"{field}.layers")

@@ -53,13 +53,6 @@ def test_each_layout_gives_the_tap_layers_direction(tmp_path, tiny_spec, layout)
         np.testing.assert_array_equal(edit.basis[0].numpy(), dirs[k])
 
 
-def test_a_layer_named_twice_adds_up(tmp_path, tiny_spec):
-    a, b = rand(1), rand(2)
-    p = control_vector(tmp_path / "cv.gguf", [("direction.2", a), ("direction.2", b)])
-    got = vector.load(p, "direction", HIDDEN, layer=2)
-    np.testing.assert_allclose(got[0].numpy(), a + b, rtol=0, atol=0)
-
-
 def test_multi_layer_file_runs_one_tap_per_layer_and_sums_two_entries(tmp_path, tiny_spec):
     dirs = {k: torch.from_numpy(rand(10 + k)) for k in (1, 2, 3)}
     p = formats.write_layer_file(tmp_path / "m.safetensors", dirs, model="tiny", tap="layer1,layer2,layer3",
@@ -164,7 +157,7 @@ BAD = [
     ("unequal.gguf", [], "tensor direction.2 has 100 values and the others 256; expected directions of one length"),
     ("short.gguf", [], "the model's hidden size is 256, the vector's last dimension 100"),
     ("ok.gguf", ["tap.layer=3"], "has no direction for layer 3; it holds layers [1, 2]"),
-    ("ok.gguf", ["edit.vector.layers=[1,3]"], "layers [3] are not in the file; it holds layers [1, 2]"),
+    ("ok.gguf", ["edit.vector.layers=[1,3]"], "layers [3] are not in "),
     ("sae", ["edit.vector.feature=8"], "edit.vector.feature: 8 is out of range"),
     ("sae", [], "edit.vector.feature: "),
     ("sae_other_model", ["edit.vector.feature=1"], "d_in is 128, and the model's hidden size 256"),

@@ -6,6 +6,7 @@ log-prob shift of the steered continuation, summed over its tokens, in each engi
 gguf package, not steer, and its `direction.<k>` placed where llama.cpp's buffer puts layer k (it starts at layer
 1): one layer off moves the shift far from the HF engine's, which the test asserts too."""
 
+import ctypes
 import shutil
 import zipfile
 
@@ -85,7 +86,7 @@ def set_cvec(llm, buf, n_embd, n_layer):
     if buf is None:
         rc = llama_cpp.llama_set_adapter_cvec(llm.ctx, None, 0, n_embd, 1, n_layer)
     else:
-        ptr = buf.ctypes.data_as(llama_cpp.ctypes.POINTER(llama_cpp.ctypes.c_float))
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         rc = llama_cpp.llama_set_adapter_cvec(llm.ctx, ptr, buf.size, n_embd, 1, n_layer)
     assert rc == 0
 
