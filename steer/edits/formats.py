@@ -145,14 +145,6 @@ def read_layer_file(path: Path, field: str) -> Dict[int, torch.Tensor]:
         return {k: f.get_tensor(LAYER_KEY.format(k)) for k in sorted(set(ks))}
 
 
-def write_layer_file(path: str | Path, directions: Dict[int, torch.Tensor], **meta) -> Path:
-    """steer's multi-layer file: `direction.<k>` per layer and metadata `layers` (vector.save's other metadata)."""
-    from steer.edits import vector
-
-    return vector.save(path, {LAYER_KEY.format(k): v.reshape(-1) for k, v in sorted(directions.items())},
-                       extra={**layers_meta(directions), **meta.pop("extra", {})}, **meta)
-
-
 # --- one-tensor files ----------------------------------------------------------------------------------------
 
 def read_npy(path: Path, key: str, field: str) -> torch.Tensor:

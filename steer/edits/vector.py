@@ -37,6 +37,15 @@ def save(path: str | Path, tensors: Dict[str, torch.Tensor], *, model: str, tap:
     return results.write_bytes(path, save_bytes(tensors, metadata=meta))
 
 
+def save_layers(path: str | Path, directions: Dict[int, torch.Tensor], *, model: str, tap: str, method: str,
+                extra: Optional[Dict[str, str]] = None) -> Path:
+    """A multi-layer file: key `direction.<k>` per decoder layer k and metadata `layers` (the ks, comma-separated),
+    besides `save`'s metadata (steer.edits.formats reads it)."""
+    tensors = {formats.LAYER_KEY.format(k): v.reshape(-1) for k, v in sorted(directions.items())}
+    return save(path, tensors, model=model, tap=tap, method=method,
+                extra={**formats.layers_meta(directions), **(extra or {})})
+
+
 def _holds(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> bool:
     """Whether `path` already holds these tensors with this metadata, its date aside. Such a file is kept as it
     is: the same direction extracted again (a resumed sweep) leaves its sha256 alone, and with it every job that

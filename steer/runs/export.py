@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 
 from steer.config.schema import SteerConf
-from steer.edits import formats
+from steer.edits import formats, vector
 from steer.edits.plan import Plan, spec_layer
 from steer.errors import ConfigError
 from steer.models.spec import ModelSpec
@@ -57,6 +57,6 @@ def write(cfg: SteerConf, plan: Plan, spec: ModelSpec, out: Path) -> Dict:
     if cfg.export.format == "gguf":
         formats.write_gguf(out, found, model_hint(spec))
     else:
-        formats.write_layer_file(out, found, model=spec.name, tap=",".join(f"layer{k}" for k in found),
+        vector.save_layers(out, found, model=spec.name, tap=",".join(f"layer{k}" for k in found),
                                  method="export")
     return {"vector": str(out), "format": cfg.export.format, "layers": list(found)}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import cli_here, compose
-from steer.edits import formats, vector
+from steer.edits import vector
 from steer.edits.plan import build
 from steer.errors import ConfigError
 
@@ -55,7 +55,7 @@ def test_each_layout_gives_the_tap_layers_direction(tmp_path, tiny_spec, layout)
 
 def test_multi_layer_file_runs_one_tap_per_layer_and_sums_two_entries(tmp_path, tiny_spec):
     dirs = {k: torch.from_numpy(rand(10 + k)) for k in (1, 2, 3)}
-    p = formats.write_layer_file(tmp_path / "m.safetensors", dirs, model="tiny", tap="layer1,layer2,layer3",
+    p = vector.save_layers(tmp_path / "m.safetensors", dirs, model="tiny", tap="layer1,layer2,layer3",
                                  method="manual")
     assert vector.metadata(p)["layers"] == "1,2,3"
     for spec, want in (("all", [1, 2, 3]), ("[3,1]", [3, 1]), ("{from: 2, to: 3}", [2, 3])):

@@ -7,7 +7,7 @@ import torch
 
 from helpers import cli_here, compose
 from steer.config.schema import GenConf, ModelConf, TapConf
-from steer.edits import formats, vector
+from steer.edits import vector
 from steer.edits.plan import build
 from steer.edits.tap import resolve
 from steer.errors import ConfigError
@@ -25,7 +25,7 @@ def gguf_tensors(path):
 
 def test_export_sums_scaled_edits_per_layer(tmp_path, cache_dir, tiny_spec, monkeypatch, capsys):
     dirs = {k: torch.randn(256) for k in (1, 2, 3)}
-    src = formats.write_layer_file(tmp_path / "m.safetensors", dirs, model="tiny", tap="", method="manual")
+    src = vector.save_layers(tmp_path / "m.safetensors", dirs, model="tiny", tap="", method="manual")
     extra = f"extra_edits=[{{tap: {{layer: 2}}, edit: {{kind: add, scale: 0.5, vector: {{path: '{src}'}}}}}}]"
     for fmt in ("gguf", "safetensors"):
         out = tmp_path / f"out.{fmt}"
@@ -101,7 +101,7 @@ def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smol
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
     dirs = {k: direction(smol, resolve(TapConf(layer=k), smol.spec), pos, neg, recipe) for k in range(8, 17)}
-    multi = formats.write_layer_file(tmp_path / "joy_8_16.safetensors", dirs, model="smollm2",
+    multi = vector.save_layers(tmp_path / "joy_8_16.safetensors", dirs, model="smollm2",
                                      tap=",".join(f"layer{k}" for k in dirs), method="diffmean")
     common = ["model=smollm2", "edit.vector.layers={from: 8, to: 16}", "edit.scale=1.5"]
     steer_cfg = compose(*common, f"edit.vector.path={multi}", tiny=False)
