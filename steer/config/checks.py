@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, Task, VllmConf
+from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, Task, Tokens, VllmConf
 from steer.errors import ConfigError, refuse_repeats
 from steer.models.prompt import check_texts
 
@@ -146,6 +146,32 @@ def run(cfg: SteerConf, engine: str) -> None:
     prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
+    if cfg.task == Task.export:
+        export(cfg)
+
+
+EXPORT_FORMATS = ("gguf", "safetensors")
+
+
+def export(cfg: SteerConf) -> None:
+    """task=export: a format steer writes, and edits a control vector can hold (an add at every token, from a
+    file)."""
+    if cfg.export.format not in EXPORT_FORMATS:
+        raise ConfigError("export.format", f"{cfg.export.format!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if cfg.export.out:
+        writable("export.out", Path(cfg.export.out).expanduser())
+    edits = [("", cfg.edit)] + [(f"extra_edits[{i}].", te.edit) for i, te in enumerate(cfg.extra_edits)]
+    for prefix, e in edits:
+        if e.kind != EditKind.add:
+            raise ConfigError(f"{prefix}edit.kind", f"is {e.kind.value}; a control vector only adds a direction "
+                                                    "(edit.kind=add)")
+        if e.tokens != Tokens.both:
+            raise ConfigError(f"{prefix}edit.tokens", f"is {e.tokens.value}; llama.cpp adds the direction at every "
+                                                      "token (edit.tokens=both)")
+        if e.vector.path is None:
+            raise ConfigError(f"{prefix}edit.vector.path", "task=export writes the vectors of files; extract one "
+                                                           "first (task=extract; an extract.out ending in .gguf "
+                                                           "writes a control vector)")
 
 
 def preset(cfg: SteerConf, given: Sequence[str]) -> None:

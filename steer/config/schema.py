@@ -5,7 +5,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -19,6 +19,7 @@ class Task(str, Enum):
     steer = "steer"
     extract = "extract"
     select = "select"  # a layer x scale sweep of the config's edit, scored by concept gain under a perplexity cap
+    export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
 
 
 @dataclass
@@ -72,6 +73,12 @@ class VectorConf:
     # null path: the direction is extracted from the built-in contrastive prompts at this tap (cached).
     path: Optional[str] = None
     key: str = "direction"
+    # A multi-layer file (a .gguf control vector, a safetensors file with `layers` metadata) run at several layers:
+    # all | [k, ...] | {from: a, to: b} (both included); one tap per layer, each with its own direction, in place
+    # of `tap`. null: the file's direction at the tap's layer.
+    layers: Any = None
+    feature: Optional[int] = None  # path is a SAELens SAE directory: steer along this feature's decoder row
+    any_layer: bool = False  # use an SAE at another layer than the one it was trained on
 
 
 @dataclass
@@ -130,6 +137,15 @@ class ExtractConf:
     out: Optional[str] = None  # null: vector.safetensors in the run dir
     key: str = "direction"
     normalize: bool = False
+
+
+@dataclass
+class ExportConf:
+    """task=export: the run's add edits written for another tool, one direction per decoder layer with each edit's
+    scale in it (edits at one layer summed), so the file at strength 1 steers as the run does."""
+
+    format: str = "gguf"  # gguf: a llama.cpp control vector; safetensors: steer's multi-layer file
+    out: Optional[str] = None  # null: vector.<format> in the run dir
 
 
 @dataclass
@@ -223,6 +239,7 @@ class SteerConf:
     gen: GenConf = field(default_factory=GenConf)
     vllm: VllmConf = field(default_factory=VllmConf)
     extract: ExtractConf = field(default_factory=ExtractConf)
+    export: ExportConf = field(default_factory=ExportConf)
     eval: EvalConf = field(default_factory=EvalConf)
     select: SelectConf = field(default_factory=SelectConf)
     cache_dir: str = MISSING

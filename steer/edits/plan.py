@@ -11,7 +11,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from steer.edits import vector
+from steer.edits import formats, vector
+from steer.errors import ConfigError
 from steer.edits.edit import Edit, compile_edit
 from steer.models.spec import ModelSpec
 from steer.config.schema import EditConf, EditKind, SteerConf, TapConf
@@ -85,9 +86,15 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
     `default_vector`, the pending edits are then compiled on it."""
     plan = Plan()
     for prefix, tap_conf, e in items:
+        if e.vector.layers is not None:
+            for tap, vecs in _per_layer(e, spec, prefix):
+                plan.add(tap, _compile(e, vecs, prefix))
+            continue
         tap = resolve(tap_conf, spec, f"{prefix}tap")
         if e.vector.path is not None:
-            vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector")
+            layer = spec_layer(tap, spec)
+            vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector", layer=layer,
+                               feature=e.vector.feature, any_layer=e.vector.any_layer)
             _check_origin(e.vector.path, tap, spec, f"{prefix}edit.vector.path")
         elif needs_default_vector(e):
             vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
@@ -98,9 +105,34 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
     return plan if default_vector is None else plan.with_defaults(default_vector, spec.hidden)
 
 
+def spec_layer(tap: Tap, spec: ModelSpec) -> Optional[int]:
+    """The decoder layer whose output `tap` is, None for any other module."""
+    if not tap.residual:
+        return None
+    return next(i for i in range(spec.layers) if spec.layer_path(i) == tap.path)
+
+
+def _per_layer(e: EditConf, spec: ModelSpec, prefix: str) -> List[Tuple[Tap, torch.Tensor]]:
+    """`edit.vector.layers`: one (tap, direction) per layer it names, in place of the entry's tap."""
+    field = f"{prefix}edit.vector"
+    if e.vector.path is None:
+        raise ConfigError(f"{field}.layers", "runs a multi-layer file's directions; give the file (edit.vector.path)")
+    if e.vector.feature is not None:
+        raise ConfigError(f"{field}.layers", "an SAE feature is one direction at one layer; leave layers unset")
+    directions = vector.load_layers(e.vector.path, spec.hidden, field)
+    chosen = formats.choose_layers(e.vector.layers, list(directions), f"{field}.layers", repr(str(e.vector.path)))
+    out = []
+    for k in chosen:
+        tap = resolve(TapConf(layer=k), spec, f"{field}.layers")
+        out.append((tap, directions[k]))
+    return out
+
+
 def _check_origin(path: str, tap: Tap, spec: ModelSpec, field: str) -> None:
     """Warn where a vector file says it was made at another tap or on another model than it is used with: legal
     (a direction can carry over), and also what a wrong interpolation in a per-layer sweep looks like."""
+    if formats.kind(Path(path).expanduser()) != "safetensors":
+        return  # only steer's own files say where they were made
     made = vector.metadata(Path(path).expanduser())
     for what, used in (("tap", tap.name), ("model", spec.name)):
         said = (field, path, what, made.get(what), used)

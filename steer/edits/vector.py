@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
 from steer import results
+from steer.edits import formats
 from steer.errors import ConfigError
 
 
@@ -34,6 +35,15 @@ def save(path: str | Path, tensors: Dict[str, torch.Tensor], *, model: str, tap:
     if _holds(path, tensors, meta):
         return path
     return results.write_bytes(path, save_bytes(tensors, metadata=meta))
+
+
+def save_layers(path: str | Path, directions: Dict[int, torch.Tensor], *, model: str, tap: str, method: str,
+                extra: Optional[Dict[str, str]] = None) -> Path:
+    """A multi-layer file: key `direction.<k>` per decoder layer k and metadata `layers` (the ks, comma-separated),
+    besides `save`'s metadata (steer.edits.formats reads it)."""
+    tensors = {formats.LAYER_KEY.format(k): v.reshape(-1) for k, v in sorted(directions.items())}
+    return save(path, tensors, model=model, tap=tap, method=method,
+                extra={**formats.layers_meta(directions), **(extra or {})})
 
 
 def _holds(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> bool:
@@ -62,13 +72,29 @@ def metadata(path: str | Path) -> Dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector") -> torch.Tensor:
-    """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong."""
+def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", layer: Optional[int] = None,
+         feature: Optional[int] = None, any_layer: bool = False) -> torch.Tensor:
+    """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong. A GGUF control
+    vector or a multi-layer file gives its direction at decoder layer `layer` (the tap's), an SAE directory its
+    feature `feature` (steer.edits.formats reads them all)."""
     path = Path(path).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"{field}.path", f"{str(path)!r} is a directory; expected a .safetensors file")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist")
+    kind = formats.kind(path)
+    if kind == "sae":
+        v = formats.read_sae(path, feature, hidden, layer, any_layer, field)
+        return check(v, hidden, f"{field} ({path}: feature {feature})")
+    if feature is not None:
+        raise ConfigError(f"{field}.feature", f"names an SAE feature, and {str(path)!r} is a vector file, not an SAE "
+                                              "directory; leave it unset")
+    if not path.is_file():
+        raise ConfigError(f"{field}.path", f"{str(path)!r} is not a regular file")
+    if kind in ("npy", "pt"):
+        v = formats.read_npy(path, key, field) if kind == "npy" else formats.read_pt(path, key, field)
+        return check(v, hidden, f"{field} ({path})")
+    if kind == "gguf" or formats.is_multi_layer(_metadata_or_none(path, field)):
+        return check(_at_layer(formats.read_layers(path, field), path, layer, field), hidden,
+                     f"{field} ({path}:direction.{layer})")
     try:
         f = safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for a corrupt header
@@ -79,6 +105,32 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector") ->
             raise ConfigError(f"{field}.key", f"key {key!r} is not in {str(path)!r}; keys present: {keys}")
         v = f.get_tensor(key)
     return check(v, hidden, f"{field} ({path}:{key})")
+
+
+def load_layers(path: str | Path, hidden: int, field: str = "edit.vector") -> Dict[int, torch.Tensor]:
+    """Every direction of a multi-layer file by decoder layer, each checked as `load` checks one."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist or is not a file")
+    return {k: check(v, hidden, f"{field} ({path}:direction.{k})")
+            for k, v in formats.read_layers(path, field).items()}
+
+
+def _at_layer(directions: Dict[int, torch.Tensor], path: Path, layer: Optional[int], field: str) -> torch.Tensor:
+    if layer is None:
+        raise ConfigError(f"{field}.path", f"{str(path)!r} holds one direction per decoder layer, and the tap is no "
+                                           "decoder layer: tap one (tap.layer=k) or set edit.vector.layers")
+    if layer not in directions:
+        raise ConfigError(f"{field}.path", f"{str(path)!r} has no direction for layer {layer}; it holds layers "
+                                           f"{list(directions)}")
+    return directions[layer]
+
+
+def _metadata_or_none(path: Path, field: str) -> Dict[str, str]:
+    try:
+        return metadata(path)
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise ConfigError(f"{field}.path", f"{str(path)!r} is not a readable safetensors file ({e})") from e
 
 
 F32_MAX = torch.finfo(torch.float32).max

@@ -103,6 +103,11 @@ def digest(path) -> Optional[str]:
     """A file's sha256 as inputs.json records it, None where it cannot be read. Memoised by the file's identity,
     size and modification time: a resumed sweep of a thousand jobs that share one vector file reads it once."""
     path = Path(path).expanduser()
+    if path.is_dir():  # an SAE directory: its two files
+        from steer.edits.formats import SAE_CONFIG, SAE_WEIGHTS
+
+        parts = [digest(path / SAE_CONFIG), digest(path / SAE_WEIGHTS)]
+        return None if None in parts else hashlib.sha256(" ".join(parts).encode()).hexdigest()
     try:
         st = path.stat()
     except OSError:

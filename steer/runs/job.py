@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from steer import engine as engines
+from steer.errors import ConfigError
 from steer.runs import inputs
 from steer.models import prompt
 from steer.models import tiny
@@ -63,9 +64,34 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             plan = build(cell, spec)
             job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine,
                                  list(plan.taps.values()), plan, vectors=digests))
+    elif cfg.task == Task.export:
+        from steer.runs import export
+
+        job.vectors = inputs.vectors(cfg)
+        job.plan = build(cfg, spec)
+        export.directions(job.plan, spec, cfg.export.format)  # checked now: nothing is written on a bad one
     else:
         job.taps = [resolve(cfg.tap, spec)]
+        if cfg.task == Task.extract and gguf_out(cfg):
+            gguf_layer(job.taps[0], spec)
     return job
+
+
+def gguf_out(cfg: SteerConf) -> bool:
+    """An extraction written as a llama.cpp control vector (extract.out ending in .gguf)."""
+    return bool(cfg.extract.out) and cfg.extract.out.lower().endswith(".gguf")
+
+
+def gguf_layer(tap: Tap, spec: ModelSpec) -> int:
+    """The decoder layer a control vector names `tap` by (its output, layer >= 1), or a ConfigError."""
+    from steer.edits.plan import spec_layer
+
+    layer = spec_layer(tap, spec)
+    if layer is None or layer == 0:
+        raise ConfigError("extract.out", f"ends in .gguf, a llama.cpp control vector, which steers the output of "
+                                         f"decoder layers 1..{spec.layers - 1}; the tap is {tap.name} (set "
+                                         "tap.layer=k, k >= 1, or write .safetensors)")
+    return layer
 
 
 def engine_key(job: Job) -> str:

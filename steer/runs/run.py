@@ -27,8 +27,11 @@ from steer.runs import metrics
 from steer.runs import rundir
 from steer.config import checks
 from steer.errors import ConfigError
-from steer.runs.extract import Recipe, cached_default, extract_to
-from steer.runs.job import Job, engine_for, prepare
+from steer.edits import formats
+from steer.runs import export
+from steer.runs.extract import Recipe, cached_default, direction, extract_to
+from steer.runs.extract import resolve as resolve_recipe
+from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 from steer.edits.plan import Plan
 from steer.progress import bar as progress_bar
 from steer.config.schema import SteerConf, Task
@@ -48,6 +51,8 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
         from steer.runs import select
 
         return select.run(job, console, execute)
+    if cfg.task == Task.export:
+        return _export(job, console)
     if defer:
         return job
     out = execute([job], console)[0]
@@ -56,10 +61,28 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     return out
 
 
+def _export(job: Job, console: Console) -> Dict:
+    """task=export: the run's edits written as export.format, no engine started."""
+    out = export.out_path(job.cfg, job.out_dir)
+    result = export.write(job.cfg, job.plan, job.spec, out)
+    results.write_json(job.out_dir / "metrics.json", result)
+    console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
+    return result
+
+
 def _extract(job: Job, engine, console: Console) -> Dict:
-    """task=extract: the default direction at the job's tap, written to extract.out (or the run directory)."""
+    """task=extract: the default direction at the job's tap, written to extract.out (or the run directory); an
+    out ending in .gguf is a llama.cpp control vector (direction.<layer>)."""
     cfg, tap = job.cfg, job.taps[0]
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
+    if gguf_out(cfg):
+        recipe = resolve_recipe(Recipe.from_conf(cfg.extract, cfg.prompts.chat), engine, list(cfg.prompts.positive),
+                                list(cfg.prompts.negative))
+        d = direction(engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative), recipe)
+        layer = gguf_layer(tap, job.spec)
+        formats.write_gguf(out, {layer: d}, export.model_hint(job.spec))
+        console.print(f"wrote [bold]{escape(str(out))}[/] (direction.{layer}, tap {tap.name})")
+        return {"vector": str(out), "key": f"direction.{layer}", "tap": tap.name}
     extract_to(out, cfg.extract.key, engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative),
                Recipe.from_conf(cfg.extract, cfg.prompts.chat))
     console.print(f"wrote [bold]{escape(str(out))}[/] (key {cfg.extract.key!r}, tap {tap.name})")

@@ -20,6 +20,7 @@ from steer.edits import vector
 from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.models.spec import ModelSpec
+from steer.edits import formats
 from steer.edits.plan import Plan, compile_entries, needs_default_vector
 from steer.config.schema import EditConf, EditKind, TapEditConf, Tokens
 from steer.serve.schema import PresetConf, ServeOptions
@@ -140,21 +141,22 @@ def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
     out = {}
     for name, conf in confs.items():
         items = _compile(name, conf, spec, default_vector)
-        out[name] = Preset(name, conf, items, [_vector(te.edit, e, tap, cache_dir)
-                                               for te, (tap, e) in zip(conf.edits, items)])
+        out[name] = Preset(name, conf, [(tap, e) for _, tap, e in items],
+                           [_vector(te.edit, e, tap, cache_dir) for te, tap, e in items])
     return out
 
 
-def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> List[Tuple[Tap, Edit]]:
-    """The preset's (tap, compiled edit) pairs in config order, by the CLI's own steer.edits.plan (one entry at a time,
-    which is what `build` does for a run's tap/edit and extra_edits)."""
+def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> List[Tuple[TapEditConf, Tap, Edit]]:
+    """The preset's (edit config, tap, compiled edit) triples in config order, by the CLI's own steer.edits.plan (one
+    entry at a time, which is what `build` does for a run's tap/edit and extra_edits); an entry with
+    `vector.layers` gives one per layer."""
     out = []
     for i, te in enumerate(conf.edits):
         try:
             plan = compile_entries([(f"edits[{i}].", te.tap, te.edit)], spec, default_vector)
         except ConfigError as e:
             raise ConfigError(f"preset {name}: {e.field}", str(e)[len(e.field) + 2:]) from e
-        out.append(plan.primary)
+        out += [(te, plan.taps[path], e) for path, edits in plan.edits.items() for e in edits]
     return out
 
 
@@ -199,7 +201,8 @@ def listing(presets: Dict[str, Preset]) -> List[dict]:
 def _vector(conf: EditConf, e: Edit, tap: Tap, cache_dir: str) -> Optional[dict]:
     if conf.vector.path is not None:
         path = Path(conf.vector.path).expanduser()
-        return {"path": str(path), "key": conf.vector.key, "default": False, "metadata": vector.metadata(path)}
+        meta = vector.metadata(path) if formats.kind(path) == "safetensors" else {}  # other tools' files: none
+        return {"path": str(path), "key": conf.vector.key, "default": False, "metadata": meta}
     if not needs_default_vector(conf):
         return None
     found = _cached_file(cache_dir, tap, e.basis)

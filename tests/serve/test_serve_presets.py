@@ -277,3 +277,27 @@ def test_the_start_line_gives_an_address_a_client_can_use():
 
     assert [base_url(ServeOptions(host=h, port=8000)) for h in ("", "127.0.0.1", "::1")] == \
         ["http://0.0.0.0:8000/v1", "http://127.0.0.1:8000/v1", "http://[::1]:8000/v1"]
+
+
+def test_a_preset_runs_a_gguf_control_vector_at_every_layer_it_holds(tmp_path, tiny_spec):
+    import gguf
+    import numpy as np
+
+    dirs = {k: np.random.default_rng(k).standard_normal(256).astype(np.float32) for k in (1, 3)}
+    w = gguf.GGUFWriter(str(tmp_path / "cv.gguf"), "controlvector")  # as repeng writes one
+    w.add_string("controlvector.model_hint", "llama")
+    w.add_uint32("controlvector.layer_count", 2)
+    for k, v in dirs.items():
+        w.add_tensor(f"direction.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    edit = f"{{kind: add, scale: 2.0, vector: {{path: '{tmp_path}/cv.gguf', layers: all}}}}"
+    (tmp_path / "cv.yaml").write_text(f"edits:\n  - edit: {edit}\n")
+    compiled = presets.compile_all(presets.read(ServeOptions(preset_dir=str(tmp_path))), tiny_spec, None, "/x")
+    items = compiled["cv"].items
+    assert [tap.path for tap, _ in items] == [tiny_spec.layer_path(1), tiny_spec.layer_path(3)]
+    for (_, e), k in zip(items, (1, 3)):
+        assert e.scale == 2.0 and np.array_equal(e.basis[0].numpy(), dirs[k])
+    assert [v["path"] for v in compiled["cv"].vectors] == [f"{tmp_path}/cv.gguf"] * 2

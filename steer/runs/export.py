@@ -1,0 +1,62 @@
+"""task=export: a run's edits written as a file another tool loads, with no engine.
+
+llama.cpp adds one direction to the output of each decoder layer it steers, to every token, prompt and generated
+alike. That is steer's `add` edit with `edit.tokens=both` at a `tap.layer`; each layer's file direction is the sum of
+scale x vector over the run's add edits there, so `--control-vector FILE` (strength 1) steers as the run does.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from steer.config.schema import SteerConf
+from steer.edits import formats, vector
+from steer.edits.plan import Plan, spec_layer
+from steer.errors import ConfigError
+from steer.models.spec import ModelSpec
+
+def out_path(cfg: SteerConf, out_dir: Path) -> Path:
+    fmt = cfg.export.format
+    return Path(cfg.export.out).expanduser() if cfg.export.out else Path(out_dir) / f"vector.{fmt}"
+
+
+def directions(plan: Plan, spec: ModelSpec, fmt: str) -> Dict[int, torch.Tensor]:
+    """Each decoder layer's added vector: the sum of scale x direction over the plan's edits there."""
+    out: Dict[int, torch.Tensor] = {}
+    for path, edits in plan.edits.items():
+        tap = plan.taps[path]
+        layer = spec_layer(tap, spec)
+        if layer is None:
+            raise ConfigError("tap.path", f"{tap.name} is no decoder layer's output; a control vector steers the "
+                                          "output of decoder layers (tap.layer=k)")
+        for e in edits:
+            if e.basis.shape[0] != 1:
+                raise ConfigError("edit.vector", f"holds {e.basis.shape[0]} directions at {tap.name}; a control "
+                                                 "vector holds one per layer")
+            v = e.scale * e.basis[0]
+            out[layer] = out[layer] + v if layer in out else v
+    if fmt == "gguf" and 0 in out:
+        raise ConfigError("export.format", "gguf: llama.cpp refuses a direction at decoder layer 0; steer from "
+                                           "layer 1 on, or export.format=safetensors")
+    return dict(sorted(out.items()))
+
+
+def model_hint(spec: ModelSpec) -> str:
+    """What repeng writes as the model hint (the transformers model_type), else steer's model name."""
+    config = Path(spec.source).expanduser() / "config.json"
+    try:
+        return str(json.loads(config.read_text()).get("model_type") or spec.name)
+    except (OSError, ValueError):
+        return spec.name
+
+
+def write(cfg: SteerConf, plan: Plan, spec: ModelSpec, out: Path) -> Dict:
+    found = directions(plan, spec, cfg.export.format)
+    if cfg.export.format == "gguf":
+        formats.write_gguf(out, found, model_hint(spec))
+    else:
+        vector.save_layers(out, found, model=spec.name, tap=",".join(f"layer{k}" for k in found),
+                                 method="export")
+    return {"vector": str(out), "format": cfg.export.format, "layers": list(found)}
