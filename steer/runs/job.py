@@ -18,7 +18,7 @@ from steer.runs import grid
 from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits.plan import Plan, build
-from steer.config.schema import SteerConf, Task
+from steer.config.schema import SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
 
@@ -63,6 +63,9 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             plan = build(cell, spec)
             job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine,
                                  list(plan.taps.values()), plan, vectors=digests))
+    elif cfg.extract.layers:
+        checks.extract_layers(cfg, spec.layers)
+        job.taps = [resolve(TapConf(layer=k), spec, "extract.layers") for k in cfg.extract.layers]
     else:
         job.taps = [resolve(cfg.tap, spec)]
     return job
