@@ -83,13 +83,16 @@ def table(names: List[str], diags: Sequence[Dict[str, Optional[float]]], chosen:
     """A rich Table of the diagnostics, one row per tap; the best-separating one marked."""
     from rich.table import Table
 
-    t = Table(title="extraction diagnostics (held-out: k-fold, fitted without the prompts scored)")
-    for col in ("tap", "norm", "resid norm", "norm / resid", "held-out acc", "held-out AUC", "effect (d)", "folds"):
-        t.add_column(col, justify="left" if col == "tap" else "right")
+    t = Table(title="extraction diagnostics" + (" (* separates best)" if chosen is not None and len(names) > 1
+                                                else ""))
+    for col in ("tap", "norm", "resid", "ratio", "acc", "AUC", "d", "k"):
+        t.add_column(col, justify="left" if col == "tap" else "right", no_wrap=True)
+    t.caption = ("norm: the direction's; resid: the stream's mean norm at the tap; ratio: norm / resid; acc, AUC, "
+                 "d: held-out accuracy at the midpoint, AUC and effect size (Cohen's d) over k folds")
     for i, (name, d) in enumerate(zip(names, diags)):
         cells = [_fmt(d.get(k)) for k in ("norm", "resid_norm", "norm_ratio", "heldout_acc", "heldout_auc",
                                           "heldout_effect")]
-        t.add_row(name + (" (best)" if i == chosen and len(names) > 1 else ""), *cells, str(int(d.get("folds") or 0)))
+        t.add_row(name + ("*" if i == chosen and len(names) > 1 else ""), *cells, str(int(d.get("folds") or 0)))
     return t
 
 
