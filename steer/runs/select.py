@@ -147,8 +147,8 @@ def _command(best: Dict) -> str:
         over = list(HydraConfig.get().overrides.task)
     except ValueError:  # not under Hydra (called from Python)
         pass
-    keep = [o for o in over if not o.split("=")[0].lstrip("+~").startswith(("task", "select.", "tap", "edit.scale",
-                                                                             "hydra."))]
+    keep = [o for o in over if not (o.split("=")[0].lstrip("+~").startswith(("task", "select.", "tap", "hydra."))
+                                    or o.split("=")[0].lstrip("+~") == "edit.scale")]  # edit.scale_by stays
     args = keep + [f"tap.layer={best['layer']}", f"edit.scale={best['scale']:g}"]
     return "python -m steer " + " ".join(shlex.quote(a) for a in args)
 

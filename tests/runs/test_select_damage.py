@@ -63,3 +63,12 @@ def test_no_positive_gain_no_pick(tmp_path, console):
     got = run_grid(tmp_path, console, metrics)
     assert all(c["ok"] for c in got["cells"]) and got["best"] is None and got["command"] is None
     assert "no pair passed" in console.file.getvalue()
+
+
+def test_the_rerun_command_keeps_scale_by(monkeypatch):
+    from hydra.core.hydra_config import HydraConfig
+
+    task = ["task=select", "edit.scale_by=resid", "edit.scale=3", "select.scales=[0.1,0.5]"]
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(overrides=SimpleNamespace(task=task))))
+    assert select._command({"layer": 12, "scale": 0.5}) == \
+        "python -m steer edit.scale_by=resid tap.layer=12 edit.scale=0.5"
