@@ -108,6 +108,10 @@ BAD = [
     (["edit.scale=nan"], "edit.scale: must be a finite number, got nan"),
     (["edit=clamp", "edit.lo=-inf", "edit.hi=2"], "edit.lo: must be a finite number, got -inf"),
     (["engine=nope"], "engine: unknown engine 'nope'"),
+    (["task=extract", "extract.layers=[1,7]"], "extract.layers: [7] out of range: the model has 4 decoder layers"),
+    (["edit.scale_by=raw"], "edit.scale_by: 'raw' is not one of vector, unit, resid"),
+    (["edit.scale_by=resid", "edit.vector.path={d}/ab.safetensors", "edit.vector.key=a"],
+     "edit.scale_by: resid multiplies the unit direction by the mean residual norm"),
 ]
 
 

@@ -37,8 +37,10 @@ def test_swept_keys_and_plots_one_line_per_other_value(tmp_path):
     rows = job_rows(tmp_path)
     assert swept(rows) == ["edit.scale", "tap.layer"]
     out = build(tmp_path)
-    assert {p.name for p in out["plots"]} == {"kl_mean.png", "tokens_per_s.png"}
+    # tokens_per_s is the same for every job (a pack's): in summary.csv, and no plot
+    assert {p.name for p in out["plots"]} == {"kl_mean.png"}
     assert all(p.stat().st_size > 1000 for p in out["plots"])
+    assert [r["tokens_per_s"] for r in csv.DictReader(out["summary"].open())] == ["5.0"] * 6
 
 
 def test_report_cli_rebuilds_from_job_dirs(tmp_path):
@@ -160,7 +162,7 @@ def test_a_sweep_starting_removes_the_report_of_the_one_before_and_only_it(tmp_p
     from steer.runs.sweep import SummaryCallback
 
     for n in range(2):
-        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0 + n})
     written = build(tmp_path)
     for name in ("notes.png", "edit.scale.png", "status.png", "job.png"):  # named by no metric column
         (tmp_path / name).write_bytes(b"the user's")
@@ -172,8 +174,8 @@ def test_a_sweep_starting_removes_the_report_of_the_one_before_and_only_it(tmp_p
 
 def test_a_report_rebuilt_drops_the_plots_of_metrics_no_job_has_now(tmp_path):
     for n in range(2):
-        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0})
-    build(tmp_path)
+        job(tmp_path, n, [f"edit.scale={n}"], {"kl_mean": n / 10, "ppl_steered": 3.0 + n})
+    assert (tmp_path / "ppl_steered.png").name in [p.name for p in build(tmp_path)["plots"]]
     for n in range(2):
         (tmp_path / str(n) / "metrics.json").write_text(json.dumps({"kl_mean": n / 5}))
     out = build(tmp_path)

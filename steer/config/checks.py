@@ -144,6 +144,10 @@ def run(cfg: SteerConf, engine: str) -> None:
     device(cfg.device)
     gen(cfg.gen)
     prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
+    scale_by("edit", cfg.edit)
+    for i, te in enumerate(cfg.extra_edits):
+        scale_by(f"extra_edits[{i}].edit", te.edit)
+    at_least("extract.folds", cfg.extract.folds, 2)
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:
@@ -185,6 +189,27 @@ def preset(cfg: SteerConf, given: Sequence[str]) -> None:
                                    "leave it out, or drop preset and write every edit")
 
 
+SCALE_BY = ("vector", "unit", "resid")
+
+
+def scale_by(prefix: str, e) -> None:
+    """An edit's `scale_by` (what its scale multiplies): one of SCALE_BY, and only where the vector is a direction."""
+    if e.scale_by not in SCALE_BY:
+        raise ConfigError(f"{prefix}.scale_by", f"{e.scale_by!r} is not one of {', '.join(SCALE_BY)}")
+    if e.scale_by != "vector" and e.kind == EditKind.scale:
+        raise ConfigError(f"{prefix}.scale_by", "edit.kind=scale multiplies the stream, whose vector is a centre, "
+                                                "not a direction; leave scale_by=vector")
+
+
+def extract_layers(cfg: SteerConf, layers: int) -> None:
+    """extract.layers against a model of `layers` decoder layers."""
+    bad = [x for x in cfg.extract.layers if not 0 <= x < layers]
+    if bad:
+        raise ConfigError("extract.layers", f"{bad} out of range: the model has {layers} decoder layers "
+                                            f"(0..{layers - 1})")
+    refuse_repeats("extract.layers", [int(x) for x in cfg.extract.layers])
+
+
 def select_grid(cfg: SteerConf, layers: int) -> None:
     """task=select's grid against a model of `layers` decoder layers."""
     s = cfg.select
@@ -207,6 +232,9 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
                                               "stream: give it a direction (edit.vector.path)")
     if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
         raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
+    if not (math.isfinite(s.min_distinct_ratio) and s.min_distinct_ratio >= 0):
+        raise ConfigError("select.min_distinct_ratio", f"must be a number >= 0 (0 turns the check off), got "
+                                                       f"{s.min_distinct_ratio}")
     if cfg.extra_edits:
         raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
                                          "extra_edits empty")

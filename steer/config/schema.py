@@ -90,6 +90,10 @@ class EditConf:
     lo: Optional[float] = None  # clamp bounds on the projection; null is unbounded
     hi: Optional[float] = None
     value: float = 0.0  # set: the projection to move to
+    # What `scale` multiplies (add): "vector", the vector as it is; "unit", its unit direction; "resid", its unit
+    # direction times the mean residual norm at its tap that extraction recorded in the vector's metadata
+    # (diag.resid_norm), so scale 0.5 is half a typical activation whatever the vector's length (docs/configs.md)
+    scale_by: str = "vector"
 
 
 @dataclass
@@ -137,6 +141,10 @@ class ExtractConf:
     out: Optional[str] = None  # null: vector.safetensors in the run dir
     key: str = "direction"
     normalize: bool = False
+    # Several decoder layers read in one pass (one forward per prompt captures them all), scored, and written to one
+    # file with a key `direction.<k>` per layer k (extract.key unused) and metadata `layers`; empty: the tap alone
+    layers: List[int] = field(default_factory=list)
+    folds: int = 5  # k of the held-out separation the diagnostics report (steer/runs/diagnostics.py)
 
 
 @dataclass
@@ -206,6 +214,8 @@ class SelectConf:
     layers: List[int] = field(default_factory=lambda: [3, 6, 9, 12, 15])
     scales: List[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
     max_ppl_ratio: float = 2.0  # a pair is rejected where ppl_steered > max_ppl_ratio x ppl_baseline
+    # ... and where its steered text repeats itself: distinct2_steered < min_distinct_ratio x distinct2_baseline
+    min_distinct_ratio: float = 0.7
 
 
 @dataclass

@@ -7,10 +7,11 @@ Vectors named by a file are loaded and checked here; a vector left to the defaul
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from steer.config.checks import SCALE_BY
 from steer.edits import formats, vector
 from steer.errors import ConfigError
 from steer.edits.edit import Edit, compile_edit
@@ -19,6 +20,7 @@ from steer.config.schema import EditConf, EditKind, SteerConf, TapConf
 from steer.edits.tap import Tap, resolve
 
 log = logging.getLogger(__name__)
+DefaultVector = Union[torch.Tensor, Tuple[torch.Tensor, Optional[Dict[str, str]]]]
 
 
 @dataclass
@@ -38,14 +40,18 @@ class Plan:
         if self.primary is None:
             self.primary = (tap, edit)
 
-    def with_defaults(self, default_vector: Callable[[Tap], torch.Tensor], hidden: int) -> "Plan":
-        """This plan with every pending edit compiled on its tap's default direction (files are not read again)."""
+    def with_defaults(self, default_vector: Callable[[Tap], DefaultVector], hidden: int) -> "Plan":
+        """This plan with every pending edit compiled on its tap's default direction (files are not read again).
+        `default_vector(tap)` gives the direction, or (direction, its file's metadata) for edit.scale_by=resid."""
         if not self.pending:
             return self
         out = Plan(taps=dict(self.taps), edits={path: list(edits) for path, edits in self.edits.items()})
         for path, i, prefix, e in self.pending:
             tap = self.taps[path]
-            vecs = vector.check(default_vector(tap), hidden, f"default vector at {tap.name}")
+            got = default_vector(tap)
+            d, meta = got if isinstance(got, tuple) else (got, None)
+            where = f"default vector at {tap.name}"
+            vecs = scaled(e, vector.check(d, hidden, where), meta, "direction", tap, prefix, where)
             out.edits[path][i] = _compile(e, vecs, prefix)
         first = self.primary[0]
         out.primary = (first, out.edits[first.path][0])  # the config's first edit is the first at its tap
@@ -96,6 +102,8 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
             vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector", layer=layer,
                                feature=e.vector.feature, any_layer=e.vector.any_layer)
             _check_origin(e.vector.path, tap, spec, f"{prefix}edit.vector.path")
+            meta = vector.metadata(Path(e.vector.path).expanduser())
+            vecs = scaled(e, vecs, meta, e.vector.key, tap, prefix, f"{e.vector.path}:{e.vector.key}")
         elif needs_default_vector(e):
             vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
             plan.pending.append((tap.path, len(plan.edits.get(tap.path, [])), prefix, e))
@@ -142,6 +150,33 @@ def _check_origin(path: str, tap: Tap, spec: ModelSpec, field: str) -> None:
 
 
 _WARNED: set = set()
+
+
+def scaled(e: EditConf, vecs: torch.Tensor, meta: Optional[Dict[str, str]], key: str, tap: Tap, prefix: str,
+           where: str) -> torch.Tensor:
+    """The vector `add` adds at scale 1, by `edit.scale_by`: as it is ("vector"), its unit direction ("unit"), or
+    that times the mean residual norm at the tap ("resid"). The norm is the one extraction measured and recorded in
+    the vector's metadata (steer/runs/diagnostics.py), not one measured again on the run's prompts: a file names
+    its strength whatever the run's prompts, and a run resumed with the same file (inputs.json holds its sha256)
+    adds exactly what it added before. Other kinds use the direction alone, so scale_by changes nothing there."""
+    field = f"{prefix}edit.scale_by"
+    if e.scale_by not in SCALE_BY:  # what checks.scale_by says for a run; said here too for the server's presets
+        raise ConfigError(field, f"{e.scale_by!r} is not one of {', '.join(SCALE_BY)}")
+    if e.scale_by == "vector" or e.kind != EditKind.add:
+        return vecs
+    unit = vecs / vecs.norm(dim=-1, keepdim=True)
+    if e.scale_by == "unit":
+        return unit
+    norm, at = vector.resid_norm(meta or {}, key)
+    if norm is None:
+        raise ConfigError(field, f"resid multiplies the unit direction by the mean residual norm at its tap, which "
+                                 f"extraction records in the vector's metadata (diag.resid_norm); {where} records "
+                                 "none: extract it with task=extract, or use scale_by=unit")
+    if at != tap.name:
+        raise ConfigError(field, f"{where} recorded the residual norm at {at}, and the edit runs at {tap.name}, "
+                                 "where the stream's norm differs: extract the direction at this tap (a file per "
+                                 "layer, or extract.layers), or use scale_by=unit")
+    return unit * norm
 
 
 def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str) -> Edit:

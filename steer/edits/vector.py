@@ -6,7 +6,7 @@ model's hidden size, before any engine starts.
 
 import datetime
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -70,6 +70,18 @@ def metadata(path: str | Path) -> Dict[str, str]:
     """The metadata stored with a vector file ({} if it has none)."""
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
+
+
+def resid_norm(meta: Dict[str, str], key: str) -> Tuple[Optional[float], Optional[str]]:
+    """(the mean residual norm extraction recorded for `key`, the tap it was measured at), from a file's metadata:
+    `diag.resid_norm` and `tap`, or, for key `direction.<k>` of a multi-layer file (metadata `layers`),
+    `diag.<k>.resid_norm` at layer k. None where the file records none."""
+    k = key[len("direction."):] if key.startswith("direction.") and "layers" in meta else None
+    value = meta.get(f"diag.{k}.resid_norm" if k is not None else "diag.resid_norm")
+    try:
+        return float(value), (f"layer{k}" if k is not None else meta.get("tap"))
+    except (TypeError, ValueError):  # absent, or "none"
+        return None, None
 
 
 def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", layer: Optional[int] = None,

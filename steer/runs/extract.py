@@ -29,11 +29,12 @@ import json
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
 from steer.edits import vector
+from steer.runs import diagnostics
 from steer.errors import ConfigError
 from steer.models.prompt import chat_mode, text_tokens, uses_chat
 from steer.config.schema import ExtractConf
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 METHODS = ("diffmean", "pca")
 POSITIONS = ("mean", "last")
 SPANS = ("user", "all")
+FOLDS = 5  # k of the held-out separation (steer/runs/diagnostics.py)
 
 
 @dataclass(frozen=True)
@@ -87,29 +89,48 @@ class Recipe:
 def prompt_rows(engine, tap: Tap, prompts: List[str], recipe: Recipe = Recipe()) -> torch.Tensor:
     """One float32 row per prompt at `tap`, `[len(prompts), hidden]`: the mean over the kept tokens of its span, or
     the span's last token (position "last", whatever the skip settings)."""
+    return read_taps(engine, [tap], prompts, recipe)[tap.path].rows
+
+
+@dataclass(frozen=True)
+class TapReading:
+    """What a set of prompts gives at one tap: a row per prompt (`prompt_rows`), and the residual norms of the
+    tokens a mean keeps (their sum and count, so readings of two sets pool)."""
+
+    rows: torch.Tensor
+    norm_sum: float
+    tokens: int
+
+
+def read_taps(engine, taps: Sequence[Tap], prompts: List[str], recipe: Recipe = Recipe()) -> Dict[str, TapReading]:
+    """`prompt_rows` at every tap of `taps` from one forward pass per prompt (each pass captures every tap)."""
     encoded = [engine.encode(p, recipe.chat) for p in prompts]
     spans = [torch.tensor(text_tokens(engine.tokenizer, p, recipe.chat), dtype=torch.bool) if recipe.span == "user"
              else torch.ones(len(ids), dtype=torch.bool) for p, ids in zip(prompts, encoded)]
     special = set(engine.tokenizer.all_special_ids) if recipe.skip_special else set()
-    rows = []
-    scored = engine.score_many([(ids, [], None, (tap.path,)) for ids in encoded])
+    paths = tuple(dict.fromkeys(t.path for t in taps))
+    rows: Dict[str, list] = {p: [] for p in paths}
+    norms = {p: 0.0 for p in paths}
+    count = 0
+    scored = engine.score_many([(ids, [], None, paths) for ids in encoded])
     for i, (ids, span, (_, captured)) in enumerate(zip(encoded, spans, scored)):
-        h = captured[tap.path]
         if not span.any():
             raise ConfigError("extract.span", f"prompt {prompts[i]!r} has no token of its own text; give it some, or "
                                               "set extract.span=all")
-        if recipe.position == "last":
-            rows.append(h[span.nonzero()[-1, 0]])
-            continue
         keep = span & torch.tensor([t not in special for t in ids], dtype=torch.bool)
         if recipe.skip_first:
             keep[0] = False
-        if not keep.any():
+        if not keep.any() and recipe.position == "mean":
             raise ConfigError("extract.skip_first", f"prompt {prompts[i]!r} has no token left once the first token "
                                                     "and special tokens are left out; lengthen it, or set "
                                                     "extract.skip_first=false / extract.skip_special=false")
-        rows.append(h[keep].mean(0))
-    return torch.stack(rows)
+        kept = keep if keep.any() else span  # the residual norm of a "last" row's prompt: its span, at worst
+        count += int(kept.sum())
+        for path in paths:
+            h = captured[path]
+            norms[path] += float(h[kept].double().norm(dim=-1).sum())
+            rows[path].append(h[span.nonzero()[-1, 0]] if recipe.position == "last" else h[keep].mean(0))
+    return {p: TapReading(torch.stack(rows[p]), norms[p], count) for p in paths}
 
 
 def direction(engine, tap: Tap, positive: List[str], negative: List[str], recipe: Recipe = Recipe()) -> torch.Tensor:
@@ -117,8 +138,13 @@ def direction(engine, tap: Tap, positive: List[str], negative: List[str], recipe
     `recipe.orthogonal_to_mean`, unit norm if `recipe.normalize`."""
     recipe = resolve(recipe, engine, positive, negative)
     pos, neg = prompt_rows(engine, tap, positive, recipe), prompt_rows(engine, tap, negative, recipe)
+    _check_contrast(pos, neg, pos.mean(0) - neg.mean(0), recipe, tap)
+    return fit(pos, neg, recipe)
+
+
+def fit(pos: torch.Tensor, neg: torch.Tensor, recipe: Recipe = Recipe()) -> torch.Tensor:
+    """The direction `recipe` makes of rows `pos` and `neg` (`[n, hidden]` each; paired row by row for pca)."""
     mean_diff = pos.mean(0) - neg.mean(0)
-    _check_contrast(pos, neg, mean_diff, recipe, tap)
     if recipe.method == "diffmean":
         d = mean_diff
     else:
@@ -165,34 +191,90 @@ def _legacy(recipe, normalize: Optional[bool]) -> Recipe:
     return replace(recipe, normalize=normalize) if normalize is not None else recipe
 
 
+@dataclass(frozen=True)
+class Extraction:
+    """A direction at a tap and its diagnostics (steer/runs/diagnostics.py: norm, resid_norm, norm_ratio,
+    heldout_acc, heldout_auc, heldout_effect, folds)."""
+
+    tap: Tap
+    direction: torch.Tensor
+    diagnostics: Dict[str, Optional[float]]
+
+    def metadata(self, prefix: str = "diag.") -> Dict[str, str]:
+        return diagnostics.metadata(self.diagnostics, prefix)
+
+
+def extract(engine, taps: Union[Tap, Sequence[Tap]], positive: List[str], negative: List[str],
+            recipe: Recipe = Recipe(), folds: int = FOLDS) -> Union[Extraction, List[Extraction]]:
+    """The direction at `taps` (one Tap, or several read in one forward pass per prompt) with its diagnostics:
+    an Extraction, or one per tap in order."""
+    single = isinstance(taps, Tap)
+    taps = [taps] if single else list(taps)
+    recipe = resolve(recipe, engine, positive, negative)
+    pos, neg = read_taps(engine, taps, positive, recipe), read_taps(engine, taps, negative, recipe)
+    out = []
+    for tap in taps:
+        p, n = pos[tap.path], neg[tap.path]
+        _check_contrast(p.rows, n.rows, p.rows.mean(0) - n.rows.mean(0), recipe, tap)
+        d = fit(p.rows, n.rows, recipe)
+        resid = (p.norm_sum + n.norm_sum) / (p.tokens + n.tokens)
+        diag = diagnostics.measure(d, resid, p.rows, n.rows, lambda a, b: fit(a, b, recipe), folds)
+        out.append(Extraction(tap, d, diag))
+    return out[0] if single else out
+
+
 def extract_to(path: str | Path, key: str, engine, tap: Tap, positive: List[str], negative: List[str],
-               recipe: Recipe = Recipe(), normalize: Optional[bool] = None) -> Path:
+               recipe: Recipe = Recipe(), normalize: Optional[bool] = None, folds: int = FOLDS) -> Path:
     """Extract a direction and write it to `path` under `key`, with metadata saying how it was made (method,
     position, span, chat, skip_first, skip_special, normalize, orthogonal_to_mean, the prompt counts, the model's
-    source)."""
-    recipe = resolve(_legacy(recipe, normalize), engine, positive, negative)
-    d = direction(engine, tap, positive, negative, recipe)
-    meta = recipe.metadata()
-    return vector.save(path, {key: d}, model=engine.spec.name, tap=tap.name, method=meta.pop("method"),
+    source) and how good it is (`diag.*`, steer/runs/diagnostics.py)."""
+    return write(path, key, engine, extract(engine, tap, positive, negative, _legacy(recipe, normalize), folds),
+                 positive, negative, _legacy(recipe, normalize))
+
+
+def write(path: str | Path, key: str, engine, ex: Extraction, positive: List[str], negative: List[str],
+          recipe: Recipe) -> Path:
+    """An Extraction's file: its direction under `key`, the recipe and its diagnostics in the metadata."""
+    meta = resolve(recipe, engine, positive, negative).metadata()
+    return vector.save(path, {key: ex.direction}, model=engine.spec.name, tap=ex.tap.name, method=meta.pop("method"),
                        extra={**meta, "positive": str(len(positive)), "negative": str(len(negative)),
-                              "source": engine.spec.source})
+                              "source": engine.spec.source, **ex.metadata()})
+
+
+def write_layers(path: str | Path, engine, layers: List[int], exs: List[Extraction], positive: List[str],
+                 negative: List[str], recipe: Recipe) -> Path:
+    """Several layers' directions in one file: key `direction.<k>` per layer k, metadata `layers` (the ks, comma
+    separated), each layer's diagnostics as `diag.<k>.*` and `diag.best_layer` (the best-separating one)."""
+    meta = resolve(recipe, engine, positive, negative).metadata()
+    chosen = diagnostics.best([ex.diagnostics for ex in exs])
+    extra = {**meta, "positive": str(len(positive)), "negative": str(len(negative)), "source": engine.spec.source,
+             "layers": ",".join(str(k) for k in layers),
+             "diag.best_layer": "none" if chosen is None else str(layers[chosen])}
+    for k, ex in zip(layers, exs):
+        extra.update(ex.metadata(f"diag.{k}."))
+    return vector.save(path, {f"direction.{k}": ex.direction for k, ex in zip(layers, exs)}, model=engine.spec.name,
+                       tap=",".join(ex.tap.name for ex in exs), method=extra.pop("method"), extra=extra)
 
 
 def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str],
-                   recipe: Recipe = Recipe()) -> torch.Tensor:
+                   recipe: Recipe = Recipe(), with_metadata: bool = False):
     """The default direction at `tap`: extracted once per (model, tap, prompt sets, recipe with its chat mode
     resolved), then read from cache. The model is its weights as loaded: its files (a checkpoint retrained in
-    place, a hub revision's newer snapshot make a new direction) and dtype."""
+    place, a hub revision's newer snapshot make a new direction) and dtype. With `with_metadata`, the pair
+    (direction, the file's metadata: its diagnostics among them)."""
     from steer.runs import inputs
 
     recipe = resolve(recipe, engine, positive, negative)
     model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]
     blob = json.dumps([model, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
     path = Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
+    d = None
     if path.exists():
         try:
-            return vector.load(path, "direction", engine.spec.hidden, field="default vector")
+            d = vector.load(path, "direction", engine.spec.hidden, field="default vector")
         except ConfigError as e:  # the cache's own file, damaged (a disk filled, a copy cut short): made again
             log.warning("the cached default direction %s is unreadable (%s): extracting it again", path, e)
-    extract_to(path, "direction", engine, tap, positive, negative, recipe)
-    return vector.load(path, "direction", engine.spec.hidden, field="default vector")
+    if d is None or "diag.resid_norm" not in vector.metadata(path):  # a file from before diagnostics: made again
+        extract_to(path, "direction", engine, tap, positive, negative, recipe)
+        d = vector.load(path, "direction", engine.spec.hidden, field="default vector")
+    return (d, vector.metadata(path)) if with_metadata else d

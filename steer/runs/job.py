@@ -19,7 +19,7 @@ from steer.runs import grid
 from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits.plan import Plan, build
-from steer.config.schema import SteerConf, Task
+from steer.config.schema import SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
 
@@ -71,9 +71,14 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
         job.plan = build(cfg, spec)
         export.directions(job.plan, spec, cfg.export.format)  # checked now: nothing is written on a bad one
     else:
-        job.taps = [resolve(cfg.tap, spec)]
+        if cfg.extract.layers:
+            checks.extract_layers(cfg, spec.layers)
+            job.taps = [resolve(TapConf(layer=k), spec, "extract.layers") for k in cfg.extract.layers]
+        else:
+            job.taps = [resolve(cfg.tap, spec)]
         if cfg.task == Task.extract and gguf_out(cfg):
-            gguf_layer(job.taps[0], spec)
+            for tap in job.taps:
+                gguf_layer(tap, spec)
     return job
 
 

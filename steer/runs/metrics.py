@@ -47,8 +47,8 @@ def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float
 
 
 # Per-prompt keys that tell steering from damage, averaged into metrics.json when the rows have them.
-DAMAGE_AND_CONCEPT = ("ppl_baseline", "ppl_steered", "concept_baseline", "concept_steered", "sentiment_baseline",
-                      "sentiment_steered")
+DAMAGE_AND_CONCEPT = ("ppl_baseline", "ppl_steered", "distinct2_baseline", "distinct2_steered", "rep_steered",
+                      "concept_baseline", "concept_steered", "sentiment_baseline", "sentiment_steered")
 
 
 def perplexity(logits: torch.Tensor, targets: List[int]) -> Optional[float]:
@@ -59,6 +59,29 @@ def perplexity(logits: torch.Tensor, targets: List[int]) -> Optional[float]:
     lp = torch.log_softmax(logits[: len(targets)].double(), -1)
     nll = -lp[torch.arange(len(targets)), torch.tensor(targets)].mean()
     return float(nll.exp())
+
+
+def distinct2(tokens: List[int]) -> Optional[float]:
+    """Distinct bigrams over all bigrams of a continuation's tokens: 1 where no bigram repeats, near 0 for a loop
+    ("La la la la ..."); None under two tokens. Perplexity misses such a loop (the model predicts it well)."""
+    bigrams = list(zip(tokens, tokens[1:]))
+    return len(set(bigrams)) / len(bigrams) if bigrams else None
+
+
+def repetition(tokens: List[int], n: int = 3) -> Optional[float]:
+    """The fraction of a continuation's tokens that lie inside an n-gram occurring in it more than once; None for
+    an empty continuation."""
+    if not tokens:
+        return None
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    seen: Dict[tuple, int] = {}
+    for g in grams:
+        seen[g] = seen.get(g, 0) + 1
+    inside = [False] * len(tokens)
+    for i, g in enumerate(grams):
+        if seen[g] > 1:
+            inside[i : i + n] = [True] * n
+    return sum(inside) / len(tokens)
 
 
 def concept(h: torch.Tensor, direction: Optional[torch.Tensor]) -> Optional[float]:

@@ -5,7 +5,8 @@
 A job directory counts once its metrics.json exists (written last, atomically): status `ok`. One that holds
 error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
 parameters are the overrides that differ between jobs: each plot puts the first on the x axis and draws one line
-per combination of the others. A directory with no such job is an error (exit 2), and nothing is written.
+per combination of the others; a metric that is the same for every job gets no plot. A directory with no such
+job is an error (exit 2), and nothing is written.
 
 A sweep run again into the same directory with fewer jobs leaves the earlier sweep's other job directories there;
 the packed launcher lists its own sweep's in `.jobs`, and the report then holds those alone.
@@ -140,7 +141,8 @@ def write_summary(sweep_dir: Path, rows: List[Dict[str, Any]]) -> Path:
 
 
 def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List[Path]:
-    """One PNG per metric against the first swept parameter, a line per combination of the others."""
+    """One PNG per metric that varies between the finished jobs, against the first swept parameter, a line per
+    combination of the others (summary.csv holds every metric, the constant ones too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,8 +156,8 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
     rows = [r for r in rows if r.get("status", "ok") == "ok"]  # a failed job has no metrics to draw
     out = []
     for metric in names:
-        if not any(r.get(metric) is not None for r in rows):
-            continue
+        if len({r.get(metric) for r in rows if r.get(metric) is not None}) < 2:
+            continue  # no value, or the same for every job (ppl_baseline, a pack's tokens_per_s): nothing to plot
         fig, ax = plt.subplots(figsize=(6, 4))
         lines: Dict[str, list] = {}
         for r in rows:

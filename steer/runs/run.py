@@ -28,9 +28,8 @@ from steer.runs import rundir
 from steer.config import checks
 from steer.errors import ConfigError
 from steer.edits import formats
-from steer.runs import export
-from steer.runs.extract import Recipe, cached_default, direction, extract_to
-from steer.runs.extract import resolve as resolve_recipe
+from steer.runs import diagnostics, export
+from steer.runs.extract import Recipe, cached_default, extract, write, write_layers
 from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 from steer.edits.plan import Plan
 from steer.progress import bar as progress_bar
@@ -71,22 +70,40 @@ def _export(job: Job, console: Console) -> Dict:
 
 
 def _extract(job: Job, engine, console: Console) -> Dict:
-    """task=extract: the default direction at the job's tap, written to extract.out (or the run directory); an
-    out ending in .gguf is a llama.cpp control vector (direction.<layer>)."""
-    cfg, tap = job.cfg, job.taps[0]
+    """task=extract: the default direction at the job's tap (or at each of extract.layers, read in one pass),
+    written to extract.out (or the run directory), its diagnostics printed and in the file's metadata. An out
+    ending in .gguf is a llama.cpp control vector (direction.<layer> for each layer)."""
+    cfg = job.cfg
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
+    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
+    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    found = extract(engine, job.taps, pos, neg, recipe, cfg.extract.folds)
+    diags = [ex.diagnostics for ex in found]
+    chosen = diagnostics.best(diags)
+    console.print(diagnostics.table([ex.tap.name for ex in found], diags, chosen))
     if gguf_out(cfg):
-        recipe = resolve_recipe(Recipe.from_conf(cfg.extract, cfg.prompts.chat), engine, list(cfg.prompts.positive),
-                                list(cfg.prompts.negative))
-        d = direction(engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative), recipe)
-        layer = gguf_layer(tap, job.spec)
-        formats.write_gguf(out, {layer: d}, export.model_hint(job.spec))
-        console.print(f"wrote [bold]{escape(str(out))}[/] (direction.{layer}, tap {tap.name})")
-        return {"vector": str(out), "key": f"direction.{layer}", "tap": tap.name}
-    extract_to(out, cfg.extract.key, engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative),
-               Recipe.from_conf(cfg.extract, cfg.prompts.chat))
-    console.print(f"wrote [bold]{escape(str(out))}[/] (key {cfg.extract.key!r}, tap {tap.name})")
-    return {"vector": str(out), "key": cfg.extract.key, "tap": tap.name}
+        dirs = {gguf_layer(ex.tap, job.spec): ex.direction for ex in found}
+        formats.write_gguf(out, dirs, export.model_hint(job.spec))
+        keys = ",".join(f"direction.{k}" for k in dirs)
+        console.print(f"wrote [bold]{escape(str(out))}[/] ({keys})")
+        return {"vector": str(out), "keys": keys, "taps": [ex.tap.name for ex in found],
+                **{f"diag.{k}.{name}": v for k, ex in zip(dirs, found) for name, v in ex.diagnostics.items()}}
+    if cfg.extract.layers:
+        layers = [int(k) for k in cfg.extract.layers]
+        result = {"vector": str(out), **{f"diag.{k}.{name}": v for k, d in zip(layers, diags) for name, v in d.items()}}
+        write_layers(out, engine, layers, found, pos, neg, recipe)
+        best = None if chosen is None else layers[chosen]
+        if best is not None:
+            console.print(f"best separation: layer {best} (held-out AUC {diags[chosen]['heldout_auc']:.3g})")
+        console.print(f"wrote [bold]{escape(str(out))}[/] (keys direction.<k> for layers "
+                      f"{','.join(map(str, layers))})")
+        job_log(job).info("extracted layers %s, best separation %s: %s", layers, best, json.dumps(result))
+        return {**result, "layers": layers, "best_layer": best}
+    result = {"vector": str(out), **{f"diag.{name}": v for name, v in diags[0].items()}}
+    write(out, cfg.extract.key, engine, found[0], pos, neg, recipe)
+    console.print(f"wrote [bold]{escape(str(out))}[/] (key {cfg.extract.key!r}, tap {found[0].tap.name})")
+    job_log(job).info("extracted at %s: %s", found[0].tap.name, json.dumps(result))
+    return {**result, "key": cfg.extract.key, "tap": found[0].tap.name}
 
 
 def _record_extraction(job: Job) -> None:
@@ -185,7 +202,7 @@ def _setup(job: Job, engine, console: Console) -> _Work:
     cfg = job.cfg
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
-    plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe),
+    plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe, True),
                                   job.spec.hidden)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
@@ -357,6 +374,9 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         "proj_steered": proj(steer.captured[tap.path]),
         "ppl_baseline": metrics.perplexity(reread.logprobs[n - 1:], b),
         "ppl_steered": metrics.perplexity(base.logprobs[n - 1:], s),
+        "distinct2_baseline": metrics.distinct2(b),
+        "distinct2_steered": metrics.distinct2(s),
+        "rep_steered": metrics.repetition(s),
         "concept_baseline": metrics.concept(reread.captured[tap.path][n:], direction),
         "concept_steered": metrics.concept(base.captured[tap.path][n:], direction),
     }
