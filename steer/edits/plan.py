@@ -93,7 +93,9 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
     plan = Plan()
     for prefix, tap_conf, e in items:
         if e.vector.layers is not None:
-            for tap, vecs in _per_layer(e, spec, prefix):
+            meta = vector.metadata(Path(e.vector.path).expanduser()) if e.vector.path is not None else {}
+            for k, tap, vecs in _per_layer(e, spec, prefix):
+                vecs = scaled(e, vecs, meta, f"direction.{k}", tap, prefix, f"{e.vector.path}:direction.{k}")
                 plan.add(tap, _compile(e, vecs, prefix))
             continue
         tap = resolve(tap_conf, spec, f"{prefix}tap")
@@ -120,8 +122,8 @@ def spec_layer(tap: Tap, spec: ModelSpec) -> Optional[int]:
     return next(i for i in range(spec.layers) if spec.layer_path(i) == tap.path)
 
 
-def _per_layer(e: EditConf, spec: ModelSpec, prefix: str) -> List[Tuple[Tap, torch.Tensor]]:
-    """`edit.vector.layers`: one (tap, direction) per layer it names, in place of the entry's tap."""
+def _per_layer(e: EditConf, spec: ModelSpec, prefix: str) -> List[Tuple[int, Tap, torch.Tensor]]:
+    """`edit.vector.layers`: one (layer, tap, direction) per layer it names, in place of the entry's tap."""
     field = f"{prefix}edit.vector"
     if e.vector.path is None:
         raise ConfigError(f"{field}.layers", "runs a multi-layer file's directions; give the file (edit.vector.path)")
@@ -132,7 +134,7 @@ def _per_layer(e: EditConf, spec: ModelSpec, prefix: str) -> List[Tuple[Tap, tor
     out = []
     for k in chosen:
         tap = resolve(TapConf(layer=k), spec, f"{field}.layers")
-        out.append((tap, directions[k]))
+        out.append((k, tap, directions[k]))
     return out
 
 

@@ -67,7 +67,10 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def metadata(path: str | Path) -> Dict[str, str]:
-    """The metadata stored with a vector file ({} if it has none)."""
+    """The metadata stored with a vector file ({} if it has none, or is another tool's format: gguf, npy, pt, an
+    SAE directory)."""
+    if formats.kind(Path(path).expanduser()) != "safetensors":
+        return {}
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
 
