@@ -48,6 +48,10 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
         from steer.runs import select
 
         return select.run(job, console, execute)
+    if cfg.task == Task.eval:
+        from steer.runs import evaluate
+
+        return evaluate.run(job, console)
     if defer:
         return job
     out = execute([job], console)[0]
