@@ -78,3 +78,18 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec(cache_dir):
+    """SmolLM2's spec (converted once per test run into the run's cache); skipped where it cannot be found."""
+    from steer.config.schema import ModelConf
+    from steer.errors import ConfigError
+    from steer.models.spec import spec
+
+    try:
+        return spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
+    except ConfigError as e:
+        if e.field == "model.source":
+            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
+        raise

@@ -67,6 +67,13 @@ def group_files(text: str) -> dict:
                                                        re.S)}
 
 
+def data_files(text: str) -> dict:
+    """The prompt files the README writes out: a text or JSON block right after the prose that names the file
+    (`my_prompts.txt`:), as {path: text}."""
+    block = r"`([\w./-]+\.(?:txt|jsonl|json|csv))`:?\s*\n+```(?:text|json)\n(.*?)```"
+    return {m.group(1): m.group(2) for m in re.finditer(block, text, re.S)}
+
+
 COMMANDS = commands(TEXT)
 WRITTEN = {m.group(1) for c in COMMANDS for m in [re.search(r"extract\.out=(\S+)", c)] if m and "$" not in c}
 
@@ -82,6 +89,7 @@ def test_the_readme_shows_the_commands_this_test_reads():
     assert split("python -m steer -m engine=vllm 'edit.scale=range(0,16)' tap=layer1") \
         == (None, ["engine=hf", "edit.scale=0", "tap=layer1"])
     assert split("python -m steer --config-dir d prompts=x") == ("d", ["prompts=x"])
+    assert "my_prompts.txt" in data_files(TEXT) and any("prompts.steer_file=" in c for c in COMMANDS)
 
 
 def test_the_fresh_machine_commands_are_the_ones_ci_runs():
@@ -107,6 +115,8 @@ def test_every_readme_command_passes_the_checks_before_an_engine_starts(command,
                                                                         monkeypatch):
     monkeypatch.chdir(tmp_path)  # the README's relative paths (my_conf/, outputs/) land here
     config_dir, args = split(command)
+    for path, text in data_files(TEXT).items():  # the prompt files the README shows, where it says
+        (tmp_path / path).write_text(text)
     if config_dir:  # the group files the README shows, written where it says
         files = {p: t for p, t in group_files(TEXT).items() if p.startswith(config_dir + "/")}
         assert files, f"{command}: the README writes out no file under {config_dir}/"

@@ -117,7 +117,8 @@ def gen(g: GenConf) -> None:
         raise ConfigError("gen.top_p", f"must be in (0, 1], got {g.top_p}")
 
 
-def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least one prompt") -> None:
+def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least one prompt, or a file of them "
+                                                                "(prompts.steer_file, prompts.pairs_file)") -> None:
     """Each named set holds at least one prompt, and every prompt is text."""
     for name in sets:
         if not list(getattr(p, name)):
@@ -152,6 +153,8 @@ def run(cfg: SteerConf, engine: str) -> None:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:
         export(cfg)
+    if cfg.task == Task.eval:
+        eval_task(cfg)
 
 
 EXPORT_FORMATS = ("gguf", "safetensors")
@@ -208,6 +211,22 @@ def extract_layers(cfg: SteerConf, layers: int) -> None:
         raise ConfigError("extract.layers", f"{bad} out of range: the model has {layers} decoder layers "
                                             f"(0..{layers - 1})")
     refuse_repeats("extract.layers", [int(x) for x in cfg.extract.layers])
+
+
+def eval_task(cfg: SteerConf) -> None:
+    """task=eval's scales and split (the dataset itself is read, and checked, by steer.runs.evaluate.load)."""
+    e = cfg.eval
+    if not e.scales:
+        raise ConfigError("eval.scales", "is empty; give at least one scale")
+    if not all(math.isfinite(x) for x in e.scales):
+        raise ConfigError("eval.scales", f"{list(e.scales)} holds a value that is not finite")
+    refuse_repeats("eval.scales", [f"{float(x):g}" for x in e.scales])
+    if not 0 <= e.split < 1:
+        raise ConfigError("eval.split", f"must be in [0, 1) (the share of items the direction is extracted from), "
+                                        f"got {e.split}")
+    if e.split == 0 and cfg.edit.vector.path is None and cfg.edit.kind != EditKind.scale:
+        raise ConfigError("eval.split", "is 0, but edit.vector.path is null: the direction comes from the dataset's "
+                                        "own pairs and needs a share of them (e.g. 0.5), or give a vector file")
 
 
 def select_grid(cfg: SteerConf, layers: int) -> None:

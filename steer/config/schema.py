@@ -20,6 +20,7 @@ class Task(str, Enum):
     extract = "extract"
     select = "select"  # a layer x scale sweep of the config's edit, scored by concept gain under a perplexity cap
     export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
+    eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/runs/evaluate.py)
 
 
 @dataclass
@@ -104,9 +105,10 @@ class TapEditConf:
 
 @dataclass
 class PromptsConf:
-    steer: List[str] = MISSING
-    positive: List[str] = MISSING
-    negative: List[str] = MISSING
+    # The lists may be left out of a group file that names files instead (steer_file, pairs_file, ...)
+    steer: List[str] = field(default_factory=list)
+    positive: List[str] = field(default_factory=list)
+    negative: List[str] = field(default_factory=list)
     # A prompt that does not fit the model's positions (with gen.max_new_tokens) is an error; true keeps its last
     # tokens that fit instead, and says so.
     truncate: bool = False
@@ -114,6 +116,14 @@ class PromptsConf:
     # followed by the assistant's generation prompt; "true": the same, and a tokenizer without one is an error;
     # "false": the raw text (steer/models/prompt.py).
     chat: str = "auto"
+    # Prompts and pairs from files (steer/runs/data.py); a file replaces the list it stands for.
+    steer_file: Optional[str] = None  # .txt (one a line), .jsonl/.json/.csv (field `field`) or a datasets directory
+    field: str = "text"
+    pairs_file: Optional[str] = None  # .jsonl/.json/.csv or a datasets directory; or a CAA A/B JSON list
+    positive_field: str = "positive"
+    negative_field: str = "negative"
+    positive_file: Optional[str] = None  # two .txt files paired line by line, as llama.cpp's cvector-generator
+    negative_file: Optional[str] = None
 
 
 @dataclass
@@ -204,6 +214,13 @@ class VllmConf:
 class EvalConf:
     # VADER compound sentiment of baseline and steered text (the vaderSentiment package; its lexicon ships with it)
     sentiment: bool = False
+    # task=eval: a CAA A/B dataset (a shipped name from steer/data/, or a path, read as prompts.pairs_file is)
+    dataset: str = "optimism"
+    scales: List[float] = field(default_factory=lambda: [-8.0, -4.0, 4.0, 8.0])  # edit.scale at each point
+    # With edit.vector.path null, the direction is extracted from this share of the items (CAA pairs) and the rest
+    # are scored; with a vector file every item is scored
+    split: float = 0.5
+    seed: int = 0  # which items fall on either side of the split
 
 
 @dataclass

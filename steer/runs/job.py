@@ -15,7 +15,7 @@ from steer.runs import inputs
 from steer.models import prompt
 from steer.models import tiny
 from steer.config import checks
-from steer.runs import grid
+from steer.runs import data, evaluate, grid
 from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits.plan import Plan, build
@@ -35,6 +35,7 @@ class Job:
     taps: List[Tap] = field(default_factory=list)
     plan: Optional[Plan] = None  # task=steer
     cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
+    items: Optional[tuple] = None  # task=eval: (A/B items to extract from, items to score) (steer/runs/evaluate.py)
     result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
     vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
     model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
@@ -44,6 +45,7 @@ class Job:
 def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
     its plan built (vectors loaded and checked against the model)."""
+    data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
     Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
@@ -54,7 +56,12 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     if cfg.task == Task.select:
         checks.select_grid(cfg, spec.layers)
     job = Job(cfg, spec, Path(out_dir), engine)
-    if cfg.task == Task.steer:
+    if cfg.task == Task.eval:
+        job.items = evaluate.load(cfg)
+        job.vectors = inputs.vectors(cfg)
+        job.plan = build(cfg, spec)
+        job.taps = list(job.plan.taps.values())
+    elif cfg.task == Task.steer:
         job.vectors = inputs.vectors(cfg)  # first: a file rewritten while it loads then reads as changed on resume
         job.plan = build(cfg, spec)
         job.taps = list(job.plan.taps.values())

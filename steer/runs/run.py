@@ -52,6 +52,10 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
         return select.run(job, console, execute)
     if cfg.task == Task.export:
         return _export(job, console)
+    if cfg.task == Task.eval:
+        from steer.runs import evaluate
+
+        return evaluate.run(job, console)
     if defer:
         return job
     out = execute([job], console)[0]
