@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.config.schema import ExtractConf, ModelConf, PromptsConf, TapEditConf, VllmConf
+from steer.config.schema import ExtractConf, HfConf, ModelConf, PromptsConf, TapEditConf, VllmConf
 
 
 @dataclass
@@ -66,6 +66,7 @@ class ServeConf:
     extract: ExtractConf = field(default_factory=ExtractConf)
     device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
     vllm: ServeVllmConf = field(default_factory=ServeVllmConf)
+    hf: HfConf = field(default_factory=HfConf)
     serve: ServeOptions = field(default_factory=ServeOptions)
     cache_dir: str = MISSING
 
