@@ -91,7 +91,8 @@ def engines(rounds: int, tokens: int) -> Dict:
             stop = sorted(engine.stop_ids)
             pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else stop[0]
             times: Dict[str, List[float]] = {"steer": [], "plain": []}
-            for _ in range(rounds):
+            for i in range(rounds):
+                console.print(f"round {i + 1} of {rounds}")
                 t0 = time.perf_counter()
                 ours = engine.generate_many(jobs, gen)
                 times["steer"].append(time.perf_counter() - t0)

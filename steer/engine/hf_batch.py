@@ -216,28 +216,38 @@ class Batch:
         return done
 
     def step(self) -> List[Tuple[Row, Optional[int]]]:
-        """Pick each row's next token; rows that stop leave the batch, the others run one decode step. Returns
-        (row, token) for each row, token None where the row stopped on a stop token (`row.done` once finished)."""
+        """`pick`, then `advance`."""
+        events = self.pick()
+        self.advance()
+        return events
+
+    def pick(self) -> List[Tuple[Row, Optional[int]]]:
+        """Pick each row's next token; rows that stop leave the batch. Returns (row, token) for each row, token None
+        where the row stopped on a stop token (`row.done` once finished)."""
         picked = _pick_all(self.rows)
-        events, keep = [], []
+        events, gone = [], []
         for i, (r, tok) in enumerate(zip(self.rows, picked)):
             if tok in self.stop_ids:
                 r.done = True
                 events.append((r, None))
-                continue
-            r.out.append(tok)
-            r.done = len(r.out) >= r.gen.max_new_tokens
-            events.append((r, tok))
-            if not r.done:
-                keep.append(i)
-        self.drop([i for i in range(len(self.rows)) if i not in set(keep)])
-        if self.rows:
-            toks = torch.tensor([r.out[-1] for r in self.rows], dtype=torch.long)
-            out, self.real = self.fwd.step(toks, [r.plan for r in self.rows], self.real, self.past)
-            self.past = getattr(out, self.fwd.cache_kw)
-            for r, lg in zip(self.rows, out.logits[:, -1].float().cpu()):
-                r.logits = lg
+            else:
+                r.out.append(tok)
+                r.done = len(r.out) >= r.gen.max_new_tokens
+                events.append((r, tok))
+            if r.done:
+                gone.append(i)
+        self.drop(gone)
         return events
+
+    def advance(self) -> None:
+        """Run the rows' last picked tokens through the model: one decode step, the next distributions."""
+        if not self.rows:
+            return
+        toks = torch.tensor([r.out[-1] for r in self.rows], dtype=torch.long)
+        out, self.real = self.fwd.step(toks, [r.plan for r in self.rows], self.real, self.past)
+        self.past = getattr(out, self.fwd.cache_kw)
+        for r, lg in zip(self.rows, out.logits[:, -1].float().cpu()):
+            r.logits = lg
 
     def drop(self, gone: Sequence[int]) -> None:
         """Take rows out of the batch (finished, or nobody waits for them) and the positions no row uses."""

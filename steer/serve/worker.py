@@ -134,19 +134,20 @@ class EngineWorker:
             try:
                 for r in batch.join(joining) if joining else []:
                     self._done(r.key)
-                events = batch.step() if batch.rows else []
+                for r, tok in batch.pick():  # each token goes out before the next step runs
+                    if tok is not None:
+                        r.key.post("token", tok)
+                    if r.done:
+                        self._done(r.key)
+                self._drop_cancelled(batch)
+                batch.advance()
             except Exception as e:  # the batch's failure is its requests': the engine serves the next ones
                 log.exception("generation failed")
                 for r in dict.fromkeys(batch.rows + joining):
-                    r.key.post("error", e)
-                    self._done(r.key, failed=True)
+                    if not r.done:
+                        r.key.post("error", e)
+                        self._done(r.key, failed=True)
                 batch.drop(range(len(batch.rows)))
-                continue
-            for r, tok in events:
-                if tok is not None:
-                    r.key.post("token", tok)
-                if r.done:
-                    self._done(r.key)
 
     def _drop_cancelled(self, batch: Batch) -> None:
         gone = [i for i, r in enumerate(batch.rows) if r.key.cancelled.is_set()]
