@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from steer.engine.base import Engine, Scores, stop_ids
-from steer.engine.hf_batch import Batch, Bound, Forward, Row
+from steer.engine.hf_batch import Batch, Bound, Forward, Row, _pick
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf
@@ -190,14 +190,3 @@ def _capture_hook(store: List[torch.Tensor]):
     def hook(module, args, output):
         store.append(_primary(output).detach().clone())
     return hook
-
-
-def _pick(logits: torch.Tensor, gen: GenConf, rng: torch.Generator) -> int:
-    if gen.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / gen.temperature, dim=-1)
-    if gen.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < gen.top_p  # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=rng))

@@ -285,9 +285,7 @@ def _merge(kv_a, real_a, kv_b, real_b):
 
 
 def _pick_all(rows: Sequence[Row]) -> List[int]:
-    """Each row's next token from its logits, as the one-request path picks it (steer.engine.hf._pick)."""
-    from steer.engine.hf import _pick
-
+    """Each row's next token from its logits, as the one-request path picks it (`_pick`)."""
     greedy = [i for i, r in enumerate(rows) if r.gen.temperature <= 0]
     out: List[Optional[int]] = [None] * len(rows)
     if greedy:
@@ -297,3 +295,14 @@ def _pick_all(rows: Sequence[Row]) -> List[int]:
         if out[i] is None:
             out[i] = _pick(r.logits, r.gen, r.rng)
     return out
+
+
+def _pick(logits: torch.Tensor, gen: GenConf, rng: torch.Generator) -> int:
+    if gen.temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / gen.temperature, dim=-1)
+    if gen.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < gen.top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=rng))
