@@ -83,3 +83,16 @@ def test_an_interpolation_that_does_not_resolve_is_refused_naming_its_field():
     with pytest.raises(ConfigError) as e:
         to_object(compose_conf("config", on_tiny(["edit.vector.path=vecs/l${tap.layerr}.safetensors"])))
     assert e.value.field == "edit.vector.path" and str(e.value).endswith("Interpolation key 'tap.layerr' not found")
+
+
+@pytest.mark.parametrize("overrides,field", [(["hf.batch_size=0"], "hf.batch_size"),
+                                             (["hf.batch_tokens=24", "gen.max_new_tokens=24"], "hf.batch_tokens")])
+def test_hf_batch_bounds_are_checked_before_an_engine_loads(overrides, field):
+    from steer.config import checks
+    from steer.errors import ConfigError
+
+    cfg = compose(*overrides)
+    with pytest.raises(ConfigError, match=field):
+        checks.run(cfg, "hf")
+    assert compose().hf.batch_size == 32
+    checks.run(compose("hf.batch_size=1", "hf.batch_tokens=25", "gen.max_new_tokens=24"), "hf")

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from steer.config.schema import EditKind, GenConf, PromptsConf, SteerConf, Task, Tokens, VllmConf
+from steer.config.schema import EditKind, GenConf, HfConf, PromptsConf, SteerConf, Task, Tokens, VllmConf
 from steer.errors import ConfigError, refuse_repeats
 from steer.models.prompt import check_texts
 
@@ -104,6 +104,13 @@ def vllm(v: VllmConf, engine: str, who: str = "this run") -> None:
                                              "set one of the two")
 
 
+def hf(h: HfConf, new_tokens: int = 1) -> None:
+    """The `hf` section's batch bounds; a request needs room for one prompt token and `new_tokens` more."""
+    at_least("hf.batch_size", h.batch_size, 1)
+    at_least("hf.batch_tokens", h.batch_tokens, new_tokens + 1, f" (one prompt token and gen.max_new_tokens="
+                                                                 f"{new_tokens})" if new_tokens > 1 else "")
+
+
 def _needs_vllm(engine: str, field: str, what: str, who: str) -> None:
     if engine != "vllm":
         raise ConfigError(field, f"{what} needs engine=vllm ({who} resolves to engine={engine})")
@@ -144,6 +151,7 @@ def run(cfg: SteerConf, engine: str) -> None:
     vllm(cfg.vllm, engine)
     device(cfg.device)
     gen(cfg.gen)
+    hf(cfg.hf, cfg.gen.max_new_tokens)
     prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
     scale_by("edit", cfg.edit)
     for i, te in enumerate(cfg.extra_edits):
@@ -274,6 +282,7 @@ def serve(conf, engine: str) -> None:
     """The server's own options and its `vllm` section (`conf`: a steer.serve.schema.ServeConf)."""
     s = conf.serve
     vllm(conf.vllm, engine, "this server")
+    hf(conf.hf)
     device(conf.device)
     if not 0 < s.port < 65536:
         raise ConfigError("serve.port", f"must be in 1..65535, got {s.port}")

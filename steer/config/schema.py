@@ -211,6 +211,16 @@ class VllmConf:
 
 
 @dataclass
+class HfConf:
+    """engine=hf: how many requests' rows share a forward. Memory grows with both bounds."""
+
+    batch_size: int = 32  # requests generated or scored together (1: one at a time)
+    # Padded positions a batch holds (requests x the longest one's prompt and continuation); a request that alone
+    # needs more is refused with an error naming this key.
+    batch_tokens: int = 4096
+
+
+@dataclass
 class EvalConf:
     # VADER compound sentiment of baseline and steered text (the vaderSentiment package; its lexicon ships with it)
     sentiment: bool = False
@@ -265,6 +275,7 @@ class SteerConf:
     prompts: PromptsConf = MISSING
     gen: GenConf = field(default_factory=GenConf)
     vllm: VllmConf = field(default_factory=VllmConf)
+    hf: HfConf = field(default_factory=HfConf)
     extract: ExtractConf = field(default_factory=ExtractConf)
     export: ExportConf = field(default_factory=ExportConf)
     eval: EvalConf = field(default_factory=EvalConf)

@@ -29,12 +29,16 @@ def resolve(name: str) -> str:
     return name
 
 
-def make(name: str, spec, device: str, vllm_conf=None, taps=()) -> Engine:
-    """Start the named engine on the model `spec` (this loads the weights); `taps` are fixed for its life."""
+def make(name: str, spec, device: str, vllm_conf=None, taps=(), hf_conf=None) -> Engine:
+    """Start the named engine on the model `spec` (this loads the weights); `taps` are fixed for its life;
+    `hf_conf`: the HF engine's batch bounds (steer.config.schema.HfConf; None: its defaults)."""
     if resolve(name) == "vllm":
         from steer.engine.vllm import VLLMEngine
 
         return VLLMEngine(spec, vllm_conf, list(taps))
     from steer.engine.hf import HFEngine
+    from steer.engine.hf_batch import Bound
 
-    return HFEngine(spec, device)
+    if hf_conf is None:
+        return HFEngine(spec, device)
+    return HFEngine(spec, device, Bound(hf_conf.batch_size, hf_conf.batch_tokens))

@@ -1,7 +1,9 @@
 """The HF transformers engine: runs compiled edits at taps through forward hooks, on CPU or one GPU.
 
-It is the product's portable engine and the independent reference the vLLM engine is checked against, so it
-stays plain: one request at a time, a KV cache, and hooks that edit the tap's output in place. HF decoder
+It is the product's portable engine and the independent reference the vLLM engine is checked against. `generate`
+and `score` run one request plainly (a KV cache, and hooks that edit the tap's output in place); `generate_many` and
+`score_many` run many requests' rows in left-padded batches (steer/engine/hf_batch.py), each row edited as alone,
+up to the engine's `Bound` (a bound of one row runs them one at a time, through `generate` and `score`). HF decoder
 layers return the summed residual stream, so a residual tap sees exactly the `h` the edits are defined on
 (steer/edits/edit.py).
 """
@@ -14,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from steer.engine.base import Engine, Scores, stop_ids
+from steer.engine.hf_batch import Batch, Bound, Forward, Row, _pick
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf
@@ -22,7 +25,7 @@ from steer.config.schema import GenConf
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, spec: ModelSpec, device: str = "cpu"):
+    def __init__(self, spec: ModelSpec, device: str = "cpu", bound: Bound = Bound()):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.spec = spec
@@ -31,6 +34,7 @@ class HFEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(spec.source, revision=spec.revision, dtype=spec.dtype)
         self.model.to(self.device).eval()
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
+        self.bound = bound
         self._is_prompt: Optional[torch.Tensor] = None  # per row of the forward being run
         # transformers 5.2x renamed `past_key_values` to `cache`; earlier releases (5.17) know only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -105,17 +109,64 @@ class HFEngine(Engine):
                 res = self._forward([tok], False, getattr(res, self._cache_kw))
 
     def generate_many(self, jobs, gen: GenConf, progress=None) -> List[List[int]]:
-        """Continue every (prompt ids, plan or None, seed) job, one at a time."""
-        out = []
-        for ids, plan, seed in jobs:
-            out.append(self.generate(ids, plan, gen, seed))
-            if progress:
-                progress(1)
-        return out
+        """Continue every (prompt ids, plan or None, seed) job: their rows in one running batch (each job joins as
+        the bound allows and leaves when done), each job's tokens as `generate` gives them alone."""
+        if self.bound.rows <= 1:
+            out = []
+            for ids, plan, seed in jobs:
+                out.append(self.generate(ids, plan, gen, seed))
+                if progress:
+                    progress(1)
+            return out
+        rows = [Row(list(ids), plan, gen, seed, key=i) for i, (ids, plan, seed) in enumerate(jobs)]
+        for r in rows:
+            self.bound.check(r.need, f"prompt {r.key} ({len(r.ids)} tokens) with gen.max_new_tokens="
+                                     f"{gen.max_new_tokens}")
+        batch = Batch(self, self.bound)
+        waiting = rows[::-1]
+        while waiting or batch.rows:
+            joining: List[Row] = []
+            while waiting and batch.fits(waiting[-1], joining):
+                joining.append(waiting.pop())
+            finished = batch.join(joining) if joining else []
+            if batch.rows:
+                finished += [r for r, _ in batch.step() if r.done]
+            if progress and finished:
+                progress(len(finished))
+        return [r.out for r in rows]
 
     def score_many(self, jobs) -> List[Scores]:
-        """`score` for every (prompt, continuation, plan, capture) job."""
-        return [self.score(*job) for job in jobs]
+        """`score` for every (prompt, continuation, plan, capture) job, in left-padded batches up to the bound."""
+        jobs = [(list(p), list(c), plan, tuple(cap)) for p, c, plan, cap in jobs]
+        if self.bound.rows <= 1:
+            return [self.score(*job) for job in jobs]
+        for i, (p, c, _, _) in enumerate(jobs):
+            self.bound.check(len(p) + len(c), f"scored sequence {i} ({len(p)} + {len(c)} tokens)")
+        out: List[Scores] = []
+        start = 0
+        while start < len(jobs):
+            end, longest = start, 0
+            while end < len(jobs) and end - start < self.bound.rows:
+                longest_next = max(longest, len(jobs[end][0]) + len(jobs[end][1]))
+                if end > start and (end - start + 1) * longest_next > self.bound.tokens:
+                    break
+                end, longest = end + 1, longest_next
+            out += self._score_batch(jobs[start:end])
+            start = end
+        return out
+
+    def _score_batch(self, jobs) -> List[Scores]:
+        capture = sorted({path for *_, cap in jobs for path in cap})
+        res, real, store = Forward(self).prompts([p + c for p, c, _, _ in jobs], [plan for _, _, plan, _ in jobs],
+                                                 [len(p) for p, _, _, _ in jobs], cache=False, last_only=False,
+                                                 capture=capture)
+        out = []
+        length = real.shape[1]
+        for b, (p, c, _, cap) in enumerate(jobs):
+            start = length - len(p) - len(c)
+            logprobs = torch.log_softmax(res.logits[b, start:].float().cpu(), -1)
+            out.append(Scores(logprobs, {path: store[path][b, start:].float().cpu() for path in cap}))
+        return out
 
     @torch.no_grad()
     def score(self, prompt_ids: List[int], cont_ids: List[int], plan: Optional[Plan],
@@ -139,14 +190,3 @@ def _capture_hook(store: List[torch.Tensor]):
     def hook(module, args, output):
         store.append(_primary(output).detach().clone())
     return hook
-
-
-def _pick(logits: torch.Tensor, gen: GenConf, rng: torch.Generator) -> int:
-    if gen.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / gen.temperature, dim=-1)
-    if gen.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < gen.top_p  # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=rng))

@@ -109,7 +109,7 @@ def gguf_layer(tap: Tap, spec: ModelSpec) -> int:
 def engine_key(job: Job) -> str:
     """Jobs with the same key can share one engine (same model, engine and engine settings)."""
     c = job.cfg
-    return json.dumps([asdict(c.model), job.engine, c.device, asdict(c.vllm)], sort_keys=True)
+    return json.dumps([asdict(c.model), job.engine, c.device, asdict(c.vllm), asdict(c.hf)], sort_keys=True)
 
 
 @contextmanager
@@ -125,7 +125,8 @@ def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
     # the engine holds it: the start may fetch them into a snapshot that validation left with its config alone.
     files = inputs.model(first.cfg, first.spec)
     _weights_bar(first.cfg.progress)
-    with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values())) as engine:
+    with engines.make(first.engine, first.spec, first.cfg.device, first.cfg.vllm, list(taps.values()),
+                      first.cfg.hf) as engine:
         if files.get("kind") == "hub":
             files = inputs.model(first.cfg, first.spec)
         for job in jobs:

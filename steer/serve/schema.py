@@ -8,7 +8,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.config.schema import ExtractConf, ModelConf, PresetConf, PromptsConf, VllmConf  # noqa: F401
+from steer.config.schema import ExtractConf, HfConf, ModelConf, PresetConf, PromptsConf, VllmConf  # noqa: F401
 
 
 @dataclass
@@ -54,6 +54,7 @@ class ServeConf:
     extract: ExtractConf = field(default_factory=ExtractConf)
     device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
     vllm: ServeVllmConf = field(default_factory=ServeVllmConf)
+    hf: HfConf = field(default_factory=HfConf)
     serve: ServeOptions = field(default_factory=ServeOptions)
     cache_dir: str = MISSING
 

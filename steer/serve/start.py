@@ -119,7 +119,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         from steer.serve.hf_app import HFServer
         from steer.serve.hf_serve import serve
 
-        engine = engines.make("hf", spec, conf.device)
+        engine = engines.make("hf", spec, conf.device, hf_conf=conf.hf)
         compiled = compile_presets(conf, spec, confs, engine)
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
                           conf.serve.chat_max_tokens, inline)

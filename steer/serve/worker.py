@@ -1,5 +1,7 @@
-"""engine=hf: the engine's one thread. Its hooks and row masks belong to the model, so requests run one after the
-other, in the order they arrived, each exactly as if it were alone; tokens go back to the event loop one by one.
+"""engine=hf: the engine's one thread, which runs every request in one continuous batch (steer.engine.hf_batch):
+a request joins the running batch at the next step, in the order requests arrived and as the engine's bound allows,
+and leaves it when done; each row is edited and sampled as if its request were alone. Tokens go back to the event
+loop one by one.
 
 A request stops generating once nobody waits for it (its client left, or a stop string was met: `cancelled`). When
 the server shuts down (`close`), every request still generating or waiting ends at once with `ServerClosing`, and
@@ -10,10 +12,11 @@ import asyncio
 import logging
 import queue
 import threading
-from contextlib import closing
-from typing import AsyncIterator, List, Optional, Tuple
+from collections import deque
+from typing import AsyncIterator, Deque, List, Optional, Tuple
 
 from steer.config.schema import GenConf
+from steer.engine.hf_batch import Batch, Row
 
 log = logging.getLogger("steer.serve")
 
@@ -31,6 +34,7 @@ class Job:
         self.cancelled = threading.Event()
         self.refused: Optional[Exception] = None  # why the server ended it (shutting down)
         self.finished = False  # the engine is done with it
+        self.row: Optional[Row] = None  # its row in the engine's batch, once it joins
 
     def post(self, kind: str, value=None) -> None:
         try:
@@ -63,7 +67,7 @@ class Job:
 
 
 class EngineWorker:
-    """The engine's one thread: jobs run one after the other, in the order they arrived."""
+    """The engine's one thread: every request in one running batch, joining in the order they arrived."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -105,27 +109,66 @@ class EngineWorker:
         return not self.thread.is_alive()
 
     def _run(self) -> None:
+        batch = Batch(self.engine, self.engine.bound)
+        waiting: Deque[Job] = deque()
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+            try:  # block for work only while nothing runs
+                job = self._jobs.get(block=not batch.rows and not waiting)
+                while True:
+                    if job is None:
+                        for r in batch.rows:
+                            self._done(r.key)
+                        return
+                    waiting.append(job)
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            self._drop_cancelled(batch)
+            joining: List[Row] = []
+            while waiting and (waiting[0].cancelled.is_set() or batch.fits(_row(waiting[0]), joining)):
+                job = waiting.popleft()
+                if job.cancelled.is_set():
+                    self._done(job)
+                else:
+                    joining.append(_row(job))
             try:
-                made = 0
-                if not job.cancelled.is_set():
-                    with closing(self.engine.generate_iter(job.ids, job.plan, job.gen, job.seed)) as tokens:
-                        for tok in tokens:
-                            job.post("token", tok)
-                            made += 1
-                            if job.cancelled.is_set():
-                                break
-                if job.cancelled.is_set() and made < job.gen.max_new_tokens:
-                    why = job.refused or "its answer is complete or its client gone"
-                    log.info("%s: generation stopped after %d of %d tokens (%s)", job.name, made,
-                             job.gen.max_new_tokens, why)
-                job.finish()
-            except Exception as e:  # one request's failure is its own: the engine serves the next
+                for r in batch.join(joining) if joining else []:
+                    self._done(r.key)
+                for r, tok in batch.pick():  # each token goes out before the next step runs
+                    if tok is not None:
+                        r.key.post("token", tok)
+                    if r.done:
+                        self._done(r.key)
+                self._drop_cancelled(batch)
+                batch.advance()
+            except Exception as e:  # the batch's failure is its requests': the engine serves the next ones
                 log.exception("generation failed")
-                job.post("error", e)
-            finally:
-                with self._lock:
-                    self._live.discard(job)
+                for r in dict.fromkeys(batch.rows + joining):
+                    if not r.done:
+                        r.key.post("error", e)
+                        self._done(r.key, failed=True)
+                batch.drop(range(len(batch.rows)))
+
+    def _drop_cancelled(self, batch: Batch) -> None:
+        gone = [i for i, r in enumerate(batch.rows) if r.key.cancelled.is_set()]
+        for i in gone:
+            self._done(batch.rows[i].key)
+        batch.drop(gone)
+
+    def _done(self, job: Job, failed: bool = False) -> None:
+        if not failed:
+            made = len(job.row.out) if job.row is not None else 0
+            if job.cancelled.is_set() and made < job.gen.max_new_tokens:
+                why = job.refused or "its answer is complete or its client gone"
+                log.info("%s: generation stopped after %d of %d tokens (%s)", job.name, made,
+                         job.gen.max_new_tokens, why)
+            job.finish()
+        with self._lock:
+            self._live.discard(job)
+
+
+def _row(job: Job) -> Row:
+    """The job's row in the batch (made once)."""
+    if job.row is None:
+        job.row = Row(list(job.ids), job.plan, job.gen, job.seed, key=job)
+    return job.row
