@@ -12,13 +12,14 @@ The engine starts on the first call that needs it (one load per Lab) and is clos
 
 import copy
 import io
+import re
 import shlex
 import weakref
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
@@ -124,9 +125,10 @@ class Lab:
         select.run(job, self.console, run.execute, engine=engine)
         got = Selection.read(out)
         if got.best:  # the command a shell reruns the best pair with: the Lab's overrides, then the call's
-            best = {"tap": {"layer": got.best["layer"], "path": None}, "edit.scale": got.best["scale"]}
             kept = {k: v for k, v in values.items() if not k.startswith("select.")}
-            got.command = self.command({**kept, "task": "steer", **best}, overrides)
+            kept.update(task="steer", tap={"layer": got.best["layer"], "path": None},
+                        edit={**values["edit"], "scale": got.best["scale"]})
+            got.command = self.command(kept, overrides)
         return got
 
     def command(self, values: Dict[str, object], overrides: Sequence[str] = ()) -> str:
@@ -134,8 +136,10 @@ class Lab:
         args = [*self._overrides, *overrides]
         if self._config_dir:
             args = ["--config-dir", str(self._config_dir), *args]
+        base = self._compose(args[2:] if self._config_dir else args)
         for key, value in _flat(values):
-            args.append(f"{key}={_literal(value)}")
+            if _plain(value) != _plain(OmegaConf.select(base, key, default=object())):  # a default is no override
+                args.append(f"{key}={_literal(value)}")
         return "python -m steer " + " ".join(shlex.quote(a) for a in args)
 
     # --- the engine
@@ -284,11 +288,22 @@ def _literal(value) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_/.~][\w./~-]*", value) and value not in ("null", "true",
+                                                                                                "false"):
+        return value
     if isinstance(value, str):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        # Hydra's quoted strings: a backslash escapes only before a quote (and the closing one)
+        return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value) + "'"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_literal(v) for v in value) + "]"
     return str(getattr(value, "value", value))
+
+
+def _plain(value):
+    """A config value as plain data (containers as lists and dicts, enums as their names), to compare."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+    return getattr(value, "value", value)
 
 
 def _engine_settings(conf) -> list:
