@@ -164,3 +164,15 @@ def test_a_bad_lab_config_fails_as_the_lab_is_made(cache_dir, loads, kw, field):
         steer.Lab(**{"model": "tiny", **kw})
     assert isinstance(e.value, ConfigError) and e.value.field == field, e.value
     assert loads == []
+
+
+def test_a_config_dir_of_ones_own_adds_groups_as_config_dir_does(cache_dir, tmp_path, loads):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "calm.yaml").write_text("steer: ['Tell me about your weekend.']\n"
+                                                    "positive: ['calm and quiet']\nnegative: ['loud and rushed']\n")
+    lab = steer.Lab(model="tiny", overrides=["prompts=calm"], config_dir=tmp_path)
+    assert lab.config.prompts.steer == ["Tell me about your weekend."]
+    assert lab.config.prompts.positive == ["calm and quiet"] and loads == []
+    with pytest.raises(ValueError) as e:
+        steer.Lab(model="tiny", config_dir=tmp_path / "none")
+    assert e.value.field == "config_dir"
