@@ -46,7 +46,7 @@ class Lab:
         self._config_dir = Path(config_dir).expanduser().resolve() if config_dir else None
         if self._config_dir is not None and not self._config_dir.is_dir():
             raise ConfigError("config_dir", f"{str(config_dir)!r} is not a directory")
-        self.console = Console(file=io.StringIO()) if quiet else Console(soft_wrap=True)
+        self.console = Console(file=io.StringIO(), force_jupyter=False) if quiet else Console(soft_wrap=True)
         self._base = self._compose(self._overrides)
         self.config = self._checked(self._base)  # the Lab's config, checked now: a bad override fails here
         self._defaults: Dict[str, Dict] = {}

@@ -37,7 +37,7 @@ def loads(monkeypatch):
 
 
 @pytest.fixture
-def lab(cache_dir, loads):
+def lab(tiny_spec, loads):  # the tiny model built once in this process, before a command's subprocess needs it
     with steer.Lab(model="tiny", overrides=SETTINGS, quiet=True) as lab:
         yield lab
 
