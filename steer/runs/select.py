@@ -55,9 +55,12 @@ def _done(cell) -> bool:
     return True
 
 
-def run(job, console: Console, execute: Callable) -> Dict:
+def run(job, console: Console, execute: Callable, engine=None) -> Dict:
     """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
-    write the selection report and return the best pair (or none)."""
+    write the selection report and return the best pair (or none). `engine`: one already started for the job's
+    model (steer.Lab's), else one is held for the grid."""
+    from contextlib import nullcontext
+
     from steer.runs.job import engine_for
 
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
@@ -74,7 +77,7 @@ def run(job, console: Console, execute: Callable) -> Dict:
     log.info(say)  # the run's steer.log (each pair's own says how it ran)
     if todo:
         try:
-            with engine_for(todo) as engine:
+            with nullcontext(engine) if engine is not None else engine_for(todo) as engine:
                 for start in range(0, len(todo), PACK):
                     execute(todo[start : start + PACK], console, summary=False, engine=engine)
         except KeyboardInterrupt:

@@ -1,0 +1,72 @@
+"""Edits as Python calls: `steer.add(v, layer=12, scale=4)` is the config's `{tap: {layer: 12}, edit: {kind: add,
+scale: 4, vector: ...}}`. A field left out keeps its default from conf/edit/<kind>.yaml, as `edit=<kind>` on the
+command line does; everything is checked where the CLI checks it (steer.runs.job.prepare)."""
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
+
+KINDS = ("add", "ablate", "clamp", "set", "scale")
+TOKENS = {"both": "both", "all": "both", "prompt": "prompt", "generated": "generated"}  # "all": every row, as "both"
+
+
+@dataclass(frozen=True)
+class EditSpec:
+    """One edit at one tap. `vector`: a steer.Vector, a safetensors path, or None (the direction extracted from
+    prompts.positive / prompts.negative at the tap, as the CLI does). `layer`: the residual stream after that
+    decoder layer; `path`: any module's output instead. `fields`: the edit's own settings given (scale, tokens,
+    lo, hi, value, key)."""
+
+    kind: str
+    vector: object = None
+    layer: Optional[int] = None
+    path: Optional[str] = None
+    fields: Dict[str, object] = field(default_factory=dict)
+
+    def tap(self) -> Dict[str, object]:
+        return {"layer": self.layer, "path": self.path}
+
+
+def _edit(kind: str, vector, layer, path, **given) -> EditSpec:
+    fields = {k: v for k, v in given.items() if v is not _DEFAULT}
+    if "tokens" in fields and isinstance(fields["tokens"], str):
+        fields["tokens"] = TOKENS.get(fields["tokens"], fields["tokens"])  # an unknown one: the schema names it
+    return EditSpec(kind, vector, layer, path, fields)
+
+
+class _Default:
+    def __repr__(self):
+        return "<conf/edit default>"
+
+
+_DEFAULT = _Default()  # a field left out: conf/edit/<kind>.yaml's value (None is a value: an unbounded clamp side)
+Vec = Union["Vector", str, None]  # noqa: F821
+
+
+def add(vector: Vec = None, layer: Optional[int] = None, scale=_DEFAULT, *, path: Optional[str] = None,
+        tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h += scale * v."""
+    return _edit("add", vector, layer, path, scale=scale, tokens=tokens, key=key)
+
+
+def ablate(vector: Vec = None, layer: Optional[int] = None, scale=_DEFAULT, *, path: Optional[str] = None,
+           tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h -= scale * (h . d) d, d the unit direction (a `[k, hidden]` vector: its orthonormalised subspace)."""
+    return _edit("ablate", vector, layer, path, scale=scale, tokens=tokens, key=key)
+
+
+def clamp(vector: Vec = None, layer: Optional[int] = None, lo=_DEFAULT, hi=_DEFAULT, *, scale=_DEFAULT,
+          path: Optional[str] = None, tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """p = h . d; h += scale * (clip(p, lo, hi) - p) d (lo or hi None: unbounded on that side)."""
+    return _edit("clamp", vector, layer, path, lo=lo, hi=hi, scale=scale, tokens=tokens, key=key)
+
+
+def set(vector: Vec = None, layer: Optional[int] = None, value=_DEFAULT, *, scale=_DEFAULT,  # noqa: A001
+        path: Optional[str] = None, tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h += scale * (value - h . d) d: the projection on d moved to `value`."""
+    return _edit("set", vector, layer, path, value=value, scale=scale, tokens=tokens, key=key)
+
+
+def scale(factor=_DEFAULT, layer: Optional[int] = None, *, centre: Vec = None, path: Optional[str] = None,
+          tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h = c + factor * (h - c), c the `centre` vector (none: 0, so h *= factor; factor 0 is zero ablation)."""
+    return _edit("scale", centre, layer, path, scale=factor, tokens=tokens, key=key)

@@ -1,0 +1,178 @@
+"""steer.Lab, the Python API, on the tiny model: its results are the CLI's for the same config (same tokens, same
+metrics, the same extracted vector), one engine serves every call of a Lab, its run directories are the CLI's
+files, and bad input is a ValueError naming the field before any engine starts."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import steer
+from helpers import ROOT, compose_conf, run_cli
+from steer.errors import ConfigError
+
+SETTINGS = ["engine=hf", "progress=false", "gen.max_new_tokens=8"]
+PROMPTS = ["The weather today is", "My friend looked at me and said"]
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Counts the engines started (steer.engine.make: where weights load)."""
+    from steer import engine
+
+    made = []
+    real = engine.make
+
+    def make(*a, **kw):
+        made.append(a[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine, "make", make)
+    return made
+
+
+@pytest.fixture
+def lab(tiny_spec, loads):  # the tiny model built once in this process, before a command's subprocess needs it
+    with steer.Lab(model="tiny", overrides=SETTINGS, quiet=True) as lab:
+        yield lab
+
+
+def test_import_steer_loads_no_torch():
+    code = "import sys, steer; steer.add; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
+
+
+def test_the_lab_writes_what_the_cli_writes(lab, loads, cache_dir, tmp_path):
+    """The same extraction and the same steer run through the CLI (subprocesses) and through a Lab: the vector is
+    the same tensor, and every per-prompt field (token ids, texts, metrics) and every metric but the speed equal."""
+    prompts = "prompts.steer=[" + ",".join(f"'{p}'" for p in PROMPTS) + "]"
+    made = tmp_path / "cli.safetensors"
+    r = run_cli([*SETTINGS, "task=extract", "tap=layer2", f"extract.out={made}"], tmp_path, cache_dir)
+    assert r.returncode == 0, r.stderr
+    r = run_cli([*SETTINGS, "tap=layer2", "edit.scale=6", f"edit.vector.path={made}", prompts,
+                 "hydra.run.dir=cli_run"], tmp_path, cache_dir)
+    assert r.returncode == 0, r.stderr
+
+    v = lab.extract(layer=2)
+    with safe_open(str(made), framework="pt") as f:
+        assert torch.equal(v.tensor, f.get_tensor("direction"))
+    out = lab.generate(PROMPTS, edits=[steer.add(v, layer=2, scale=6)])
+
+    cli_rows = [json.loads(line) for line in (tmp_path / "cli_run" / "results.jsonl").read_text().splitlines()]
+    assert out.rows == cli_rows
+    cli_metrics = json.loads((tmp_path / "cli_run" / "metrics.json").read_text())
+    assert {k: v for k, v in out.metrics.items() if k != "tokens_per_s"} == \
+        {k: v for k, v in cli_metrics.items() if k != "tokens_per_s"}
+    table = out.table()
+    assert list(table["steered"]) == [r["steered"] for r in cli_rows] and len(table) == len(PROMPTS)
+    assert out.metrics["concept_steered"] == pytest.approx(table["concept_steered"].mean())
+    assert loads == ["hf"]
+
+    saved = out.save(tmp_path / "saved")
+    for name in ("results.jsonl", "metrics.json", "inputs.json", "steer.log", ".hydra/config.yaml"):
+        assert (saved / name).is_file(), name
+    assert (saved / "results.jsonl").read_text() == (tmp_path / "cli_run" / "results.jsonl").read_text()
+
+
+def test_one_engine_serves_every_call_and_select_agrees_with_a_single_run(lab, loads):
+    v = lab.extract(layer=1)
+    single = lab.generate(PROMPTS[:1], edits=[steer.add(v, layer=2, scale=4)])
+    grid = lab.select(v, layers=[1, 2], scales=[2, 4], prompts=PROMPTS[:1])
+    two = lab.generate(PROMPTS[:1], edits=[steer.ablate(v, layer=1), steer.clamp(v, layer=2, lo=-1, hi=1)])
+    assert loads == ["hf"] and lab.engine_loads == 1
+
+    table = grid.table()
+    assert list(zip(table["layer"], table["scale"])) == [(1, 2.0), (1, 4.0), (2, 2.0), (2, 4.0)]
+    # The grid's pair (layer 2, scale 4) ran packed with the others; alone, the same edit gives the same gain
+    cell = table[(table["layer"] == 2) & (table["scale"] == 4.0)].iloc[0]
+    m = single.metrics
+    assert cell["gain"] == pytest.approx(m["concept_steered"] - m["concept_baseline"], rel=1e-5)
+    assert cell["ppl_ratio"] == pytest.approx(m["ppl_steered"] / m["ppl_baseline"], rel=1e-5)
+    ok = table[table["ok"]]
+    assert grid.best is None if ok.empty else grid.best["gain"] == ok["gain"].max()
+    assert grid.pivot().shape == (2, 2) and grid.heatmap.is_file()
+    if grid.best:  # the rerun command composes to the best pair's steer run, with the Lab's settings
+        args = shlex.split(grid.command)
+        cfg = compose_conf("config", args[3:])
+        assert args[:3] == ["python", "-m", "steer"] and cfg.model.name == "tiny" and cfg.gen.max_new_tokens == 8
+        assert (cfg.tap.layer, cfg.edit.scale) == (grid.best["layer"], grid.best["scale"])
+        assert cfg.prompts.steer == PROMPTS[:1] and Path(cfg.edit.vector.path).is_file()
+    # Two edits: the first is the run's edit, the second its extra edit, each as given
+    assert two.config["edit"]["kind"] == "ablate" and two.config["tap"]["layer"] == 1
+    [extra] = two.config["extra_edits"]
+    assert extra["edit"]["kind"] == "clamp" and (extra["edit"]["lo"], extra["edit"]["hi"]) == (-1, 1)
+
+    lab.close()
+    lab.generate(PROMPTS[:1], edits=[steer.scale(0.5, layer=1)])  # a closed Lab starts another engine
+    assert loads == ["hf", "hf"]
+
+
+def test_a_vector_saves_and_loads_with_its_metadata(lab, tmp_path):
+    v = lab.extract(layer=1, positive=["I love this, what a joy"], negative=["I hate this, what a misery"])
+    path = v.save(tmp_path / "joy.safetensors")
+    back = steer.Vector.load(path)
+    assert torch.equal(back.tensor, v.tensor)
+    assert back.metadata["tap"] == "layer1" and back.metadata["positive"] == "1" and back.layer == 1
+    assert back.diagnostics["norm"] == pytest.approx(float(torch.linalg.vector_norm(v.tensor.double())))
+    # A vector stored with diagnostics (diag.* keys) exposes them as numbers
+    meta = {**v.metadata, "diag.heldout_accuracy": "0.75"}
+    assert steer.Vector(v.tensor, meta).diagnostics["heldout_accuracy"] == 0.75
+
+
+def _wrong_size():
+    return steer.Vector(torch.ones(7))
+
+
+BAD = [
+    (lambda lab: lab.generate(PROMPTS, [steer.add(None, layer=99)]), "tap.layer"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add(None, layer=1, tokens="sideways")]), "edit.tokens"),
+    (lambda lab: lab.generate([1, 2], [steer.add(None, layer=1)]), "prompts.steer"),
+    (lambda lab: lab.generate([], [steer.add(None, layer=1)]), "prompts.steer"),
+    (lambda lab: lab.generate(PROMPTS, []), "edits"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add(_wrong_size(), layer=1)]), "edit.vector"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add(None, layer=1), steer.clamp(None, layer=7)]),
+     "extra_edits[0].tap.layer"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add("missing.safetensors", layer=1)]), "edit.vector.path"),
+    (lambda lab: lab.extract(positive=[], layer=1), "prompts.positive"),
+    (lambda lab: lab.select(None, layers=[1, 9], scales=[2]), "select.layers"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add(None, layer=1)], overrides=["gen.max_new_tokens=0"]),
+     "gen.max_new_tokens"),
+    (lambda lab: lab.generate(PROMPTS, [steer.add(None, layer=1)], overrides=["model=smollm2"]), "overrides"),
+]
+
+
+@pytest.mark.parametrize("call,field", BAD, ids=[f for _, f in BAD])
+def test_bad_input_is_a_value_error_naming_the_field_before_any_engine(lab, loads, call, field):
+    with pytest.raises(ValueError) as e:
+        call(lab)
+    assert isinstance(e.value, ConfigError) and e.value.field.startswith(field), e.value
+    assert loads == []
+
+
+@pytest.mark.parametrize("kw,field", [({"overrides": ["gen.max_new_tokens=-1"]}, "gen.max_new_tokens"),
+                                      ({"model": "nope"}, "overrides"),
+                                      ({"overrides": ["edit.scael=2"]}, "overrides"),
+                                      ({"overrides": "engine=hf"}, "overrides")])
+def test_a_bad_lab_config_fails_as_the_lab_is_made(cache_dir, loads, kw, field):
+    with pytest.raises(ValueError) as e:
+        steer.Lab(**{"model": "tiny", **kw})
+    assert isinstance(e.value, ConfigError) and e.value.field == field, e.value
+    assert loads == []
+
+
+def test_a_config_dir_of_ones_own_adds_groups_as_config_dir_does(cache_dir, tmp_path, loads):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "calm.yaml").write_text("steer: ['Tell me about your weekend.']\n"
+                                                    "positive: ['calm and quiet']\nnegative: ['loud and rushed']\n")
+    lab = steer.Lab(model="tiny", overrides=["prompts=calm"], config_dir=tmp_path)
+    assert lab.config.prompts.steer == ["Tell me about your weekend."]
+    assert lab.config.prompts.positive == ["calm and quiet"] and loads == []
+    with pytest.raises(ValueError) as e:
+        steer.Lab(model="tiny", config_dir=tmp_path / "none")
+    assert e.value.field == "config_dir"
