@@ -122,13 +122,17 @@ class Lab:
         job = run.prepare(conf, out.path)
         self._write_config(out.path, cfg)
         engine = self._engine_for(job.cells)
-        select.run(job, self.console, run.execute, engine=engine)
-        got = Selection.read(out)
-        if got.best:  # the command a shell reruns the best pair with: the Lab's overrides, then the call's
+
+        def rerun(best: Dict) -> str:  # the command a shell reruns the best pair with: the Lab's overrides, the call's
             kept = {k: v for k, v in values.items() if not k.startswith("select.")}
-            kept.update(task="steer", tap={"layer": got.best["layer"], "path": None},
-                        edit={**values["edit"], "scale": got.best["scale"]})
-            got.command = self.command(kept, overrides)
+            kept.update(task="steer", tap={"layer": best["layer"], "path": None},
+                        edit={**values["edit"], "scale": best["scale"]})
+            return self.command(kept, overrides)
+
+        select.run(job, self.console, run.execute, engine=engine, command=rerun)
+        got = Selection.read(out)
+        if got.best:
+            got.command = rerun(got.best)
         return got
 
     def command(self, values: Dict[str, object], overrides: Sequence[str] = ()) -> str:

@@ -149,12 +149,14 @@ def _ci(xs: Sequence[float], seed: int) -> List[float]:
     return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
-def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor]) -> Callable[[float], Optional[Plan]]:
-    """The run's edits at each strength: `edit.scale` set to it (a vector from the dataset where `direction`)."""
+def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor],
+          meta: Optional[Dict[str, str]] = None) -> Callable[[float], Optional[Plan]]:
+    """The run's edits at each strength: `edit.scale` set to it (a vector from the dataset where `direction`, with
+    the metadata an extraction records, `diag.resid_norm` for edit.scale_by=resid)."""
     def at(scale: float) -> Optional[Plan]:
         c = copy.deepcopy(cfg)
         c.edit.scale = scale
-        plan = build(c, spec, (lambda tap: direction) if direction is not None else None).active()
+        plan = build(c, spec, (lambda tap: (direction, meta)) if direction is not None else None).active()
         return plan if plan.edits else None
 
     return at
@@ -162,23 +164,26 @@ def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor]) -> Callable[[
 
 def run(job, console: Console) -> Dict:
     """Run a prepared task=eval job into its run directory; return its metrics."""
-    from steer.runs.extract import Recipe, direction
+    from steer.runs.extract import Recipe, extract
     from steer.runs.job import engine_for
 
     cfg = job.cfg
     fit, held = job.items
     with engine_for([job]) as engine:
-        vec = None
+        vec, meta, diag = None, None, None
         if job.plan.pending:
             pos, neg = pair_prompts(engine, fit, cfg.prompts.chat)
             recipe = Recipe.from_conf(cfg.extract, "false")  # the prompts are rendered already
-            vec = direction(engine, job.taps[0], pos, neg, recipe)
+            ex = extract(engine, job.taps[0], pos, neg, recipe, cfg.extract.folds)
+            vec, diag = ex.direction, ex.diagnostics
+            meta = {"tap": ex.tap.name, **ex.metadata()}
         console.print(f"eval: {len(held)} items of {cfg.eval.dataset}"
                       + (f", direction extracted from {len(fit)} others" if vec is not None else "")
                       + f", scales {', '.join(f'{s:g}' for s in cfg.eval.scales)}")
-        out = evaluate(engine, held, plans(cfg, job.spec, vec), cfg.eval.scales, cfg.prompts.chat, cfg.eval.seed)
+        out = evaluate(engine, held, plans(cfg, job.spec, vec, meta), cfg.eval.scales, cfg.prompts.chat, cfg.eval.seed)
     out = {"dataset": str(dataset_path(cfg.eval.dataset)), "tap": job.taps[0].name, "edit": cfg.edit.kind.value,
-           "fit_items": len(fit), "direction_norm": float(vec.norm()) if vec is not None else None, **out}
+           "fit_items": len(fit), "direction_norm": float(vec.norm()) if vec is not None else None,
+           "diagnostics": diag, **out}
     metrics = {"n": out["n"], "p_matching_baseline": out["baseline"]["p_matching"]}
     for s in out["scales"]:
         metrics[f"p_matching_scale{s['scale']:g}"] = s["p_matching"]

@@ -55,10 +55,11 @@ def _done(cell) -> bool:
     return True
 
 
-def run(job, console: Console, execute: Callable, engine=None) -> Dict:
+def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
     """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
     write the selection report and return the best pair (or none). `engine`: one already started for the job's
-    model (steer.Lab's), else one is held for the grid."""
+    model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where the
+    run is not a command line's (steer.Lab's), else read from Hydra's."""
     from contextlib import nullcontext
 
     from steer.runs.job import engine_for
@@ -88,7 +89,7 @@ def run(job, console: Console, execute: Callable, engine=None) -> Dict:
     table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio) for job in jobs]
     best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
-               "command": _command(best) if best else None}
+               "command": (command or _command)(best) if best else None}
     if best:
         log.info("best: layer %s, scale %g (gain %.3g, ppl x%.2f): %s", best["layer"], best["scale"], best["gain"],
                  best["ppl_ratio"], summary["command"])
