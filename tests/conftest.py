@@ -46,6 +46,15 @@ def hf_engine(tiny_spec):
 
 
 @pytest.fixture
+def cli(cache_dir, monkeypatch, capsys):
+    """`cli(args, cwd)`: `python -m steer` with `args` (on the tiny model, as helpers.run_cli) run in this process
+    (helpers.cli_here), for tests whose point is what the command does rather than the process it runs in."""
+    from helpers import cli_here
+
+    return lambda args, cwd: cli_here(args, cwd, monkeypatch, capsys)
+
+
+@pytest.fixture
 def console():
     """A rich Console that prints into memory (`console.file.getvalue()`), wide enough that no line wraps."""
     from rich.console import Console

@@ -99,12 +99,13 @@ def run_cli(args, cwd, cache_dir, timeout=600):
 
 
 def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
-    """`python -m steer` run in this process (steer/__main__.py as the command runs it, from `cwd`), for a
-    command that stops at its config: its exit code (0 if it returned) and what it printed. Hydra's logging and
-    its global state are put back afterwards."""
+    """`python -m steer` run in this process (steer/__main__.py as the command runs it, from `cwd`): its exit code
+    (0 if it returned, 1 with the traceback printed if it raised, as the interpreter has it) and what it printed.
+    Hydra's logging and its global state are put back afterwards. Where the process boundary is not what a test
+    checks, this runs the command without paying a new interpreter's imports of torch and transformers."""
     import logging
-
     import runpy
+    import traceback
 
     from hydra.core.global_hydra import GlobalHydra
 
@@ -119,11 +120,17 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
+    except Exception:
+        traceback.print_exc()
+        code = 1
     finally:
         for h in root.handlers[:]:
             if h not in handlers:
                 root.removeHandler(h)
                 h.close()
+        for h in handlers:  # Hydra's logging config replaces the root's handlers (pytest's own among them)
+            if h not in root.handlers:
+                root.addHandler(h)
         root.setLevel(level)
         GlobalHydra.instance().clear()
     out = capsys.readouterr()

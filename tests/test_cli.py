@@ -44,15 +44,15 @@ def test_default_run(tmp_path, cache_dir):
     assert (d / ".hydra" / "config.yaml").exists() and (d / "steer.log").exists()
 
 
-def test_ablate_removes_the_direction(tmp_path, cache_dir):
-    ok(run_cli(["model=tiny", "tap=layer1", "edit=ablate"], tmp_path, cache_dir))
+def test_ablate_removes_the_direction(cli, tmp_path):
+    ok(cli(["model=tiny", "tap=layer1", "edit=ablate"], tmp_path))
     [d] = run_dirs(tmp_path)
     m = json.loads((d / "metrics.json").read_text())
     assert m["proj_steered"] <= 1e-3 * m["proj_baseline"]
 
 
-def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
-    res = ok(run_cli(["-m", "edit=add", "edit.scale=0,4"], tmp_path, cache_dir))
+def test_multirun_scale_zero_is_baseline(cli, tmp_path):
+    res = ok(cli(["-m", "edit=add", "edit.scale=0,4"], tmp_path))
     [summary] = list((tmp_path / "outputs").rglob("summary.csv"))
     rows = list(csv.DictReader(summary.open()))
     assert [r["edit.scale"] for r in rows] == ["0", "4"]
@@ -70,11 +70,11 @@ def test_multirun_scale_zero_is_baseline(tmp_path, cache_dir):
     assert "summary:" in res.stdout
 
 
-def test_extract_then_steer_with_the_file(tmp_path, cache_dir):
+def test_extract_then_steer_with_the_file(cli, tmp_path):
     out = tmp_path / "joy.safetensors"
-    ok(run_cli(["task=extract", "tap=layer2", f"extract.out={out}", "extract.key=joy"], tmp_path, cache_dir))
-    ok(run_cli(["edit=ablate", "tap=layer2", f"edit.vector.path={out}", "edit.vector.key=joy",
-                "edit.tokens=generated", "gen.max_new_tokens=4"], tmp_path, cache_dir))
+    ok(cli(["task=extract", "tap=layer2", f"extract.out={out}", "extract.key=joy"], tmp_path))
+    ok(cli(["edit=ablate", "tap=layer2", f"edit.vector.path={out}", "edit.vector.key=joy",
+            "edit.tokens=generated", "gen.max_new_tokens=4"], tmp_path))
     records = [json.loads(p.read_text()) for p in (tmp_path / "outputs").rglob("metrics.json")]
     [extracted] = [r for r in records if "vector" in r]  # the extraction's record: where it wrote what
     [m] = [r for r in records if "vector" not in r]
@@ -152,7 +152,7 @@ def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says)
     assert says in line and "$VALUE" not in line
 
 
-def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
+def test_a_second_run_into_a_held_run_dir_refuses(cli, tmp_path):
     import subprocess
     import sys
 
@@ -165,13 +165,13 @@ def test_a_second_run_into_a_held_run_dir_refuses(tmp_path, cache_dir):
                   "from steer.runs.rundir import hold; hold(Path(sys.argv[1])); print('held', flush=True); "
                   "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
-        res = run_cli([f"hydra.run.dir={run_dir}"], tmp_path, cache_dir)
+        res = cli([f"hydra.run.dir={run_dir}"], tmp_path)
     assert res.returncode == 2 and f"'{run_dir}' is in use by another steer run" in res.stderr
     assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
 
 
-def test_a_failed_run_says_why_in_its_directory(tmp_path, cache_dir):
-    res = run_cli(["gen.max_new_tokens=0", "hydra.run.dir=run"], tmp_path, cache_dir)
+def test_a_failed_run_says_why_in_its_directory(cli, tmp_path):
+    res = cli(["gen.max_new_tokens=0", "hydra.run.dir=run"], tmp_path)
     assert res.returncode == 2
     assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "error.txt").read_text()
     assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "steer.log").read_text()

@@ -12,7 +12,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import CONF, compose, run_cli, summary_rows
+from helpers import CONF, compose, summary_rows
 
 EXPERIMENTS = sorted(f.stem for f in (CONF / "experiment").glob("*.yaml"))
 QUICK = ["model=tiny", "gen.max_new_tokens=4", "prompts.steer=['The weather today is','Tell me how to bake bread']"]
@@ -65,9 +65,9 @@ def test_every_experiment_is_listed_here():
 
 
 @pytest.mark.parametrize("name", sorted(EDITS))
-def test_experiment_runs_on_tiny(name, tmp_path, cache_dir, tiny_spec, hf_engine):
+def test_experiment_runs_on_tiny(cli, name, tmp_path, tiny_spec, hf_engine):
     sweep = tmp_path / "sweep"
-    res = run_cli(["-m", f"+experiment={name}", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    res = cli(["-m", f"+experiment={name}", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = summary_rows(sweep)
     key, values = swept(name)

@@ -63,13 +63,11 @@ def test_a_pair_whose_vector_file_changed_runs_again(tmp_path, cache_dir, caplog
     assert said.endswith("each in its own directory here")
 
 
-def test_a_sweep_of_selects_reports_each_ones_best_pair(tmp_path, cache_dir):
+def test_a_sweep_of_selects_reports_each_ones_best_pair(cli, tmp_path):
     import csv
 
-    from helpers import run_cli
-
-    res = run_cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
-                   "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path, cache_dir)
+    res = cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
+               "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
     assert [r["edit"] for r in rows] == ["add", "ablate"] and all(r["pairs"] == "4" for r in rows)
@@ -77,8 +75,8 @@ def test_a_sweep_of_selects_reports_each_ones_best_pair(tmp_path, cache_dir):
         best = json.loads((tmp_path / "sweep" / r["job"] / "selection.json").read_text())["best"]
         assert (r["best_layer"], r["best_scale"]) == ((str(best["layer"]), str(best["scale"])) if best else ("", ""))
     assert "0 jobs to run" not in res.stderr + res.stdout
-    again = run_cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
-                     "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path, cache_dir)
+    again = cli(["-m", "task=select", "edit=add,ablate", "select.layers=[1,2]", "select.scales=[2,4]",
+                 "gen.max_new_tokens=3", TWO_PROMPTS, "hydra.sweep.dir=sweep"], tmp_path)
     said = again.stderr + again.stdout
     assert again.returncode == 0 and "inputs changed" not in said and said.count("keeping its pairs") == 2, said
     assert said.count("4 done before with these settings and inputs, kept") == 2

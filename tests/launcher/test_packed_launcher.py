@@ -24,10 +24,9 @@ def engine_taps(job):
     return line.split(", taps ")[1]
 
 
-def test_packed_sweep_equals_unpacked_from_one_engine(tmp_path, cache_dir, tiny_spec):
+def test_packed_sweep_equals_unpacked_from_one_engine(cli, tmp_path, tiny_spec):
     for launcher in ("packed", "basic"):
-        res = run_cli(SWEEP + QUICK + [f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path / launcher}"],
-                      tmp_path, cache_dir)
+        res = cli(SWEEP + QUICK + [f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path / launcher}"], tmp_path)
         assert res.returncode == 0, res.stderr[-3000:]
     packed, basic = jobs(tmp_path / "packed"), jobs(tmp_path / "basic")
     # the packed launcher ran all 4 jobs on one engine tapping both layers; the basic one, each on its own engine
@@ -43,14 +42,14 @@ def test_packed_sweep_equals_unpacked_from_one_engine(tmp_path, cache_dir, tiny_
         assert (p / ".hydra" / "overrides.yaml").read_text() == (b / ".hydra" / "overrides.yaml").read_text()
 
 
-def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tiny_spec):
+def test_extractions_in_a_sweep_run_in_its_engine_group(cli, tmp_path, tiny_spec):
     """task=extract jobs are validated first and run together on one engine, like steer jobs: each writes the
     default direction at its own tap, the same as a single extraction."""
     sweep, single = tmp_path / "sweep", tmp_path / "single"
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert {engine_taps(j) for j in jobs(sweep)} == {"['model.layers.1', 'model.layers.2']"}
-    res = run_cli(["task=extract", "tap.layer=2", f"hydra.run.dir={single}"], tmp_path, cache_dir)
+    res = cli(["task=extract", "tap.layer=2", f"hydra.run.dir={single}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     import torch
     from safetensors.torch import load_file
@@ -61,7 +60,7 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
 
     # Resumed: done while the vector each wrote reads as written; one removed is extracted again.
     (sweep / "0" / "vector.safetensors").unlink()
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1,2", f"hydra.sweep.dir={sweep}"], tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert f"(inputs changed: vector {sweep / '0' / 'vector.safetensors'} (gone), rerunning)" in out
@@ -71,11 +70,11 @@ def test_extractions_in_a_sweep_run_in_its_engine_group(tmp_path, cache_dir, tin
 @pytest.mark.parametrize("how", [["hydra/launcher=packed"], ["hydra/launcher=packed", "hydra.sweeper.max_batch_size=1"],
                                  ["hydra/launcher=basic"], ["hydra/launcher=basic", "hydra.job.chdir=true"]],
                          ids=["packed", "packed-batches-of-one", "basic", "basic-chdir"])
-def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(tmp_path, cache_dir, how):
+def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engine(cli, tmp_path, how):
     sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
     checked_first = how == ["hydra/launcher=packed"]  # the whole sweep validated before any job runs
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"] + how,
-                  tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"] + how,
+              tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out[-3000:]
     assert f"error extract.out: job #0 of this sweep writes {shared} too, and each writes the whole file" in out
@@ -86,35 +85,33 @@ def test_extractions_of_a_sweep_that_share_one_file_are_refused_before_the_engin
     assert shared.exists() != checked_first
     # Run again into the same directory with a file each, #1 now writing the file #0 held: that hold is gone.
     other = tmp_path / "u.safetensors"
-    res = run_cli(["-m", "task=extract", "tap.layer=1", f"extract.out={other},{shared}", f"hydra.sweep.dir={sweep}"]
-                  + how, tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1", f"extract.out={other},{shared}", f"hydra.sweep.dir={sweep}"]
+              + how, tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert other.is_file() and shared.is_file()
 
     # A path that does not resolve is bad input like any other: named, before any engine starts.
     bad = str(tmp_path / "w${tap.layr}.safetensors")
-    res = run_cli(["-m", "task=extract", f"extract.out={tmp_path / 'w.safetensors'},'{bad}'",
-                   f"hydra.sweep.dir={tmp_path / 'sweep2'}"] + how, tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", f"extract.out={tmp_path / 'w.safetensors'},'{bad}'",
+               f"hydra.sweep.dir={tmp_path / 'sweep2'}"] + how, tmp_path)
     assert res.returncode == 2 and (tmp_path / "w.safetensors").exists() != checked_first, res.stderr[-3000:]
     assert "error extract.out: Interpolation key 'tap.layr' not found" in res.stderr
 
 
-def test_a_finished_extraction_skipped_on_resume_still_holds_its_file(tmp_path, cache_dir):
+def test_a_finished_extraction_skipped_on_resume_still_holds_its_file(cli, tmp_path):
     sweep, shared = tmp_path / "sweep", tmp_path / "v.safetensors"
-    res = run_cli(["-m", "task=extract", "tap.layer=1", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
-                  tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     written = shared.read_bytes()
     # The sweep extended: #0 is done and skipped, #1 would write #0's file over
-    res = run_cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"],
-                  tmp_path, cache_dir)
+    res = cli(["-m", "task=extract", "tap.layer=1,2", f"extract.out={shared}", f"hydra.sweep.dir={sweep}"], tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 2 and "(complete, skipped)" in out, out[-3000:]
     assert f"error extract.out: job #0 of this sweep writes {shared} too" in out
     assert shared.read_bytes() == written
 
 
-def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(tmp_path, cache_dir, tiny_spec):
+def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(cli, tmp_path, tiny_spec):
     import torch
 
     from steer.edits import vector
@@ -124,8 +121,8 @@ def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(tmp_path, ca
     vector.save(nan, {"direction": torch.full((tiny_spec.hidden,), float("nan"))}, model="tiny", tap="layer1",
                 method="m")
     vector.save(wide, {"direction": torch.randn(tiny_spec.hidden + 1)}, model="tiny", tap="layer1", method="m")
-    res = run_cli(["-m", f"edit.vector.path={good},{nan},{wide}", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                  tmp_path, cache_dir)
+    res = cli(["-m", f"edit.vector.path={good},{nan},{wide}", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+              tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "2 of 3 jobs have bad input (#1, #2;" in res.stderr and "no engine started" in res.stderr
     assert "nan" in res.stderr and f"shape [{tiny_spec.hidden + 1}]" in res.stderr  # each job's own error
@@ -142,7 +139,7 @@ def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir,
     assert all(complete(j) for j in jobs(sweep)) and len(set(pids)) == 2
 
 
-def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
+def test_killed_sweep_resumes_only_missing_jobs(cli, tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = ["-m", "edit=add", "edit.scale=0,2,4,8", "tap.layer=1,2", *QUICK, "hydra.launcher.pack_size=1",
             f"hydra.sweep.dir={sweep}"]
@@ -156,7 +153,7 @@ def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
         proc.wait()
     done = {j.name: (j / "metrics.json").stat().st_mtime_ns for j in jobs(sweep) if complete(j)}
     assert 3 <= len(done) < 8, "the sweep should have been stopped part way"
-    res = run_cli(args, tmp_path, cache_dir)
+    res = cli(args, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert all(complete(j) for j in jobs(sweep)) and len(jobs(sweep)) == 8
     for name, mtime in done.items():  # finished jobs were not run again
@@ -166,11 +163,11 @@ def test_killed_sweep_resumes_only_missing_jobs(tmp_path, cache_dir):
     assert [r["job"] for r in summary_rows(sweep)] == [str(i) for i in range(8)]
 
 
-def test_force_reruns_complete_jobs(tmp_path, cache_dir):
+def test_force_reruns_complete_jobs(cli, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"]
-    assert run_cli(args, tmp_path, cache_dir).returncode == 0
-    res = run_cli(args + ["hydra.launcher.force=true"], tmp_path, cache_dir)
+    assert cli(args, tmp_path).returncode == 0
+    res = cli(args + ["hydra.launcher.force=true"], tmp_path)
     assert res.returncode == 0 and "2 jobs to run" in res.stdout + res.stderr
 
 
@@ -181,8 +178,8 @@ def test_half_written_job_is_not_complete(tmp_path):
     assert complete(tmp_path)
 
 
-def test_bad_job_fails_the_sweep_before_any_engine_starts(tmp_path, cache_dir):
-    res = run_cli(["-m", "tap.layer=1,9", *QUICK, f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, cache_dir)
+def test_bad_job_fails_the_sweep_before_any_engine_starts(cli, tmp_path):
+    res = cli(["-m", "tap.layer=1,9", *QUICK, f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path)
     assert res.returncode != 0 and "layer 9 is out of range" in res.stderr
     assert "Loading weights" not in res.stderr and not list(tmp_path.rglob("results.jsonl"))
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import (TWO_PROMPTS, cli_env, compose_conf, on_tiny, run_cli, started, summary_rows as summary,
+from helpers import (TWO_PROMPTS, cli_env, compose_conf, on_tiny, started, summary_rows as summary,
                      sweep_jobs as jobs)
 
 from hydra_plugins.steer_launcher import packed
@@ -64,11 +64,11 @@ def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
         (tmp_path / "sweep" / "0" / "metrics.json").write_text(damaged)
         assert [r["status"] for r in job_rows(tmp_path / "sweep")] == ["failed"]  # the report says so
 
-def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec):
+def test_resume_reruns_jobs_whose_config_changed(cli, tmp_path, tiny_spec):
     sweep = tmp_path / "sweep"
     args = ["-m", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"]
-    assert run_cli(args + ["tap.layer=1"], tmp_path, cache_dir).returncode == 0
-    res = run_cli(args + ["tap.layer=2"], tmp_path, cache_dir)
+    assert cli(args + ["tap.layer=1"], tmp_path).returncode == 0
+    res = cli(args + ["tap.layer=2"], tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, res.stderr[-3000:]
     assert "(complete, skipped)" not in out and "2 jobs to run" in out
@@ -78,27 +78,27 @@ def test_resume_reruns_jobs_whose_config_changed(tmp_path, cache_dir, tiny_spec)
     for r, j in zip(rows, jobs(sweep)):  # the summary is the jobs' results, made with the config they hold
         assert "layer: 2" in (j / ".hydra" / "config.yaml").read_text()
         assert float(r["kl_mean"]) == json.loads((j / "metrics.json").read_text())["kl_mean"]
-    res = run_cli(args + ["tap.layer=2"], tmp_path, cache_dir)  # the same sweep again: nothing to do
+    res = cli(args + ["tap.layer=2"], tmp_path)  # the same sweep again: nothing to do
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
-def test_resume_reruns_jobs_whose_vector_file_was_rewritten(tmp_path, cache_dir, tiny_spec):
+def test_resume_reruns_jobs_whose_vector_file_was_rewritten(cli, tmp_path, tiny_spec):
     import torch
     from safetensors.torch import save_file
 
     sweep, vec = tmp_path / "sweep", tmp_path / "v.safetensors"
     save_file({"direction": torch.ones(tiny_spec.hidden)}, str(vec))
     args = ["-m", "edit.scale=1,2", *QUICK, f"edit.vector.path={vec}", f"hydra.sweep.dir={sweep}"]
-    assert run_cli(args, tmp_path, cache_dir).returncode == 0
+    assert cli(args, tmp_path).returncode == 0
     before = [json.loads((j / "metrics.json").read_text()) for j in jobs(sweep)]
     save_file({"direction": -50 * torch.ones(tiny_spec.hidden)}, str(vec))  # the same path, another vector
-    res = run_cli(args, tmp_path, cache_dir)
+    res = cli(args, tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "(complete, skipped)" not in out and out.count(f"(inputs changed: vector {vec}, rerunning)") == 2
     after = [json.loads((j / "metrics.json").read_text()) for j in jobs(sweep)]
     assert all(a["proj_steered"] != b["proj_steered"] for a, b in zip(after, before))
-    res = run_cli(args, tmp_path, cache_dir)  # and nothing changed since: both done
+    res = cli(args, tmp_path)  # and nothing changed since: both done
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
@@ -215,11 +215,11 @@ def test_a_validated_job_crosses_into_a_spawned_process(tmp_path, cache_dir, tin
     assert job.spec.outputs and pickle.loads(pickle.dumps(job)).spec.outputs == job.spec.outputs
 
 
-def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path, cache_dir, tiny_spec):
+def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(cli, tmp_path, tiny_spec):
     sweep = tmp_path / "sweep"
     (sweep / "1" / "results.jsonl").mkdir(parents=True)  # job 1 cannot write its results: it fails after generating
     args = ["-m", "edit.scale=0,2,4,8", *QUICK, f"hydra.sweep.dir={sweep}"]
-    res = run_cli(args, tmp_path, cache_dir)
+    res = cli(args, tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]
     assert [complete(j) for j in jobs(sweep)] == [True, False, True, True]  # the rest of its pack finished
@@ -232,7 +232,7 @@ def test_failed_job_keeps_its_pack_fails_the_sweep_and_reruns_on_resume(tmp_path
     assert rows[1]["error"].startswith("IsADirectoryError") and rows[1]["kl_mean"] == ""
 
     (sweep / "1" / "results.jsonl").rmdir()
-    res = run_cli(args, tmp_path, cache_dir)
+    res = cli(args, tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert out.count("(complete, skipped)") == 3 and out.count("(failed before, rerunning)") == 1
