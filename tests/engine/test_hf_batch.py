@@ -19,7 +19,7 @@ PROMPTS = ["When I opened the letter, I felt", "The", "Tell me about the weather
 
 @pytest.fixture(scope="module")
 def batched(hf_engine):
-    """The session's engine with a bound that batches (restored after)."""
+    """The suite's shared engine with a bound that batches (restored after)."""
     was = hf_engine.bound
     hf_engine.bound = Bound(rows=8, tokens=4096)
     yield hf_engine
