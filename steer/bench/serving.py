@@ -73,10 +73,9 @@ def stock_cmd(model: Path, port: int, gpu_util: float) -> List[str]:
 def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str) -> List[str]:
     out = [sys.executable, "-m", "steer.serve", "engine=vllm", "device=cuda", f"model.source={model}",
            f"model.name={SERVED}", "model.dtype=bfloat16", "vllm.load_format=dummy", "vllm.max_num_seqs=256",
-           f"vllm.gpu_memory_utilization={gpu_util}", f"serve.preset_dir={presets}",
-           # its own presets only: a preset_dir's are served beside the built-in ones
-           f"serve.presets=[{','.join(PRESETS)}]",
-           f"serve.port={port}", "serve.log_level=warning", f"hydra.run.dir={presets.parent / ('serve-' + mode)}"]
+           f"vllm.gpu_memory_utilization={gpu_util}", f"serve.preset_dir={presets}", f"serve.port={port}",
+           f"serve.presets=[{','.join(PRESETS)}]",  # its own only: a preset_dir's are served beside the built-in ones
+           "serve.log_level=warning", f"hydra.run.dir={presets.parent / ('serve-' + mode)}"]
     return out + MODES[mode]
 
 
