@@ -1,9 +1,8 @@
 """Configurations d and e: the bench's edits written as nnsight 0.8.1 traces, the way an nnsight user steers.
 
-Each request is one invoke whose block runs at every generated step (`tracer.all()`) and edits the decoder
-layer's output in place: `add` as `output[0][:] += v`, the other kinds on the residual stream (vLLM's layer
-returns `(hidden, residual)`, the stream is their sum) with the same float32 math as steer's compiled edits.
-nnsight reads a trace's source, so this file must stay plain Python on disk.
+Each request is one invoke whose block runs at every generated step (`tracer.all()`) and edits the layer's output
+in place: `add` as `output[0][:] += v`, the others on the stream (vLLM's layer returns `(hidden, residual)`, summed)
+in steer's float32 math. nnsight reads a trace's source, so this file stays plain Python on disk.
 """
 
 from typing import List, Optional, Sequence
