@@ -178,6 +178,13 @@ class Lab:
         elif key != self._engine_key:
             raise ConfigError("overrides", "the engine's settings (model, engine, device or vllm.*) are the Lab's own: "
                                            "make another Lab for them")
+        elif getattr(self._engine, "name", "hf") == "vllm":
+            # vLLM records its graphs with the taps it starts with; the HF engine serves any tap it is given
+            held = set(getattr(self._engine, "taps", {}))  # tap paths
+            new = sorted({t.name for job in jobs for t in job.taps if t.path not in held})
+            if new:
+                raise ConfigError("tap", f"{', '.join(new)} is not among the taps this Lab's vLLM engine started "
+                                         "with (those of its first call); make another Lab for it, or engine=hf")
         for job in jobs:
             job.model_files = self._model_files
         return self._engine

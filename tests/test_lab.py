@@ -176,3 +176,19 @@ def test_a_config_dir_of_ones_own_adds_groups_as_config_dir_does(cache_dir, tmp_
     with pytest.raises(ValueError) as e:
         steer.Lab(model="tiny", config_dir=tmp_path / "none")
     assert e.value.field == "config_dir"
+
+
+def test_a_vllm_lab_refuses_a_tap_its_engine_did_not_start_with(lab, loads, monkeypatch):
+    """vLLM fixes its taps as it starts (its graphs are recorded with them): a later call elsewhere is refused by
+    name before it reaches the engine, not left to fail inside it. A stand-in for a started vLLM engine holds layer
+    1's tap; the HF engine, which serves any tap, is not asked."""
+    from types import SimpleNamespace
+
+    from steer.runs import job
+
+    monkeypatch.setattr(job, "engine_key", lambda j: "the lab's")
+    lab._engine, lab._engine_key = SimpleNamespace(name="vllm", taps={"model.layers.1": None}), "the lab's"
+    with pytest.raises(ConfigError) as e:
+        lab.generate(PROMPTS, [steer.add(None, layer=2)])
+    assert e.value.field == "tap" and "layer2" in str(e.value), e.value
+    assert loads == []
