@@ -4,8 +4,12 @@ Every (layer, scale) pair of `select.layers` x `select.scales` runs the edit at 
 them one packed sweep on one engine (steer.runs.run.execute), each into a directory of its own under the run dir.
 A pair's score is its concept gain (concept_steered - concept_baseline: how much more of the direction the
 unsteered model reads in the steered text) among pairs whose perplexity stays within `max_ppl_ratio` of the
-baseline's (a strength that breaks the text is rejected however much concept it shows). The run dir gets
-selection.md, selection.json and selection.png (a layers x scales heat map of the gain, rejected cells marked).
+baseline's and whose steered text does not loop (distinct2_steered at least `min_distinct_ratio` of the
+baseline's: a loop such as "La la la ..." reads a low perplexity, the model predicting it well). A strength that
+breaks the text is rejected however much concept it shows, and only a positive gain is chosen. The scales mean
+what `edit.scale_by` says at every layer: with `resid`, the same share of the stream's typical norm there.
+The run dir gets selection.md, selection.json and selection.png (a layers x scales heat map of the gain, rejected
+cells marked).
 """
 
 import io
@@ -49,6 +53,8 @@ def _done(cell) -> bool:
     got = results.read_json(d / "metrics.json")
     if got is None or "error" in got or results.read_json(d / CELL) != _settings(cell.cfg):
         return False
+    if "distinct2_steered" not in got:  # scored before repetition was measured: its text is judged again
+        return False
     if inputs.recorded_changes(d) is not None:
         return False
     cell.result = got
@@ -86,15 +92,17 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command again runs the "
                           "rest and keeps these")
             raise
-    table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio) for job in jobs]
-    best = max((c for c in table if c["ok"]), key=lambda c: c["gain"], default=None)
+    table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio, cfg.select.min_distinct_ratio)
+             for job in jobs]
+    best = max((c for c in table if c["ok"] and c["gain"] > 0), key=lambda c: c["gain"], default=None)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
                "command": (command or _command)(best) if best else None}
     if best:
         log.info("best: layer %s, scale %g (gain %.3g, ppl x%.2f): %s", best["layer"], best["scale"], best["gain"],
                  best["ppl_ratio"], summary["command"])
     else:
-        log.info("no pair kept perplexity within the cap")
+        log.info("no pair passed: none kept perplexity within the cap and its text free of loops with a positive "
+                 "gain")
     results.write_json(out_dir / "selection.json", summary)
     results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary["command"]))
     _heatmap(out_dir / "selection.png", cfg, table, best)
@@ -106,25 +114,31 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     return summary
 
 
-def _cell(cfg: SteerConf, m: Dict, cap: float) -> Dict:
+def _cell(cfg: SteerConf, m: Dict, cap: float, min_distinct: float = 0.0) -> Dict:
     cell = {"layer": cfg.tap.layer, "scale": cfg.edit.scale, "dir": cell_name(cfg), "error": m.get("error"),
             "gain": None, "ppl_ratio": None, "ok": False, "why": None}
     if cell["error"]:
         cell["why"] = "failed"
         return cell
-    for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered", "sentiment_baseline",
-              "sentiment_steered", "kl_mean"):
+    for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered", "distinct2_baseline",
+              "distinct2_steered", "rep_steered", "sentiment_baseline", "sentiment_steered", "kl_mean"):
         cell[k] = m.get(k)
     if None in (m.get("concept_baseline"), m.get("concept_steered"), m.get("ppl_baseline"), m.get("ppl_steered")):
         cell["why"] = "no continuation to score"
         return cell
     cell["gain"] = m["concept_steered"] - m["concept_baseline"]
     cell["ppl_ratio"] = m["ppl_steered"] / m["ppl_baseline"]
-    cell["ok"] = cell["ppl_ratio"] <= cap
-    shown = f"{cell['ppl_ratio']:.2f}"
-    if float(shown) <= cap:  # x2.0000001 against a cap of 2 must not read "x2.00 > 2"
-        shown = f"{cell['ppl_ratio']:.8g}"
-    cell["why"] = None if cell["ok"] else f"ppl x{shown} > {cap:g}"
+    why = []
+    if cell["ppl_ratio"] > cap:
+        shown = f"{cell['ppl_ratio']:.2f}"
+        if float(shown) <= cap:  # x2.0000001 against a cap of 2 must not read "x2.00 > 2"
+            shown = f"{cell['ppl_ratio']:.8g}"
+        why.append(f"ppl x{shown} > {cap:g}")
+    base, steered = m.get("distinct2_baseline"), m.get("distinct2_steered")
+    if base is not None and steered is not None and steered < min_distinct * base:
+        why.append(f"repetitive: distinct-2 {steered:.2f} < {min_distinct:g} x {base:.2f}")
+    cell["ok"] = not why
+    cell["why"] = "; ".join(why) or None
     return cell
 
 
@@ -159,6 +173,16 @@ def _command(best: Dict) -> str:
     return "python -m steer " + " ".join(shlex.quote(a) for a in args)
 
 
+def _scale_note(cfg: SteerConf) -> str:
+    """Which scale the layers are compared on (edit.scale_by)."""
+    return {"vector": "Scales multiply the raw vector (edit.scale_by=vector): its length differs by layer, so a scale "
+                      "means more at some layers than others; edit.scale_by=resid compares layers on a common scale.",
+            "unit": "Scales multiply the unit direction (edit.scale_by=unit): the same length at every layer, not the "
+                    "same share of the stream (edit.scale_by=resid).",
+            "resid": "Scales are shares of the mean residual norm at each layer (edit.scale_by=resid): a common scale "
+                     "across layers."}.get(cfg.edit.scale_by, "")
+
+
 def _fmt(x: Optional[float], spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -167,12 +191,13 @@ def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: 
     s = cfg.select
     lines = [f"# Layer and strength for `{cfg.edit.kind.value}` on {cfg.model.name}", "",
              f"Score: concept gain (concept_steered - concept_baseline) among pairs with ppl_steered <= "
-             f"{s.max_ppl_ratio:g} x ppl_baseline.", ""]
+             f"{s.max_ppl_ratio:g} x ppl_baseline and distinct2_steered >= {s.min_distinct_ratio:g} x "
+             "distinct2_baseline; only a positive gain is chosen.", "", _scale_note(cfg), ""]
     if best:
         lines += [f"**Best: layer {best['layer']}, scale {best['scale']:g}** (gain {best['gain']:.3g}, "
                   f"ppl x{best['ppl_ratio']:.2f}). Rerun it: `{command}`", ""]
     else:
-        lines += ["**No pair passed the perplexity cap.**", ""]
+        lines += ["**No pair passed** (the perplexity cap, the repetition check and a positive gain).", ""]
     lines += ["Concept gain by layer (rows) and scale (columns); a rejected pair shows why.", "",
               "| layer | " + " | ".join(f"{x:g}" for x in s.scales) + " |",
               "| ---: | " + " | ".join("---:" for _ in s.scales) + " |"]
@@ -183,12 +208,14 @@ def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: 
             c = by[(layer, float(scale))]
             row.append(_fmt(c["gain"]) if c["ok"] else f"~~{_fmt(c['gain'])}~~ ({c['why']})")
         lines.append(f"| {layer} | " + " | ".join(row) + " |")
-    lines += ["", "| layer | scale | concept base | concept steered | ppl base | ppl steered | sentiment base | "
-                  "sentiment steered | kl_mean | dir |", "|" + " ---: |" * 9 + " --- |"]
+    lines += ["", "| layer | scale | concept base | concept steered | ppl base | ppl steered | distinct-2 base | "
+                  "distinct-2 steered | rep steered | sentiment base | sentiment steered | kl_mean | dir |",
+              "|" + " ---: |" * 12 + " --- |"]
     for c in table:
         lines.append(f"| {c['layer']} | {c['scale']:g} | " + " | ".join(
             _fmt(c.get(k)) for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered",
-                                     "sentiment_baseline", "sentiment_steered", "kl_mean")) + f" | {c['dir']} |")
+                                     "distinct2_baseline", "distinct2_steered", "rep_steered", "sentiment_baseline",
+                                     "sentiment_steered", "kl_mean")) + f" | {c['dir']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -269,9 +296,10 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
         t.add_row(str(layer), *[(f"{_fmt(c['gain'])} (x{_fmt(c['ppl_ratio'], '.2f')})" if c["ok"]
                                  else f"[red]{c['why']}[/]") for c in cells])
     console.print(t)
+    console.print(_scale_note(cfg))
     if best:
         console.print(f"best: layer {best['layer']}, scale {best['scale']:g} (gain {best['gain']:.3g}, ppl "
                       f"x{best['ppl_ratio']:.2f})\n  {command}")
     else:
-        console.print("[bold red]no pair kept perplexity within the cap[/]")
+        console.print("[bold red]no pair passed[/] (the perplexity cap, the repetition check and a positive gain)")
     console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")

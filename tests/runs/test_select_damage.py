@@ -69,6 +69,8 @@ def test_the_rerun_command_keeps_scale_by(monkeypatch):
     from hydra.core.hydra_config import HydraConfig
 
     task = ["task=select", "edit.scale_by=resid", "edit.scale=3", "select.scales=[0.1,0.5]"]
-    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(overrides=SimpleNamespace(task=task))))
+    hydra = SimpleNamespace(overrides=SimpleNamespace(task=task), runtime=SimpleNamespace(config_sources=[]),
+                            job=SimpleNamespace(config_name="config"))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra))
     assert select._command({"layer": 12, "scale": 0.5}) == \
-        "python -m steer edit.scale_by=resid tap.layer=12 edit.scale=0.5"
+        "python -m steer edit.scale_by=resid task=steer tap.layer=12 edit.scale=0.5"
