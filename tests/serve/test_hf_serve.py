@@ -10,23 +10,28 @@ from helpers import run
 
 STUCK = """
 import asyncio, signal, threading
+import torch
 from steer.config.schema import GenConf
+from steer.engine.hf_batch import Bound
 from steer.serve.hf_serve import _join
 from steer.serve.worker import EngineWorker
 
-class Stuck:
-    entered = threading.Event()
-    def generate_iter(self, ids, plan, gen, seed):
-        self.entered.set()
-        threading.Event().wait()  # a step that does not end
-        yield 1
+entered = threading.Event()
+
+class Step(torch.nn.Module):
+    def forward(self, *args, **kwargs):
+        entered.set()
+        threading.Event().wait()  # a forward that does not end
+
+class Stuck:  # what the worker's batch reads of an engine, around a model whose forward never returns
+    model, device, _cache_kw, stop_ids, bound = Step(), "cpu", {}, frozenset(), Bound()
 
 engine = Stuck()
 worker = EngineWorker(engine)
 async def submit():
     worker.submit([1], None, GenConf(max_new_tokens=4), 0, "a")
 asyncio.run(submit())
-engine.entered.wait()
+entered.wait()
 _join(worker, FORCED, SIGNALS, wait_s=WAIT)
 print("returned")
 """
