@@ -78,7 +78,9 @@ def test_extract_then_steer_with_the_file(cli, tmp_path):
     records = [json.loads(p.read_text()) for p in (tmp_path / "outputs").rglob("metrics.json")]
     [extracted] = [r for r in records if "vector" in r]  # the extraction's record: where it wrote what
     [m] = [r for r in records if "vector" not in r]
-    assert extracted == {"vector": str(out), "key": "joy", "tap": "layer2"}
+    diag = {k for k in extracted if k.startswith("diag.")}  # the direction's diagnostics (tests/runs/test_diagnostics)
+    assert {k: v for k, v in extracted.items() if k not in diag} == {"vector": str(out), "key": "joy", "tap": "layer2"}
+    assert {"diag.norm", "diag.resid_norm", "diag.heldout_auc"} <= diag
     assert m["proj_steered"] <= 1e-3 * m["proj_baseline"]
 
 

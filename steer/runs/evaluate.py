@@ -162,10 +162,10 @@ def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor],
     return at
 
 
-def run(job, console: Console) -> Dict:
-    """Run a prepared task=eval job into its run directory; return its metrics."""
+def run(job, console: Console, engine_for: Callable) -> Dict:
+    """Run a prepared task=eval job into its run directory on the engine `engine_for([job])` gives
+    (steer.runs.job.engine_for); return its metrics."""
     from steer.runs.extract import Recipe, extract
-    from steer.runs.job import engine_for
 
     cfg = job.cfg
     fit, held = job.items

@@ -55,7 +55,7 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     if cfg.task == Task.eval:
         from steer.runs import evaluate
 
-        return evaluate.run(job, console)
+        return evaluate.run(job, console, engine_for)
     if defer:
         return job
     out = execute([job], console)[0]
