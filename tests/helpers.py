@@ -105,6 +105,7 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
     checks, this runs the command without paying a new interpreter's imports of torch and transformers."""
     import logging
     import runpy
+    import signal
     import traceback
 
     from hydra.core.global_hydra import GlobalHydra
@@ -114,6 +115,9 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as a user's shell has it; run_app sets it while it runs
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    # The command takes SIGTERM as Ctrl-C and a sweep ignores both while its report is written: put back as they
+    # were, else every process this test run starts later inherits an ignored Ctrl-C (a server then exits 0 on it)
+    stops = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     capsys.readouterr()
     try:
         runpy.run_module("steer", run_name="__main__", alter_sys=True)  # as `python -m steer`: Hydra finds conf/
@@ -133,6 +137,8 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
                 root.addHandler(h)
         root.setLevel(level)
         GlobalHydra.instance().clear()
+        for sig, handler in stops.items():
+            signal.signal(sig, handler)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 

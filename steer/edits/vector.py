@@ -108,6 +108,8 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", la
         v = formats.read_npy(path, key, field) if kind == "npy" else formats.read_pt(path, key, field)
         return check(v, hidden, f"{field} ({path})")
     if kind == "gguf" or formats.is_multi_layer(_metadata_or_none(path, field)):
+        if layer is None and key.startswith("direction.") and key[len("direction."):].isdigit():
+            layer = int(key[len("direction."):])  # no tap layer to pick by: the key names the layer
         return check(_at_layer(formats.read_layers(path, field), path, layer, field), hidden,
                      f"{field} ({path}:direction.{layer})")
     try:
