@@ -30,4 +30,8 @@ def app(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":  # vLLM's spawned workers re-import this module: nothing may start at import
+    import signal
+
+    # Ctrl-C stops the server (exit 130) even where its parent started it with Ctrl-C ignored, which Python keeps
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_app(app)
