@@ -5,25 +5,10 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 
 from helpers import ROOT
-from steer.config.schema import ModelConf
-from steer.errors import ConfigError
 
 NOTEBOOK = ROOT / "examples" / "steer_smollm2.ipynb"
-
-
-@pytest.fixture(scope="module")
-def smollm2(cache_dir):
-    from steer.models.spec import spec
-
-    try:
-        return spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
-    except ConfigError as e:
-        if e.field == "model.source":
-            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
-        raise
 
 
 def _text(output) -> str:
@@ -32,7 +17,7 @@ def _text(output) -> str:
     return "".join(output.get("data", {}).get("text/plain", ""))
 
 
-def test_the_example_notebook_runs_in_a_kernel(smollm2, tmp_path, monkeypatch):
+def test_the_example_notebook_runs_in_a_kernel(smollm2_spec, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 

@@ -24,16 +24,6 @@ NEG = ["I am so sad and tired, this is a terrible day", "What a misery, everythi
        "We cried and sighed, the evening was grim and cold"]
 
 
-@pytest.fixture(scope="session")
-def smollm2_spec(cache_dir):
-    try:
-        return spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
-    except ConfigError as e:
-        if e.field == "model.source":
-            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
-        raise
-
-
 @pytest.fixture(scope="module")
 def smol(smollm2_spec):
     """The HF engine on SmolLM2, with one torch thread: on a small shared CPU, two threads contending with other
