@@ -173,3 +173,49 @@ def test_truncate_keeps_the_last_tokens_that_fit(tmp_path, cache_dir, console):
     assert m["prompts"] == 1
     assert "truncated to its last 2045" in console.file.getvalue()
     assert "truncated to its last 2045" in (tmp_path / "j" / "steer.log").read_text()
+
+
+def test_a_sweep_over_layers_reads_its_pairs_once_and_each_baseline_once(tmp_path, cache_dir, tiny_spec, console,
+                                                                         monkeypatch):
+    """The pack's default directions come from one read of the pairs (every layer captured at once), each equal to
+    its layer's extraction alone, and a baseline the jobs share is re-read once; each job's files equal its run
+    alone."""
+    import torch
+
+    from steer.edits import vector
+    from steer.runs import extract
+
+    # Pairs of this test's own: no other test has their directions in the shared cache
+    pairs = ["prompts.positive=['A warm sunny morning','Laughing with old friends']",
+             "prompts.negative=['A cold grey morning','Crying alone at night']"]
+    reads, scored = [], []
+    read_taps = extract.read_taps
+    monkeypatch.setattr(extract, "read_taps", lambda eng, taps, *a, **k: reads.append(len(taps)) or
+                        read_taps(eng, taps, *a, **k))
+
+    def job(name, layer):
+        (tmp_path / name).mkdir()
+        return run.prepare(compose(f"tap.layer={layer}", *pairs, *QUICK), tmp_path / name)
+
+    layers = [1, 2, 3]
+    pack = [job(f"pack{k}", k) for k in layers]
+    with run.engine_for(pack) as engine:
+        real = engine.score_many
+        monkeypatch.setattr(engine, "score_many", lambda rows: scored.append(list(rows)) or real(rows))
+        run.execute(pack, console, engine=engine)
+        assert reads == [3, 3]  # the positive and the negative set, each read once at the three layers
+        baseline_rows = [r for rows in scored for r in rows if r[1] and r[2] is None and len(r[3]) == 3]
+        assert len(baseline_rows) == 2  # the two prompts' baselines, re-read once with the three taps captured
+        cfg = pack[0].cfg
+        recipe = extract.Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+        for j in pack:
+            [tap] = j.taps
+            alone = extract.extract(engine, tap, list(cfg.prompts.positive), list(cfg.prompts.negative), recipe)
+            cached = extract.cached_default(cfg.cache_dir, engine, tap, list(cfg.prompts.positive),
+                                            list(cfg.prompts.negative), recipe)
+            assert torch.equal(cached, vector.check(alone.direction, tiny_spec.hidden, "alone"))
+    for k in layers:
+        [solo] = run.execute([job(f"solo{k}", k)], console)
+        assert "error" not in solo
+        assert (tmp_path / f"pack{k}" / "results.jsonl").read_text() == \
+            (tmp_path / f"solo{k}" / "results.jsonl").read_text()

@@ -262,19 +262,43 @@ def cached_default(cache_dir: str, engine, tap: Tap, positive: List[str], negati
     resolved), then read from cache. The model is its weights as loaded: its files (a checkpoint retrained in
     place, a hub revision's newer snapshot make a new direction) and dtype. With `with_metadata`, the pair
     (direction, the file's metadata: its diagnostics among them)."""
-    from steer.runs import inputs
-
     recipe = resolve(recipe, engine, positive, negative)
-    model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]
-    blob = json.dumps([model, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
-    path = Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
-    d = None
-    if path.exists():
-        try:
-            d = vector.load(path, "direction", engine.spec.hidden, field="default vector")
-        except ConfigError as e:  # the cache's own file, damaged (a disk filled, a copy cut short): made again
-            log.warning("the cached default direction %s is unreadable (%s): extracting it again", path, e)
-    if d is None or "diag.resid_norm" not in vector.metadata(path):  # a file from before diagnostics: made again
+    path = _cache_path(cache_dir, engine, tap, positive, negative, recipe)
+    d = _cached(path, engine)
+    if d is None:
         extract_to(path, "direction", engine, tap, positive, negative, recipe)
         d = vector.load(path, "direction", engine.spec.hidden, field="default vector")
     return (d, vector.metadata(path)) if with_metadata else d
+
+
+def cache_defaults(cache_dir: str, engine, taps: Sequence[Tap], positive: List[str], negative: List[str],
+                   recipe: Recipe = Recipe()) -> None:
+    """Put the default direction at every tap of `taps` into the cache (`cached_default` then reads it), the
+    missing ones read in one forward pass per prompt: a sweep over layers reads its pairs once, not once a layer."""
+    recipe = resolve(recipe, engine, positive, negative)
+    paths = {t.path: (t, _cache_path(cache_dir, engine, t, positive, negative, recipe)) for t in taps}
+    missing = [(t, path) for t, path in paths.values() if _cached(path, engine) is None]
+    if not missing:
+        return
+    for (_, path), ex in zip(missing, extract(engine, [t for t, _ in missing], positive, negative, recipe)):
+        write(path, "direction", engine, ex, positive, negative, recipe)
+
+
+def _cache_path(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str], recipe: Recipe) -> Path:
+    from steer.runs import inputs
+
+    model = [engine.spec.source, engine.spec.revision, str(engine.spec.dtype), inputs.weights(engine.spec)]
+    blob = json.dumps([model, tap.path, positive, negative, asdict(recipe)], sort_keys=True).encode()
+    return Path(cache_dir).expanduser() / "vectors" / f"{hashlib.sha256(blob).hexdigest()[:16]}.safetensors"
+
+
+def _cached(path: Path, engine) -> Optional[torch.Tensor]:
+    """The cached direction at `path`, or None where it must be made (again)."""
+    if not path.exists():
+        return None
+    try:
+        d = vector.load(path, "direction", engine.spec.hidden, field="default vector")
+    except ConfigError as e:  # the cache's own file, damaged (a disk filled, a copy cut short): made again
+        log.warning("the cached default direction %s is unreadable (%s): extracting it again", path, e)
+        return None
+    return d if "diag.resid_norm" in vector.metadata(path) else None  # a file from before diagnostics: made again

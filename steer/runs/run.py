@@ -19,21 +19,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from steer import results
-
-from steer.runs import inputs
-
-from steer.runs import metrics
-
-from steer.runs import rundir
 from steer.config import checks
-from steer.errors import ConfigError
-from steer.edits import formats
-from steer.runs import diagnostics, export
-from steer.runs.extract import Recipe, cached_default, extract, write, write_layers
-from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
-from steer.edits.plan import Plan
-from steer.progress import bar as progress_bar
 from steer.config.schema import SteerConf, Task
+from steer.edits import formats
+from steer.engine.base import Scores
+from steer.edits.plan import Plan
+from steer.errors import ConfigError
+from steer.progress import bar as progress_bar
+from steer.runs import diagnostics, export, inputs, metrics, rundir
+from steer.runs.extract import Recipe, cache_defaults, cached_default, extract, write, write_layers
+from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
+
+log = logging.getLogger(__name__)
 
 
 def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
@@ -151,15 +148,16 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     work = _start(jobs, engine, console, on_done, say)
     conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
+    baselines: Dict[tuple, Scores] = {}
     try:
         _generate(engine, work, conts, console)
+        elapsed = time.perf_counter() - t0
+        baselines = _reread_baselines(engine, work, conts)
     except Exception as e:  # the engine failed for the whole batch: every job of it says so
         for w in work:
             fail(w.job, e, console, say)
-        work = []
-    elapsed = time.perf_counter() - t0
+        work, elapsed = [], time.perf_counter() - t0
     tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
-    baselines: Dict[tuple, tuple] = {}  # the unsteered re-reading of a baseline, shared by the jobs of a sweep
     for w in work:
         try:
             rows = _score(engine, w, conts, baselines)
@@ -185,6 +183,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
 def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) -> List[_Work]:
     """Run the extractions; set up each steer job's generation (a job that cannot be set up fails alone)."""
     taps = sorted({t.path for job in jobs for t in job.taps})  # the pack's: its requests share the batches
+    _cache_defaults(jobs, engine)
     work = []
     for job in jobs:
         job_log(job).info("engine %s on %s in pid %d, taps %s", engine.name, job.spec.source, os.getpid(), taps)
@@ -199,6 +198,29 @@ def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) ->
         except Exception as e:
             fail(job, e, console, say)
     return work
+
+
+def _cache_defaults(jobs: Sequence[Job], engine) -> None:
+    """The default directions the pack's steer jobs need, extracted together where they share their pairs and
+    recipe (a sweep over layers reads its pairs once). A direction that cannot be extracted here is extracted again
+    by its own job, which then fails alone with the reason."""
+    groups: Dict[str, tuple] = {}
+    for job in jobs:
+        cfg = job.cfg
+        if cfg.task == Task.extract or not job.plan.pending:
+            continue
+        recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+        pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
+        key = json.dumps([cfg.cache_dir, pos, neg, asdict(recipe)], sort_keys=True)
+        taps = groups.setdefault(key, (cfg.cache_dir, pos, neg, recipe, {}))[4]
+        taps.update((path, job.plan.taps[path]) for path, *_ in job.plan.pending)
+    for cache_dir, pos, neg, recipe, taps in groups.values():
+        if len(taps) > 1:
+            try:
+                cache_defaults(cache_dir, engine, list(taps.values()), pos, neg, recipe)
+            except Exception as e:
+                log.info("default directions at %s not extracted together (%s): each job extracts its own",
+                         ", ".join(taps), e)
 
 
 def _setup(job: Job, engine, console: Console) -> _Work:
@@ -332,17 +354,31 @@ def _steer_key(w: _Work, i: int) -> tuple:
     return ("steer", id(w), i)
 
 
-def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tuple, tuple]) -> List[Dict]:
-    """Score a job's continuations. The unsteered model re-reads the baseline and the steered continuation
-    (perplexity, and the concept: the signed projection of its tap values on the edit's direction) and the
-    steered model re-reads the steered one (KL against the unsteered reading, projections at the first edit's
-    tap). A baseline's re-reading at a tap is kept in `baselines` for the other jobs that share it."""
+def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) -> Dict[tuple, Scores]:
+    """The unsteered model's re-reading of every baseline, once for all the jobs that share it, capturing each of
+    their first edits' taps (a sweep over layers re-reads a baseline once, not once a layer). Each job's new
+    baselines are read in one batch, as they are when it runs alone: a row's numbers depend on its batch."""
+    taps: Dict[tuple, set] = {}
+    for w in work:
+        for ids, seed in zip(w.encoded, w.seeds):
+            taps.setdefault(_base_key(w, ids, seed), set()).add(w.plan.primary[0].path)
+    out: Dict[tuple, Scores] = {}
+    for w in work:
+        todo = {k: ids for k, ids in zip((_base_key(w, ids, seed) for ids, seed in zip(w.encoded, w.seeds)),
+                                         w.encoded) if k not in out}
+        out.update(zip(todo, engine.score_many([(ids, conts[k], None, tuple(sorted(taps[k])))
+                                                for k, ids in todo.items()])))
+    return out
+
+
+def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tuple, Scores]) -> List[Dict]:
+    """Score a job's continuations. The unsteered model re-reads the baseline (`baselines`) and the steered
+    continuation (perplexity, and the concept: the signed projection of its tap values on the edit's direction)
+    and the steered model re-reads the steered one (KL against the unsteered reading, projections at the first
+    edit's tap)."""
     tap, edit = w.plan.primary
     cap = (tap.path,)
-    keys = [(_base_key(w, ids, seed), tap.path) for ids, seed in zip(w.encoded, w.seeds)]
-    prompt_ids = dict(zip(keys, w.encoded))
-    todo = list(dict.fromkeys(k for k in keys if k not in baselines))
-    baselines.update(zip(todo, engine.score_many([(prompt_ids[k], conts[k[0]], None, cap) for k in todo])))
+    keys = [_base_key(w, ids, seed) for ids, seed in zip(w.encoded, w.seeds)]
     jobs = []
     for i, ids in enumerate(w.encoded):
         st = conts[_steer_key(w, i)]
