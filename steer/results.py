@@ -35,21 +35,30 @@ def make_dir(parent: str | Path, prefix: str) -> Path:
 def build_dir(dest: Path, build) -> Path:
     """Make directory `dest` once: `build(tmp)` fills a fresh directory beside it, which is then renamed into place
     (atomic: a half-built directory is never seen under `dest`). A directory with a config.json already there is
-    kept, also when a concurrent builder got there first."""
+    kept. Builders of the same `dest` take turns on a lock file, so processes that start on a fresh cache together
+    (a sweep's engine groups, parallel test workers) build it once and the others wait for it. The lock files live
+    in `locks/` one level up (the cache's own folder for `<cache>/models/<name>`), not among what they guard."""
+    from filelock import FileLock
+
     dest = Path(dest)
     if (dest / "config.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_dir(dest.parent, ".building-")
-    try:
-        build(tmp)
+    locks = dest.parent.parent / "locks"
+    locks.mkdir(exist_ok=True)
+    with FileLock(locks / f"{dest.name}.lock"):
+        if (dest / "config.json").exists():  # built while this process waited
+            return dest
+        tmp = make_dir(dest.parent, ".building-")
         try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").exists():  # lost a race to a concurrent builder otherwise
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, dest)
+            except OSError:
+                if not (dest / "config.json").exists():  # one that took no lock got there first
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
