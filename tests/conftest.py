@@ -8,6 +8,13 @@ from helpers import MARK, end_processes_left
 
 def pytest_configure(config):
     os.environ[MARK] = str(os.getpid())  # inherited by every process the tests start: processes_left() finds them
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Workers side by side on a core each: torch's threads spinning on a core the other worker holds slow
+        # both several times over. The processes the tests start inherit the setting.
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -20,9 +27,15 @@ def no_process_left():
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    """One steer cache for the whole test run: the tiny model is built once and shared by every test."""
-    d = tmp_path_factory.mktemp("steer-cache")
+def cache_dir(tmp_path_factory, worker_id):
+    """One steer cache for the whole test run: the tiny model is built once and shared by every test, and by every
+    worker of a parallel run (they share the base temp directory's parent; steer builds a cached model once while
+    the others wait on its lock)."""
+    if worker_id == "master":
+        d = tmp_path_factory.mktemp("steer-cache")
+    else:
+        d = tmp_path_factory.getbasetemp().parent / "steer-cache"
+        d.mkdir(exist_ok=True)
     os.environ["STEER_CACHE"] = str(d)
     return d
 
@@ -74,7 +87,7 @@ def pytest_collection_modifyitems(config, items):
         ok = False
     if ok:
         return
-    skip = pytest.mark.skip(reason="needs CUDA and vLLM (run on a machine with both: pytest -m gpu)")
+    skip = pytest.mark.skip(reason="needs CUDA and vLLM (run on a machine with both: pytest -m gpu -n 0)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, for a GPU machine with vLLM (see CONTRIBUTING.md). Stages, in the order given (default: tests
 # cli sweep bench):
-#   tests  the GPU tests (pytest -m gpu tests; TESTS_K=expr runs those pytest -k selects)
+#   tests  the GPU tests (pytest -m gpu -n 0 tests; TESTS_K=expr runs those pytest -k selects)
 #   cli    the acceptance CLI run on the vLLM and HF engines, steered tokens compared
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 tests() {  # [report name]
   local name=${1:-gpu-tests}
-  STEER_TEST_FAILURES="$OUT/$name-failures.txt" python -m pytest -m gpu -v -rA tests ${TESTS_K:+-k "$TESTS_K"} \
+  STEER_TEST_FAILURES="$OUT/$name-failures.txt" python -m pytest -m gpu -n 0 -v -rA tests ${TESTS_K:+-k "$TESTS_K"} \
     --junitxml="$OUT/$name.xml" 2>&1 \
     | tee "$OUT/$name.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
 }
@@ -67,7 +67,7 @@ bench() {
 }
 
 tp() {
-  python -m pytest -m gpu -v -rA tests/gpu/test_tensor_parallel.py --junitxml="$OUT/tp-junit.xml" 2>&1 \
+  python -m pytest -m gpu -n 0 -v -rA tests/gpu/test_tensor_parallel.py --junitxml="$OUT/tp-junit.xml" 2>&1 \
     | tee "$OUT/tp-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error"
   python -m steer.bench 'run=[llama3_8b]' 'configs=[b,c]' 'scenarios=[add]' tensor_parallel_size=2 \
     hydra.run.dir="$OUT/bench-tp2" > "$OUT/bench-tp2.log" 2>&1; echo "bench tp2 rc=$?"
