@@ -12,7 +12,7 @@ from steer.edits.plan import build
 from steer.edits.tap import resolve
 from steer.errors import ConfigError
 from steer.models.spec import spec
-from steer.runs.extract import Recipe, direction
+from steer.runs.extract import Recipe, direction, extract
 
 
 def gguf_tensors(path):
@@ -100,7 +100,9 @@ def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smol
     cfg = compose("model=smollm2", tiny=False)
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
-    dirs = {k: direction(smol, resolve(TapConf(layer=k), smol.spec), pos, neg, recipe) for k in range(8, 17)}
+    layers = range(8, 17)  # read in one pass of the pairs, each layer's direction as `direction` gives it
+    exs = extract(smol, [resolve(TapConf(layer=k), smol.spec) for k in layers], pos, neg, recipe)
+    dirs = {k: ex.direction for k, ex in zip(layers, exs)}
     multi = vector.save_layers(tmp_path / "joy_8_16.safetensors", dirs, model="smollm2",
                                      tap=",".join(f"layer{k}" for k in dirs), method="diffmean")
     common = ["model=smollm2", "edit.vector.layers={from: 8, to: 16}", "edit.scale=1.5"]
