@@ -40,6 +40,26 @@ def cache_dir(tmp_path_factory, worker_id):
     return d
 
 
+@pytest.fixture(scope="session", autouse=True)
+def models_built_side_by_side(request, worker_id, cache_dir):
+    """In a parallel run of many tests, the first worker builds the tiny model and the second converts SmolLM2
+    first thing: otherwise one worker builds while the other, needing the same model, waits on its lock."""
+    if worker_id not in ("gw0", "gw1") or len(request.session.items) < 100:
+        return
+    from steer.config.schema import ModelConf
+    from steer.errors import ConfigError
+    from steer.models import tiny
+    from steer.models.spec import spec
+
+    if worker_id == "gw0":
+        tiny.ensure_tiny(str(cache_dir), ModelConf(name="tiny").tiny)
+        return
+    try:
+        spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
+    except ConfigError:  # not available here: its tests skip
+        pass
+
+
 @pytest.fixture(scope="session")
 def tiny_spec(cache_dir):
     from steer.models import tiny
