@@ -82,14 +82,11 @@ def test_a_sweep_of_selects_reports_each_ones_best_pair(cli, tmp_path):
     assert said.count("4 done before with these settings and inputs, kept") == 2
 
 
-def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cache_dir):
+def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cli):
     """A select run with its prompts from a config directory of the user's own (--config-dir, here after the
     overrides): the command it prints keeps that directory and the overrides, exits 0 and gives the chosen pair's
-    own results."""
+    own results. Both commands run in this process: what is checked is the command line, not a new interpreter."""
     import shlex
-    import sys
-
-    from helpers import cli_env, run, run_cli
 
     mine = tmp_path / "myconf" / "prompts"
     mine.mkdir(parents=True)
@@ -98,9 +95,9 @@ def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cache_dir):
         "positive: ['I am so happy and full of joy', 'What a wonderful, delightful day']\n"
         "negative: ['I am so sad and full of gloom', 'What a miserable, dreadful day']\n")
     # On the tiny model this direction reads backwards: a negative strength is the one that gains (layer 2, -2)
-    res = run_cli(["prompts=mine", "task=select", "select.layers=[1,2]", "select.scales=[-2,-4]",
-                   "select.max_ppl_ratio=100", "gen.max_new_tokens=6", "hydra.run.dir=sel",
-                   "--config-dir", str(tmp_path / "myconf")], tmp_path, cache_dir)
+    res = cli(["prompts=mine", "task=select", "select.layers=[1,2]", "select.scales=[-2,-4]",
+               "select.max_ppl_ratio=100", "gen.max_new_tokens=6", "hydra.run.dir=sel",
+               "--config-dir", str(tmp_path / "myconf")], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "sel" / "selection.json").read_text())
     best, command = summary["best"], summary["command"]
@@ -109,7 +106,7 @@ def test_the_printed_rerun_command_runs_the_chosen_pair(tmp_path, cache_dir):
     assert args[:3] == ["python", "-m", "steer"] and args[3:5] == ["--config-dir", str(tmp_path / "myconf")]
     assert "prompts=mine" in args and not any(a.startswith(("select.", "hydra.run")) for a in args), args
 
-    again = run([sys.executable, *args[1:]], cwd=tmp_path, env=cli_env(cache_dir), timeout=600)
+    again = cli(args[3:], tmp_path)  # `python -m steer` and then what the command gives it
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = [d for d in (tmp_path / "outputs").glob("*/*") if (d / "results.jsonl").is_file()]
     assert len(rerun) == 1, rerun
