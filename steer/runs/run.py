@@ -350,6 +350,11 @@ def _base_key(w: _Work, ids, seed) -> tuple:
     return ("base", _gen_key(w), tuple(ids), seed)
 
 
+def _base_keys(w: _Work) -> List[tuple]:
+    """Each of a job's prompts' baseline key, in prompt order."""
+    return [_base_key(w, ids, seed) for ids, seed in zip(w.encoded, w.seeds)]
+
+
 def _steer_key(w: _Work, i: int) -> tuple:
     return ("steer", id(w), i)
 
@@ -360,12 +365,11 @@ def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) 
     baselines are read in one batch, as they are when it runs alone: a row's numbers depend on its batch."""
     taps: Dict[tuple, set] = {}
     for w in work:
-        for ids, seed in zip(w.encoded, w.seeds):
-            taps.setdefault(_base_key(w, ids, seed), set()).add(w.plan.primary[0].path)
+        for k in _base_keys(w):
+            taps.setdefault(k, set()).add(w.plan.primary[0].path)
     out: Dict[tuple, Scores] = {}
     for w in work:
-        todo = {k: ids for k, ids in zip((_base_key(w, ids, seed) for ids, seed in zip(w.encoded, w.seeds)),
-                                         w.encoded) if k not in out}
+        todo = {k: ids for k, ids in zip(_base_keys(w), w.encoded) if k not in out}
         out.update(zip(todo, engine.score_many([(ids, conts[k], None, tuple(sorted(taps[k])))
                                                 for k, ids in todo.items()])))
     return out
@@ -378,7 +382,7 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tupl
     edit's tap)."""
     tap, edit = w.plan.primary
     cap = (tap.path,)
-    keys = [_base_key(w, ids, seed) for ids, seed in zip(w.encoded, w.seeds)]
+    keys = _base_keys(w)
     jobs = []
     for i, ids in enumerate(w.encoded):
         st = conts[_steer_key(w, i)]
