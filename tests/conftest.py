@@ -46,17 +46,12 @@ def models_built_side_by_side(request, worker_id, cache_dir):
     first thing: otherwise one worker builds while the other, needing the same model, waits on its lock."""
     if worker_id not in ("gw0", "gw1") or len(request.session.items) < 100:
         return
-    from steer.config.schema import ModelConf
-    from steer.errors import ConfigError
-    from steer.models import tiny
-    from steer.models.spec import spec
-
     if worker_id == "gw0":
-        tiny.ensure_tiny(str(cache_dir), ModelConf(name="tiny").tiny)
+        request.getfixturevalue("tiny_spec")
         return
     try:
-        spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
-    except ConfigError:  # not available here: its tests skip
+        request.getfixturevalue("smollm2_spec")
+    except pytest.skip.Exception:  # not available here: its tests skip
         pass
 
 
