@@ -92,6 +92,13 @@ def cli_env(cache_dir):
     return {**os.environ, "STEER_CACHE": str(cache_dir), "PYTHONPATH": path}
 
 
+def held_cli(n, args):
+    """The command line of `python -m steer args` (on the tiny model) whose job or pack after its first `n` waits
+    for a signal before it starts (tests/launcher/hold_after.py): a stop sent once `n` are seen finished lands part
+    way through the sweep on any machine."""
+    return [sys.executable, str(ROOT / "tests" / "launcher" / "hold_after.py"), str(n), *on_tiny(args)]
+
+
 def run_cli(args, cwd, cache_dir, timeout=600):
     """Run `python -m steer` in a subprocess from `cwd`; outputs land under cwd/outputs."""
     return run([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=cwd, env=cli_env(cache_dir),

@@ -5,12 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import TWO_PROMPTS, cli_env, on_tiny, run_cli, started, sweep_jobs as jobs, summary_rows
+from helpers import TWO_PROMPTS, cli_env, held_cli, run_cli, started, sweep_jobs as jobs, summary_rows
 
 from hydra_plugins.steer_launcher.packed import complete
 
@@ -144,8 +143,9 @@ def test_killed_sweep_resumes_only_missing_jobs(cli, tmp_path, cache_dir):
     args = ["-m", "edit=add", "edit.scale=0,2,4,8", "tap.layer=1,2", *QUICK, "hydra.launcher.pack_size=1",
             f"hydra.sweep.dir={sweep}"]
     env = cli_env(cache_dir)
-    with started([sys.executable, "-m", "steer", *on_tiny(args), "progress=false"], cwd=tmp_path, env=env,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+    # The fourth job waits for the kill (held_cli), so it lands part way on any machine
+    with started(held_cli(3, [*args, "progress=false"]), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL) as proc:
         deadline = time.time() + 300
         while time.time() < deadline and sum(complete(j) for j in jobs(sweep)) < 3 and proc.poll() is None:
             time.sleep(0.2)

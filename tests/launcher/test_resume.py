@@ -3,11 +3,10 @@
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
-from helpers import (TWO_PROMPTS, cli_env, compose_conf, on_tiny, started, summary_rows as summary,
+from helpers import (TWO_PROMPTS, cli_env, compose_conf, held_cli, on_tiny, started, summary_rows as summary,
                      sweep_jobs as jobs)
 
 from hydra_plugins.steer_launcher import packed
@@ -248,7 +247,8 @@ def test_ctrl_c_keeps_finished_jobs_writes_their_summary_and_exits_130(tmp_path,
     env = cli_env(cache_dir)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         # Ctrl-C reaches the whole foreground process group; SIGINT must not be inherited as ignored.
-        with started([sys.executable, "-m", "steer", *on_tiny(args)], cwd=tmp_path, env=env, stdout=out, stderr=err,
+        # The second pack waits for the stop (held_cli), so the stop lands part way on any machine
+        with started(held_cli(1, args), cwd=tmp_path, env=env, stdout=out, stderr=err,
                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
             deadline = time.time() + 300
             while time.time() < deadline and not any(complete(j) for j in jobs(sweep)) and proc.poll() is None:

@@ -3,12 +3,11 @@ summary is written, the last line says so, and the sweep exits 130; no process o
 
 import os
 import signal
-import sys
 import time
 
 import pytest
 
-from helpers import TWO_PROMPTS, cli_env, on_tiny, started, summary_rows, sweep_jobs
+from helpers import TWO_PROMPTS, cli_env, held_cli, started, summary_rows, sweep_jobs
 from hydra_plugins.steer_launcher.packed import complete
 
 
@@ -23,7 +22,7 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(launcher, said, tmp_path, cache_di
             *launcher,
             f"hydra.sweep.dir={sweep}", "progress=false"]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        with started([sys.executable, "-m", "steer", *on_tiny(args)], cwd=tmp_path, env=cli_env(cache_dir),
+        with started(held_cli(1, args), cwd=tmp_path, env=cli_env(cache_dir),
                      stdout=out, stderr=err) as proc:
             deadline = time.time() + 400
             while time.time() < deadline and not any(complete(j) for j in sweep_jobs(sweep)) and proc.poll() is None:
