@@ -189,7 +189,8 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
         metrics[f"p_matching_scale{s['scale']:g}"] = s["p_matching"]
         metrics[f"shift_scale{s['scale']:g}"] = s["shift"]
     d = job.out_dir
-    inputs.write(d, job.vectors, job.model_files if job.model_files is not None else inputs.model(cfg, job.spec))
+    inputs.write(d, job.vectors, job.model_files if job.model_files is not None else inputs.model(cfg, job.spec),
+                 job.data)
     results.write_json(d / "eval.json", out)
     results.write_bytes(d / "eval.png", plot(out))
     results.write_json(d / "metrics.json", metrics)  # last: its presence marks the job complete

@@ -1,17 +1,18 @@
-"""What a job reads beside its config, fingerprinted: its vector files (by content) and its model's files (by
-size and modification time; hashing gigabytes of weights on every resume would cost more than the jobs).
+"""What a job reads beside its config, fingerprinted: its vector files and data files (prompts, pairs, an A/B
+dataset; by content) and its model's files (by size and modification time; hashing gigabytes of weights on every
+resume would cost more than the jobs).
 
-A config names a vector by its path and a model by its directory or hub id, so a sweep resumed after a vector
-file was rewritten, a checkpoint retrained in place or a hub model updated would otherwise count its old jobs as
-done. Each job writes its fingerprint (inputs.json) before its metrics; a resume re-reads exactly what the
-fingerprint names and reruns the job where anything differs.
+A config names a vector or a data file by its path and a model by its directory or hub id, so a sweep resumed after
+a vector file was rewritten, a prompts file edited, a checkpoint retrained in place or a hub model updated would
+otherwise count its old jobs as done. Each job writes its fingerprint (inputs.json) before its metrics; a resume
+re-reads exactly what the fingerprint names and reruns the job where anything differs.
 """
 
 import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 from steer.models.spec import ModelSpec, cached_snapshot
 from steer.edits.plan import entries
@@ -26,6 +27,12 @@ def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
     load (a file rewritten while a sweep runs is then told apart from the one the job read)."""
     paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
     return {p: digest(p) for p in dict.fromkeys(paths)}
+
+
+def data(paths: Iterable[Optional[str]]) -> Dict[str, Optional[str]]:
+    """Each data file's sha256 by its configured path (None: not set): taken before the files are read, as
+    vectors are."""
+    return {str(p): digest(p) for p in dict.fromkeys(p for p in paths if p is not None)}
 
 
 def model(cfg: SteerConf, spec: ModelSpec) -> Dict[str, Any]:
@@ -43,16 +50,22 @@ def changes(recorded: Dict[str, Any]) -> Optional[str]:
     now = {p: digest(p) for p in recorded.get("vectors", {})}
     diffs = [f"vector {p}{' (gone)' if now[p] is None else ''}" for p, was in recorded.get("vectors", {}).items()
              if now[p] != was]
+    diffs += [f"data file {p}{' (gone)' if d is None else ''}" for p, was in recorded.get("data", {}).items()
+              if (d := digest(p)) != was]
     model = recorded.get("model", {})
     if _model(model.get("kind"), model.get("source"), model.get("revision")) != model:
         diffs.append(f"model {model.get('source')}")
     return ", ".join(diffs) or None
 
 
-def write(out_dir: Path, vector_digests: Dict[str, Optional[str]], model_files: Dict[str, Any]) -> None:
+def write(out_dir: Path, vector_digests: Dict[str, Optional[str]], model_files: Dict[str, Any],
+          data_digests: Optional[Dict[str, Optional[str]]] = None) -> None:
     from steer import results
 
-    results.write_json(Path(out_dir) / FILE, {"vectors": vector_digests, "model": model_files})
+    record = {"vectors": vector_digests, "model": model_files}
+    if data_digests:
+        record["data"] = data_digests
+    results.write_json(Path(out_dir) / FILE, record)
 
 
 def recorded_changes(job_dir: Path) -> Optional[str]:
@@ -100,13 +113,18 @@ def _stat(f: Path) -> list:
 
 
 def digest(path) -> Optional[str]:
-    """A file's sha256 as inputs.json records it, None where it cannot be read. Memoised by the file's identity,
-    size and modification time: a resumed sweep of a thousand jobs that share one vector file reads it once."""
+    """A file's (or a directory's) sha256 as inputs.json records it, None where it cannot be read. Memoised by the
+    file's identity, size and modification time: a resumed sweep of a thousand jobs that share one vector file reads
+    it once."""
     path = Path(path).expanduser()
-    if path.is_dir():  # an SAE directory: its two files
+    if path.is_dir():
         from steer.edits.formats import SAE_CONFIG, SAE_WEIGHTS
 
-        parts = [digest(path / SAE_CONFIG), digest(path / SAE_WEIGHTS)]
+        if (path / SAE_CONFIG).is_file():  # an SAE directory: its two files (not its other statistics)
+            parts = [digest(path / SAE_CONFIG), digest(path / SAE_WEIGHTS)]
+        else:  # a `datasets` directory: every file in it, by name
+            names = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
+            parts = [f"{n}:{d}" if (d := digest(path / n)) else None for n in names] or [None]
         return None if None in parts else hashlib.sha256(" ".join(parts).encode()).hexdigest()
     try:
         st = path.stat()

@@ -38,6 +38,7 @@ class Job:
     items: Optional[tuple] = None  # task=eval: (A/B items to extract from, items to score) (steer/runs/evaluate.py)
     result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
     vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
+    data: Dict[str, Optional[str]] = field(default_factory=dict)  # its data files' sha256, taken before reading
     model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
     error: Optional[BaseException] = None
 
@@ -45,6 +46,7 @@ class Job:
 def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
     its plan built (vectors loaded and checked against the model)."""
+    data_files = inputs.data(_data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
     data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
@@ -55,7 +57,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     prompt.check(cfg.prompts.chat, spec.chat_template)
     if cfg.task == Task.select:
         checks.select_grid(cfg, spec.layers)
-    job = Job(cfg, spec, Path(out_dir), engine)
+    job = Job(cfg, spec, Path(out_dir), engine, data=data_files)
     if cfg.task == Task.eval:
         job.items = evaluate.load(cfg)
         job.vectors = inputs.vectors(cfg)
@@ -70,7 +72,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             digests = inputs.vectors(cell)
             plan = build(cell, spec)
             job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine,
-                                 list(plan.taps.values()), plan, vectors=digests))
+                                 list(plan.taps.values()), plan, vectors=digests, data=data_files))
     elif cfg.task == Task.export:
         from steer.runs import export
 
@@ -87,6 +89,15 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             for tap in job.taps:
                 gguf_layer(tap, spec)
     return job
+
+
+def _data_paths(cfg: SteerConf) -> List[Optional[str]]:
+    """The data files the job reads: its prompts and pairs files, and task=eval's A/B dataset."""
+    p = cfg.prompts
+    paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file]
+    if cfg.task == Task.eval:
+        paths.append(str(evaluate.dataset_path(cfg.eval.dataset)))
+    return paths
 
 
 def gguf_out(cfg: SteerConf) -> bool:

@@ -112,7 +112,7 @@ def _record_extraction(job: Job) -> None:
     resumed after that file was changed or removed extracts it again), then metrics.json (where it wrote what),
     whose presence marks the job complete."""
     out = job.result["vector"]
-    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job))
+    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data)
     results.write_json(job.out_dir / "metrics.json", job.result)
 
 
@@ -162,7 +162,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
-            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job))
+            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:

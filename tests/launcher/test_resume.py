@@ -101,6 +101,24 @@ def test_resume_reruns_jobs_whose_vector_file_was_rewritten(cli, tmp_path, tiny_
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
+def test_resume_reruns_jobs_whose_prompts_file_was_edited(cli, tmp_path):
+    sweep, prompts = tmp_path / "sweep", tmp_path / "prompts.txt"
+    prompts.write_text("The weather today is\nMy favourite food is\n")
+    args = ["-m", "edit.scale=1,2", "engine=hf", "gen.max_new_tokens=4", f"prompts.steer_file={prompts}",
+            f"hydra.sweep.dir={sweep}"]
+    assert cli(args, tmp_path).returncode == 0
+    prompts.write_text("The weather today is\nThe music in the hall was\n")  # the same path, one prompt changed
+    res = cli(args, tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "(complete, skipped)" not in out and out.count(f"(inputs changed: data file {prompts}, rerunning)") == 2
+    for j in jobs(sweep):  # the results are the edited file's prompts
+        rows = [json.loads(line) for line in (j / "results.jsonl").read_text().splitlines()]
+        assert [r["prompt"] for r in rows] == ["The weather today is", "The music in the hall was"]
+    res = cli(args, tmp_path)  # and nothing changed since: both done
+    assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+
+
 def _stand_in_jobs(tmp_path, n):
     from types import SimpleNamespace
 
