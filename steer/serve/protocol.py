@@ -88,7 +88,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     if xargs is None:
         return None
     if not isinstance(xargs, dict):
-        raise RequestError(f"{where}vllm_xargs", f"must be an object, got {_json_type(xargs)}")
+        raise RequestError(f"{where}vllm_xargs", f"must be an object, got {json_type(xargs)}")
     for key in xargs:
         if key.lower().startswith("steer") and key not in STEER_KEYS:  # "Steer_scale" too: a typo, not ignored
             raise RequestError(f"{where}vllm_xargs.{key}", f"unknown steer argument {key!r}; this server takes "
@@ -102,7 +102,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
         return SteerArgs((), 1.0, vectors) if vectors else None
     param = f"{where}vllm_xargs.steer"
     if not isinstance(steer, str):
-        raise RequestError(param, f"must be a string of preset names (comma-separated), got {_json_type(steer)}")
+        raise RequestError(param, f"must be a string of preset names (comma-separated), got {json_type(steer)}")
     names = tuple(n.strip() for n in steer.split(","))
     for n in names:
         if not n:
@@ -115,7 +115,7 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     scale = xargs.get("steer_scale", 1.0)
     param = f"{where}vllm_xargs.steer_scale"
     if not is_number(scale):
-        raise RequestError(param, f"must be a number, got {_json_type(scale)}")
+        raise RequestError(param, f"must be a number, got {json_type(scale)}")
     scale = _float(scale)
     if not math.isfinite(scale):
         raise RequestError(param, f"must be finite, got {scale}")
@@ -215,7 +215,7 @@ def _per_vector(x: Any, n: int, param: str, default: Any, ok, what: str, cast) -
     for i, v in enumerate(x):
         if not ok(v):
             at = f"{param}[{i}]" if listed else param
-            raise RequestError(at, f"must be {what} or a list of one per vector; got {_json_type(v)}")
+            raise RequestError(at, f"must be {what} or a list of one per vector; got {json_type(v)}")
     return [cast(v) for v in x]
 
 
@@ -261,7 +261,7 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _json_type(x: Any) -> str:
+def json_type(x: Any) -> str:
     if x is None:
         return "null"
     if isinstance(x, bool):

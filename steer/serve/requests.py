@@ -1,16 +1,20 @@
-"""engine=hf: OpenAI completion and chat completion request bodies, checked field by field into a `GenRequest`.
+"""engine=hf: OpenAI completion and chat completion request bodies, validated by pydantic models into a `GenRequest`.
 
 Only what the HF engine serves is accepted: model, prompt / messages, max_tokens (max_completion_tokens), temperature,
 top_p, seed, n=1, stop, stream (stream_options.include_usage), user, and the steer arguments (steer.serve.protocol).
 A field it cannot honour (logprobs, penalties, tools, ...) is refused by name rather than ignored; other unknown
-fields are ignored, as vLLM does.
+fields are ignored, as vLLM does. A refusal is a RequestError naming the field as the client wrote it
+(`messages[0].role`, `prompt[1]`).
 """
 
-import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Annotated, Any, Dict, List, Optional, Union
 
-from steer.serve.protocol import InlinePolicy, RequestError, SteerArgs, is_int, is_number, parse_steer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from steer.serve.protocol import InlinePolicy, RequestError, SteerArgs, is_int, json_type, parse_steer
 
 # Fields the HF engine cannot honour, with the values that mean "not asked for".
 _UNSUPPORTED = {
@@ -23,6 +27,139 @@ _UNSUPPORTED = {
 MAX_PROMPTS = 64
 MAX_STOPS = 4
 MAX_SEED = 2 ** 63 - 1
+
+# What a field must be, as a refusal says it (by the field's path, list indices as `*`), for pydantic's own checks
+_MUST = {
+    "model": "a string (GET /v1/models lists this server's)",
+    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
+    "seed": f"an integer in [0, {MAX_SEED}]", "n": "1 (the hf engine serves n=1 only)",
+    "stream": "a boolean", "stream_options": "an object", "stream_options.include_usage": "a boolean",
+    "user": "a string",
+    "messages": "a non-empty list of {role, content} objects",
+    "messages.*": "an object with role and content", "messages.*.role": "a non-empty string",
+    "messages.*.content": "a string or a list of text parts",
+    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
+}
+
+
+def _refuse(message: str, at: Optional[str] = None) -> PydanticCustomError:
+    """A refusal with its own message; `at`: the field it names, where that is deeper than the validated one."""
+    return PydanticCustomError("steer_request", message, {"at": at} if at else None)
+
+
+def _text(s: str, at: Optional[str] = None) -> str:
+    """`s`, where it is text the tokenizer can take: JSON's escapes can spell a lone UTF-16 surrogate (\\ud800),
+    which no UTF-8 holds."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _refuse(f"holds {s[e.start]!r} at {e.start}, a lone UTF-16 surrogate: not text", at) from None
+    return s
+
+
+Text = Annotated[StrictStr, AfterValidator(_text)]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int or a float; no bool, string, NaN
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool = False
+
+
+class _Body(_Open):
+    """The fields completions and chat completions share."""
+
+    model: StrictStr
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    temperature: Optional[Annotated[Number, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[Number, Field(gt=0, le=1)]] = None
+    seed: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_SEED)]] = None
+    n: Optional[Annotated[StrictInt, Field(ge=1, le=1)]] = None
+    stop: Any = Field(None, validate_default=True)  # None too becomes a list
+    stream: Optional[StrictBool] = None
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: Any) -> Any:
+        """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
+        if not isinstance(body, dict):
+            raise _refuse("the request body must be a JSON object")
+        for key, ok in _UNSUPPORTED.items():
+            if key not in body:
+                continue
+            x = body[key]
+            # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False; chat's
+            # logprobs is a flag, 0 its false
+            if x not in ok or (cls is Completion and key == "logprobs" and x == 0 and x is not False):
+                raise _refuse("is not served by the hf engine (engine=vllm serves vLLM's full API)", key)
+        return body
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: Any) -> List[str]:
+        """OpenAI's `stop` as a list of non-empty strings."""
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
+            stops = list(stop)
+        else:
+            raise _refuse(f"must be a string or a list of at most {MAX_STOPS} strings")
+        return [_text(s) for s in stops if s]
+
+
+class Completion(_Body):
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt: Any) -> List[Union[str, List[int]]]:
+        """Texts or token ids: a string, a list of strings, a list of token ids or a list of such lists."""
+        if isinstance(prompt, str) and prompt:
+            return [_text(prompt)]
+        if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+            return [list(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+            prompts = [_text(p, f"[{i}]") for i, p in enumerate(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
+                                                         for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            raise _refuse("must be a string, a list of strings, a list of token ids or a list of such lists (none "
+                          "empty)")
+        if len(prompts) > MAX_PROMPTS:
+            raise _refuse(f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}")
+        return prompts
+
+
+class Message(_Open):
+    role: Annotated[Text, Field(min_length=1)]
+    content: Any
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, c: Any) -> str:
+        """A message's content as text: a string, or the text parts of a list, joined by newlines (as vLLM does)."""
+        if isinstance(c, str):
+            return _text(c)
+        if isinstance(c, list):
+            for j, part in enumerate(c):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _refuse("only text parts ({type: text, text: ...}) are served", f"[{j}]")
+            return _text("\n".join(part["text"] for part in c))
+        raise _refuse("must be a string or a list of text parts")
+
+
+class Chat(_Body):
+    messages: Annotated[List[Message], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
 
 
 @dataclass
@@ -41,165 +178,47 @@ class GenRequest:
 
 
 def completion(body: Any, presets, max_scale: float, inline: Optional[InlinePolicy] = None) -> GenRequest:
-    body = _object(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(is_int(t) for t in p)
-                                                     for p in prompt):
-        prompts = [list(p) for p in prompt]
-    else:
-        raise RequestError("prompt", "must be a string, a list of strings, a list of token ids or a list of such "
-                                     "lists (none empty)")
-    if len(prompts) > MAX_PROMPTS:
-        raise RequestError("prompt", f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}")
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            _text(p, f"prompt[{i}]" if isinstance(prompt, list) else "prompt")
-    return _common(body, prompts, None, 16, presets, max_scale, inline=inline)
+    req = _validate(Completion, body)
+    return _request(req, body, req.prompt, None, req.max_tokens or 16, presets, max_scale, inline)
 
 
 def chat(body: Any, presets, max_scale: float, default_max_tokens: int,
          inline: Optional[InlinePolicy] = None) -> GenRequest:
-    body = _object(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("messages", "must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}]", "must be an object with role and content")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise RequestError(f"messages[{i}].role", "must be a non-empty string")
-        _text(role, f"messages[{i}].role")
-        out.append({"role": role, "content": _text(_content(m.get("content"), f"messages[{i}].content"),
-                                                   f"messages[{i}].content")})
-    field = "max_tokens"
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        field, body = "max_completion_tokens", dict(body, max_tokens=body["max_completion_tokens"])
-    return _common(body, [""], out, default_max_tokens, presets, max_scale, max_tokens_field=field,
-                   inline=inline)
+    req = _validate(Chat, body)
+    messages = [{"role": m.role, "content": m.content} for m in req.messages]
+    max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    return _request(req, body, [""], messages, max_tokens or default_max_tokens, presets, max_scale, inline)
 
 
-def _content(c: Any, param: str) -> str:
-    """A message's content as text: a string, or the text parts of a list, joined by newlines (as vLLM does)."""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):
-        texts = []
-        for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{param}[{j}]", "only text parts ({type: text, text: ...}) are served")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise RequestError(param, "must be a string or a list of text parts")
+def _request(req: _Body, body: Dict[str, Any], prompts, messages, max_tokens: int, presets, max_scale: float,
+             inline: Optional[InlinePolicy]) -> GenRequest:
+    opts = req.stream_options
+    return GenRequest(req.model, prompts, messages, max_tokens, 1.0 if req.temperature is None else req.temperature,
+                      1.0 if req.top_p is None else req.top_p, req.seed, req.stop, bool(req.stream),
+                      bool(opts and opts.include_usage), parse_steer(body, presets, max_scale, inline=inline))
 
 
-def _common(body: Dict[str, Any], prompts, messages, default_max_tokens: int, presets, max_scale: float,
-            max_tokens_field: str = "max_tokens", inline: Optional[InlinePolicy] = None) -> GenRequest:
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError("model", "must be a string (GET /v1/models lists this server's)")
-    _refuse_unsupported(body, completions=messages is None)
-    max_tokens = _max_tokens(body, default_max_tokens, max_tokens_field)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise RequestError("top_p", "must be a number in (0, 1]")
-    seed = body.get("seed")
-    if seed is not None and (not is_int(seed) or not 0 <= seed <= MAX_SEED):
-        raise RequestError("seed", f"must be an integer in [0, {MAX_SEED}]")
-    stops = _stops(body.get("stop"))
-    stream, include_usage = _streaming(body)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise RequestError("user", "must be a string")
-    steer = parse_steer(body, presets, max_scale, inline=inline)
-    return GenRequest(model, prompts, messages, max_tokens, temperature, top_p, seed, stops, stream,
-                      include_usage, steer)
-
-
-def _refuse_unsupported(body: Dict[str, Any], completions: bool) -> None:
-    """Refuse by name what the HF engine cannot honour, rather than silently ignore it."""
-    for key, ok in _UNSUPPORTED.items():
-        if key not in body:
-            continue
-        x = body[key]
-        # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False; chat's
-        # logprobs is a flag, 0 its false
-        if x not in ok or (completions and key == "logprobs" and x == 0 and x is not False):
-            raise RequestError(key, "is not served by the hf engine (engine=vllm serves vLLM's full API)")
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise RequestError("n", "the hf engine serves n=1 only")
-
-
-def _max_tokens(body: Dict[str, Any], default: int, field: str) -> int:
-    # `field` is the name the client used (chat's max_completion_tokens arrives as max_tokens), so errors cite it.
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        return int(default)
-    if not is_int(max_tokens) or max_tokens < 1:
-        raise RequestError(field, "must be an integer >= 1")
-    return int(max_tokens)
-
-
-def _stops(stop: Any) -> List[str]:
-    """OpenAI's `stop` as a list of non-empty strings."""
-    if stop is None:
-        stops = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOPS:
-        stops = list(stop)
-    else:
-        raise RequestError("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
-    return [_text(s, "stop") for s in stops if s]
-
-
-def _text(s: str, param: str) -> str:
-    """`s`, where it is text the tokenizer can take: JSON's escapes can spell a lone UTF-16 surrogate (\\ud800),
-    which no UTF-8 holds."""
+def _validate(model, body: Any):
+    """`body` as the pydantic `model`, or a RequestError naming the first field at fault."""
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(param, f"holds {s[e.start]!r} at {e.start}, a lone UTF-16 surrogate: not text") from None
-    return s
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _request_error(e.errors()[0]) from None
 
 
-def _streaming(body: Dict[str, Any]) -> Tuple[bool, bool]:
-    """(stream, stream_options.include_usage), both False when not given."""
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError("stream", "must be a boolean")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise RequestError("stream_options", "must be an object")
-        include_usage = opts.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise RequestError("stream_options.include_usage", "must be a boolean")
-    return stream, include_usage
+def _request_error(err: Dict[str, Any]) -> RequestError:
+    """A pydantic error as a RequestError: the field as the client wrote it, and what it must be."""
+    loc = [p for p in err["loc"] if p != "__root__"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if err["type"] == "steer_request":
+        at = (err.get("ctx") or {}).get("at")
+        if at:  # an index within the validated field ("[1]"), or another field the body names ("logprobs")
+            param = f"{param or ''}{at}" if at.startswith("[") else at
+        return RequestError(param, err["msg"])
+    if err["type"] == "missing":
+        return RequestError(param, f"is required ({_must(loc)})")
+    return RequestError(param, f"must be {_must(loc)}, got {json_type(err['input'])}")
 
 
-def _object(body: Any) -> Dict[str, Any]:
-    if not isinstance(body, dict):
-        raise RequestError(None, "the request body must be a JSON object")
-    return body
-
-
-def _number(body: Dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    x = body.get(key)
-    if x is None:
-        return default
-    if not is_number(x) or not math.isfinite(float(x)) or not lo <= float(x) <= hi:
-        raise RequestError(key, f"must be a number in [{lo:g}, {hi:g}]")
-    return float(x)
+def _must(loc: List[Any]) -> str:
+    return _MUST[".".join("*" if isinstance(p, int) else str(p) for p in loc)]
