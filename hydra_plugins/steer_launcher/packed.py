@@ -7,8 +7,8 @@ that can share an engine (same model, engine and engine settings) and runs each 
 edits as per-request edits in the same batches, in packs of `pack_size` jobs. Each job's directory comes out as
 if it had run alone. Groups after the first run in a process of their own. A job whose directory is complete
 (its metrics.json exists, its saved .hydra/config.yaml is the config asked for now, and the files its inputs.json
-names, its vectors and its model's, read as they did) is skipped unless `force` is set, so a sweep that was stopped
-resumes where it left off.
+names, its vectors, data files and model's, read as they did) is skipped unless `force` is set, so a sweep that
+was stopped resumes where it left off.
 
 A job that fails (error.txt in its directory, no metrics.json) does not stop the others: every pack runs, the
 report is written, and the sweep then exits 1. Ctrl-C (or SIGTERM) writes the report of the jobs that finished and

@@ -108,9 +108,9 @@ def _extract(job: Job, engine, console: Console) -> Dict:
 
 
 def _record_extraction(job: Job) -> None:
-    """An extraction's record, as a steer job's: inputs.json (the model's files, and the vector it wrote: a sweep
-    resumed after that file was changed or removed extracts it again), then metrics.json (where it wrote what),
-    whose presence marks the job complete."""
+    """An extraction's record, as a steer job's: inputs.json (the model's files, its pairs' data files, and the vector
+    it wrote: a sweep resumed after that file was changed or removed extracts it again), then metrics.json (where it
+    wrote what), whose presence marks the job complete."""
     out = job.result["vector"]
     inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data)
     results.write_json(job.out_dir / "metrics.json", job.result)

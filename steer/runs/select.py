@@ -45,8 +45,8 @@ def _settings(cfg: SteerConf) -> Dict:
 
 
 def _done(cell) -> bool:
-    """Whether a pair finished before with these settings, and its vector files and model read as they did then;
-    its metrics then stand as its result."""
+    """Whether a pair finished before with these settings, and its vector files, data files and model read as they
+    did then; its metrics then stand as its result."""
     from steer.runs import inputs
 
     d = cell.out_dir

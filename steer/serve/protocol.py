@@ -267,7 +267,7 @@ def json_type(x: Any) -> str:
     if isinstance(x, bool):
         return "a boolean"
     if isinstance(x, (int, float)):
-        return f"the number {x!r}"
+        return f"the number {x!r}"[:80]
     if isinstance(x, str):
         return f"the string {x!r}"[:80]
     if isinstance(x, list):

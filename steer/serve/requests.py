@@ -73,7 +73,7 @@ class StreamOptions(_Open):
 class _Body(_Open):
     """The fields completions and chat completions share."""
 
-    model: StrictStr
+    model: Text
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     temperature: Optional[Annotated[Number, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[Number, Field(gt=0, le=1)]] = None
@@ -82,7 +82,7 @@ class _Body(_Open):
     stop: Any = Field(None, validate_default=True)  # None too becomes a list
     stream: Optional[StrictBool] = None
     stream_options: Optional[StreamOptions] = None
-    user: Optional[StrictStr] = None
+    user: Optional[Text] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -96,7 +96,7 @@ class _Body(_Open):
             x = body[key]
             # completions' logprobs=0 asks for the sampled token's log-prob (vLLM gives it), and 0 == False; chat's
             # logprobs is a flag, 0 its false
-            if x not in ok or (cls is Completion and key == "logprobs" and x == 0 and x is not False):
+            if x not in ok or (issubclass(cls, Completion) and key == "logprobs" and x == 0 and x is not False):
                 raise _refuse("is not served by the hf engine (engine=vllm serves vLLM's full API)", key)
         return body
 
@@ -221,4 +221,4 @@ def _request_error(err: Dict[str, Any]) -> RequestError:
 
 
 def _must(loc: List[Any]) -> str:
-    return _MUST[".".join("*" if isinstance(p, int) else str(p) for p in loc)]
+    return _MUST.get(".".join("*" if isinstance(p, int) else str(p) for p in loc), "of another type")

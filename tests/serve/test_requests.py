@@ -33,6 +33,8 @@ OK = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize("body,param,message", [
     ({"prompt": "x"}, "model", "is required (a string"),
     ({**OK, "model": 3}, "model", "must be a string (GET /v1/models lists this server's), got the number 3"),
+    ({**OK, "model": "m\ud800"}, "model", "holds '\\ud800' at 1, a lone UTF-16 surrogate"),  # echoed in errors: text
+    ({**OK, "temperature": 10 ** 400}, "temperature", "must be a number in [0, 2], got the number 1000"),
     ({**OK, "max_tokens": "ten"}, "max_tokens", "must be an integer >= 1, got the string 'ten'"),
     ({**OK, "max_tokens": True}, "max_tokens", "must be an integer >= 1, got a boolean"),
     ({**OK, "temperature": float("nan")}, "temperature", "must be a number in [0, 2], got the number nan"),
