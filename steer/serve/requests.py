@@ -208,7 +208,7 @@ def _validate(model, body: Any):
 
 def _request_error(err: Dict[str, Any]) -> RequestError:
     """A pydantic error as a RequestError: the field as the client wrote it, and what it must be."""
-    loc = [p for p in err["loc"] if p != "__root__"]
+    loc = list(err["loc"])  # () for the body itself
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     if err["type"] == "steer_request":
         at = (err.get("ctx") or {}).get("at")
