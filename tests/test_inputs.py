@@ -37,14 +37,12 @@ def test_a_rewritten_or_missing_vector_file_is_named_and_an_untouched_one_is_not
 def test_an_edited_or_missing_data_file_or_datasets_directory_is_named(tmp_path):
     import datasets
 
-    from steer.runs.job import _data_paths
-
     txt, pairs, saved = tmp_path / "prompts.txt", tmp_path / "pairs.jsonl", tmp_path / "saved"
     txt.write_text("one\ntwo\n")
     pairs.write_text('{"positive": "a", "negative": "b"}\n')
     datasets.Dataset.from_dict({"text": ["x", "y"]}).save_to_disk(str(saved))
     cfg = compose(f"prompts.steer_file={txt}", f"prompts.pairs_file={pairs}")
-    assert _data_paths(cfg)[:2] == [str(txt), str(pairs)]
+    assert inputs.data_paths(cfg)[:2] == [str(txt), str(pairs)]
     recorded = {"data": inputs.data([str(txt), str(pairs), str(saved), None]), "model": TINY}
     assert list(recorded["data"]) == [str(txt), str(pairs), str(saved)] and None not in recorded["data"].values()
     assert inputs.changes(recorded) is None
@@ -55,15 +53,23 @@ def test_an_edited_or_missing_data_file_or_datasets_directory_is_named(tmp_path)
     assert inputs.changes(recorded) == f"data file {txt}, data file {pairs} (gone), data file {saved}"
 
 
+def test_a_record_without_data_fingerprints_cannot_vouch_for_the_data_files_its_config_names(tmp_path):
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("one\n")
+    old = {"vectors": {}, "model": TINY}  # written before data files were fingerprinted
+    named = inputs.data_paths(compose(f"prompts.steer_file={txt}"))
+    assert inputs.changes(old, named) == f"data file {txt} (not fingerprinted)"
+    assert inputs.changes(old, inputs.data_paths(compose())) is None  # the built-in prompts: nothing to vouch for
+    assert inputs.changes({**old, "data": inputs.data(named)}, named) is None
+
+
 def test_task_eval_fingerprints_its_ab_dataset_shipped_or_a_path(tmp_path):
     from steer.runs.evaluate import dataset_path
-    from steer.runs.job import _data_paths
-
-    assert _data_paths(compose("task=eval"))[-1] == str(dataset_path("optimism"))
-    assert inputs.data(_data_paths(compose("task=eval")))[str(dataset_path("optimism"))] is not None
+    assert inputs.data_paths(compose("task=eval"))[-1] == str(dataset_path("optimism"))
+    assert inputs.data(inputs.data_paths(compose("task=eval")))[str(dataset_path("optimism"))] is not None
     mine = tmp_path / "mine.json"
-    assert _data_paths(compose("task=eval", f"eval.dataset={mine}"))[-1] == str(mine)
-    assert inputs.data(_data_paths(compose())) == {}  # the built-in prompts: no file
+    assert inputs.data_paths(compose("task=eval", f"eval.dataset={mine}"))[-1] == str(mine)
+    assert inputs.data_paths(compose()) == []  # the built-in prompts: no file
 
 
 def test_the_default_direction_and_an_extraction_read_no_vector_file():

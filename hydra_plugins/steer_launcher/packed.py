@@ -71,7 +71,7 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional
             return " (a select: run again, keeping its pairs that are current)"
         from steer.runs import inputs
 
-        changed = inputs.recorded_changes(job_dir)  # the same config may read files that have changed since
+        changed = inputs.recorded_changes(job_dir, inputs.data_paths(cfg))  # the same config, files changed since
         return None if changed is None else f" (inputs changed: {changed}, rerunning)"
     if (job_dir / "metrics.json").is_file():
         return " (its metrics.json is damaged, rerunning)"

@@ -12,7 +12,7 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from steer.models.spec import ModelSpec, cached_snapshot
 from steer.edits.plan import entries
@@ -27,6 +27,18 @@ def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
     load (a file rewritten while a sweep runs is then told apart from the one the job read)."""
     paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
     return {p: digest(p) for p in dict.fromkeys(paths)}
+
+
+def data_paths(cfg: SteerConf) -> List[str]:
+    """The data files a job reads: its prompts and pairs files, and task=eval's A/B dataset (a job config, typed or
+    as Hydra composed it)."""
+    from steer.runs.evaluate import dataset_path
+
+    p = cfg.prompts
+    paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file]
+    if cfg.task == Task.eval:
+        paths.append(str(dataset_path(cfg.eval.dataset)))
+    return [str(x) for x in dict.fromkeys(paths) if x is not None]
 
 
 def data(paths: Iterable[Optional[str]]) -> Dict[str, Optional[str]]:
@@ -45,13 +57,17 @@ def weights(spec: ModelSpec) -> Dict[str, Any]:
     return _model("dir" if Path(spec.source).expanduser().is_dir() else "hub", spec.source, spec.revision)
 
 
-def changes(recorded: Dict[str, Any]) -> Optional[str]:
-    """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`."""
+def changes(recorded: Dict[str, Any], data_files: Iterable[str] = ()) -> Optional[str]:
+    """None if every input `recorded` names reads as it did; else what changed, e.g. `vector v.safetensors`.
+    `data_files`: the data files the job's config names; a record without data fingerprints (written before they
+    were taken) cannot vouch for them."""
     now = {p: digest(p) for p in recorded.get("vectors", {})}
     diffs = [f"vector {p}{' (gone)' if now[p] is None else ''}" for p, was in recorded.get("vectors", {}).items()
              if now[p] != was]
     diffs += [f"data file {p}{' (gone)' if d is None else ''}" for p, was in recorded.get("data", {}).items()
               if (d := digest(p)) != was]
+    if "data" not in recorded:
+        diffs += [f"data file {p} (not fingerprinted)" for p in data_files]
     model = recorded.get("model", {})
     if _model(model.get("kind"), model.get("source"), model.get("revision")) != model:
         diffs.append(f"model {model.get('source')}")
@@ -62,20 +78,19 @@ def write(out_dir: Path, vector_digests: Dict[str, Optional[str]], model_files: 
           data_digests: Optional[Dict[str, Optional[str]]] = None) -> None:
     from steer import results
 
-    record = {"vectors": vector_digests, "model": model_files}
-    if data_digests:
-        record["data"] = data_digests
+    record = {"vectors": vector_digests, "model": model_files, "data": data_digests or {}}
     results.write_json(Path(out_dir) / FILE, record)
 
 
-def recorded_changes(job_dir: Path) -> Optional[str]:
-    """What changed since the job in `job_dir` ran (None: nothing); "no record" where it wrote no inputs.json."""
+def recorded_changes(job_dir: Path, data_files: Iterable[str] = ()) -> Optional[str]:
+    """What changed since the job in `job_dir` ran (None: nothing); "no record" where it wrote no inputs.json.
+    `data_files`: the data files its config names (data_paths)."""
     path = Path(job_dir) / FILE
     try:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError):
         return "no record of its inputs"
-    return changes(recorded)
+    return changes(recorded, data_files)
 
 
 def _where(cfg: SteerConf, spec: ModelSpec):

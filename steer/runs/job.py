@@ -46,7 +46,7 @@ class Job:
 def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
     its plan built (vectors loaded and checked against the model)."""
-    data_files = inputs.data(_data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
+    data_files = inputs.data(inputs.data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
     data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
@@ -89,15 +89,6 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             for tap in job.taps:
                 gguf_layer(tap, spec)
     return job
-
-
-def _data_paths(cfg: SteerConf) -> List[Optional[str]]:
-    """The data files the job reads: its prompts and pairs files, and task=eval's A/B dataset."""
-    p = cfg.prompts
-    paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file]
-    if cfg.task == Task.eval:
-        paths.append(str(evaluate.dataset_path(cfg.eval.dataset)))
-    return paths
 
 
 def gguf_out(cfg: SteerConf) -> bool:

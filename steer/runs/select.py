@@ -55,7 +55,7 @@ def _done(cell) -> bool:
         return False
     if "distinct2_steered" not in got:  # scored before repetition was measured: its text is judged again
         return False
-    if inputs.recorded_changes(d) is not None:
+    if inputs.recorded_changes(d, inputs.data_paths(cell.cfg)) is not None:
         return False
     cell.result = got
     return True

@@ -119,6 +119,24 @@ def test_resume_reruns_jobs_whose_prompts_file_was_edited(cli, tmp_path):
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
+def test_resume_reruns_jobs_whose_record_predates_data_fingerprints(cli, tmp_path):
+    sweep, prompts = tmp_path / "sweep", tmp_path / "prompts.txt"
+    prompts.write_text("The weather today is\n")
+    args = ["-m", "edit.scale=1,2", "engine=hf", "gen.max_new_tokens=4", f"prompts.steer_file={prompts}",
+            f"hydra.sweep.dir={sweep}"]
+    assert cli(args, tmp_path).returncode == 0
+    for j in jobs(sweep):  # as a job recorded its inputs before data files were fingerprinted
+        record = json.loads((j / "inputs.json").read_text())
+        assert record.pop("data") == {str(prompts): inputs.digest(prompts)}
+        (j / "inputs.json").write_text(json.dumps(record))
+    res = cli(args, tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert out.count(f"(inputs changed: data file {prompts} (not fingerprinted), rerunning)") == 2
+    res = cli(args, tmp_path)  # now fingerprinted: both done
+    assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+
+
 def _stand_in_jobs(tmp_path, n):
     from types import SimpleNamespace
 
