@@ -125,6 +125,13 @@ def test_a_vector_saves_and_loads_with_its_metadata(lab, tmp_path):
     assert steer.Vector(v.tensor, meta).diagnostics["heldout_accuracy"] == 0.75
 
 
+def test_a_vectors_diagnostics_come_in_extractions_order_whatever_order_its_file_gives():
+    meta = {"diag.folds": "3", "diag.12.norm_ratio": "0.1", "diag.heldout_auc": "1", "diag.9.norm": "2",
+            "diag.norm": "2", "diag.best_layer": "12", "diag.resid_norm": "40", "diag.9.heldout_acc": "0.5"}
+    assert list(steer.Vector(torch.ones(4), meta).diagnostics) == [
+        "norm", "resid_norm", "heldout_auc", "folds", "best_layer", "9.norm", "9.heldout_acc", "12.norm_ratio"]
+
+
 def _wrong_size():
     return steer.Vector(torch.ones(7))
 

@@ -50,9 +50,9 @@ class Vector:
         stored in the metadata as a `diag.*` key (numbers as floats)."""
         norms = self.tensor.float().reshape(-1, self.tensor.shape[-1]).norm(dim=-1).tolist()
         out: Dict[str, object] = {"norm": norms[0] if len(norms) == 1 else norms}
-        for k, v in self.metadata.items():
-            if k.startswith(DIAG):
-                out[k[len(DIAG):]] = _number(v)
+        stored = {k[len(DIAG):]: _number(v) for k, v in self.metadata.items() if k.startswith(DIAG)}
+        for k in sorted(stored, key=_diagnostic_order):  # a file's metadata comes back in no fixed order
+            out[k] = stored[k]
         return out
 
     @property
@@ -71,6 +71,14 @@ class Vector:
         norm = f"{d['norm']:.4g}" if isinstance(d["norm"], float) else d["norm"]
         where = " ".join(f"{k}={self.metadata[k]}" for k in ("model", "tap", "method") if self.metadata.get(k))
         return f"Vector(shape={list(self.tensor.shape)}, norm={norm}{', ' + where if where else ''})"
+
+
+def _diagnostic_order(name: str):
+    """Diagnostics in extraction's order (steer/runs/diagnostics.py), a multi-layer file's layer by layer."""
+    from steer.runs.diagnostics import KEYS
+
+    layer, _, key = name.rpartition(".")
+    return (int(layer) if layer.isdigit() else -1, layer, KEYS.index(key) if key in KEYS else len(KEYS), key)
 
 
 def _number(v: str):
