@@ -101,40 +101,43 @@ def test_resume_reruns_jobs_whose_vector_file_was_rewritten(cli, tmp_path, tiny_
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
-def test_resume_reruns_jobs_whose_prompts_file_was_edited(cli, tmp_path):
+def _prompts_file_sweep(cli, tmp_path, text):
+    """A two-job sweep on the HF engine reading its prompts from a file holding `text`, run once: (sweep dir,
+    prompts file, the command's arguments)."""
     sweep, prompts = tmp_path / "sweep", tmp_path / "prompts.txt"
-    prompts.write_text("The weather today is\nMy favourite food is\n")
+    prompts.write_text(text)
     args = ["-m", "edit.scale=1,2", "engine=hf", "gen.max_new_tokens=4", f"prompts.steer_file={prompts}",
             f"hydra.sweep.dir={sweep}"]
     assert cli(args, tmp_path).returncode == 0
-    prompts.write_text("The weather today is\nThe music in the hall was\n")  # the same path, one prompt changed
+    return sweep, prompts, args
+
+
+def _resumed(cli, tmp_path, args, rerun: str) -> None:
+    """Resumed: every job reruns saying `rerun`; resumed again: every job is done."""
     res = cli(args, tmp_path)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert "(complete, skipped)" not in out and out.count(f"(inputs changed: data file {prompts}, rerunning)") == 2
-    for j in jobs(sweep):  # the results are the edited file's prompts
-        rows = [json.loads(line) for line in (j / "results.jsonl").read_text().splitlines()]
-        assert [r["prompt"] for r in rows] == ["The weather today is", "The music in the hall was"]
-    res = cli(args, tmp_path)  # and nothing changed since: both done
+    assert "(complete, skipped)" not in out and out.count(rerun) == 2
+    res = cli(args, tmp_path)
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
 
 
+def test_resume_reruns_jobs_whose_prompts_file_was_edited(cli, tmp_path):
+    sweep, prompts, args = _prompts_file_sweep(cli, tmp_path, "The weather today is\nMy favourite food is\n")
+    prompts.write_text("The weather today is\nThe music in the hall was\n")  # the same path, one prompt changed
+    _resumed(cli, tmp_path, args, f"(inputs changed: data file {prompts}, rerunning)")
+    for j in jobs(sweep):  # the results are the edited file's prompts
+        rows = [json.loads(line) for line in (j / "results.jsonl").read_text().splitlines()]
+        assert [r["prompt"] for r in rows] == ["The weather today is", "The music in the hall was"]
+
+
 def test_resume_reruns_jobs_whose_record_predates_data_fingerprints(cli, tmp_path):
-    sweep, prompts = tmp_path / "sweep", tmp_path / "prompts.txt"
-    prompts.write_text("The weather today is\n")
-    args = ["-m", "edit.scale=1,2", "engine=hf", "gen.max_new_tokens=4", f"prompts.steer_file={prompts}",
-            f"hydra.sweep.dir={sweep}"]
-    assert cli(args, tmp_path).returncode == 0
+    sweep, prompts, args = _prompts_file_sweep(cli, tmp_path, "The weather today is\n")
     for j in jobs(sweep):  # as a job recorded its inputs before data files were fingerprinted
         record = json.loads((j / "inputs.json").read_text())
         assert record.pop("data") == {str(prompts): inputs.digest(prompts)}
         (j / "inputs.json").write_text(json.dumps(record))
-    res = cli(args, tmp_path)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-3000:]
-    assert out.count(f"(inputs changed: data file {prompts} (not fingerprinted), rerunning)") == 2
-    res = cli(args, tmp_path)  # now fingerprinted: both done
-    assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+    _resumed(cli, tmp_path, args, f"(inputs changed: data file {prompts} (not fingerprinted), rerunning)")
 
 
 def _stand_in_jobs(tmp_path, n):
