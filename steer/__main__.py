@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from steer.config import preset, schema
 from steer.errors import ConfigError, run_app
+from steer.runs import rundir
 
 schema.register()
 
@@ -31,13 +32,17 @@ def app(cfg: DictConfig):
     console = Console(stderr=True, soft_wrap=True)
     hc = HydraConfig.get()
     out_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
         conf = preset.apply(schema.to_object(cfg), [o.split("=")[0].lstrip("+~") for o in hc.overrides.task])
-        multirun = hc.mode == RunMode.MULTIRUN
         packed = multirun and OmegaConf.select(hc, "launcher._target_") == PACKED
         return run.main(conf, out_dir, console, defer=packed, hold=_claimer(hc) if multirun else None)
     except ConfigError as e:
-        run.record_failure(out_dir, e)
+        # Bad input: a single run's directory made for it goes (the line says why); a sweep's job keeps error.txt,
+        # which its report and resume read, as does a directory that was there before
+        run.close_log(out_dir)
+        if multirun or not rundir.discard_made(out_dir):
+            run.record_failure(out_dir, e)
         console.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
     except Exception as e:

@@ -172,7 +172,11 @@ def test_a_second_run_into_a_held_run_dir_refuses(cli, tmp_path):
     assert not (run_dir / ".hydra").exists() and not (run_dir / "metrics.json").exists()
 
 
-def test_a_failed_run_says_why_in_its_directory(cli, tmp_path):
+def test_bad_input_leaves_no_directory_it_made_and_says_why_in_one_that_was_there(cli, tmp_path):
+    res = cli(["gen.max_new_tokens=0", "hydra.run.dir=outputs/day/run"], tmp_path)
+    assert res.returncode == 2 and "gen.max_new_tokens: must be at least 1" in res.stderr
+    assert not (tmp_path / "outputs").exists()  # the run's directory and the parents made for it
+    (tmp_path / "run").mkdir()
     res = cli(["gen.max_new_tokens=0", "hydra.run.dir=run"], tmp_path)
     assert res.returncode == 2
     assert "gen.max_new_tokens: must be at least 1" in (tmp_path / "run" / "error.txt").read_text()

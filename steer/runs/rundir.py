@@ -5,7 +5,7 @@ import fcntl
 import os
 import sys
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -18,6 +18,9 @@ STALE = ("metrics.json", "results.jsonl", "inputs.json", "error.txt", "selection
          "selection.png")
 
 _held: List[int] = []  # open descriptors of the directories this process holds (released when it exits)
+# single runs' directories that did not exist when this process took them, each with the outermost directory it
+# made for them (outputs/<date> too, where the date's first run made it)
+_made: Dict[Path, Path] = {}
 
 
 def hold(run_dir: Path) -> None:
@@ -33,6 +36,18 @@ def hold(run_dir: Path) -> None:
     _held.append(fd)
 
 
+def discard_made(run_dir: Path) -> bool:
+    """Remove `run_dir` where this process made it (a single run refused for bad input then leaves nothing behind,
+    Hydra's .hydra/ included); False, and nothing removed, where it was there before."""
+    import shutil
+
+    top = _made.pop(Path(run_dir).resolve(), None)
+    if top is None:
+        return False
+    shutil.rmtree(top, ignore_errors=True)
+    return True
+
+
 def clear_stale(run_dir: Path) -> None:
     """Remove the results a job that ran in `run_dir` before left there."""
     for name in STALE:
@@ -45,11 +60,18 @@ class RunDirLock(Callback):
     """Holds `hydra.run.dir` for a single run (called before Hydra writes .hydra/ into it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_dir = Path(str(config.hydra.run.dir)).resolve()
+        missing = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+        if missing:
+            _made[run_dir] = missing[-1]
         try:
-            hold(Path(str(config.hydra.run.dir)))
+            hold(run_dir)
         except ConfigError as e:
             print(f"error {e}", file=sys.stderr)
             sys.exit(2)
         # Before Hydra writes this run's config there: stopped before run.main clears them, an earlier run's
         # results would stand beside it as if they were this run's
         clear_stale(Path(str(config.hydra.run.dir)))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _made.pop(Path(str(config.hydra.run.dir)).resolve(), None)  # the run finished: its directory stays
