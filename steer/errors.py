@@ -9,6 +9,18 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
+def unknown_setting(key: str, kind) -> ConfigError:
+    """The error for dotted `key`, which the config dataclass `kind` holding it does not declare: the nearest
+    setting it does, and all of them."""
+    import dataclasses
+    import difflib
+
+    known = sorted(f.name for f in dataclasses.fields(kind))
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{near[0]}? " if near else ""
+    return ConfigError(key, f"is not a setting of this config; {hint}the settings there are: {', '.join(known)}")
+
+
 def config_error_line(e: BaseException) -> "str | None":
     """One line for an error in the config itself (YAML syntax, an unknown key or group option, a wrong type,
     an override that does not parse), naming the file, line and column or the key; None for any other error."""
@@ -25,6 +37,10 @@ def config_error_line(e: BaseException) -> "str | None":
             m = x.problem_mark
             what = " ".join(p for p in (x.context, x.problem) if p)
             return f"{m.name}:{m.line + 1}:{m.column + 1}: invalid YAML: {what}"
+    for x in chain:  # a key the schema lacks, in an override or a config file: Hydra's hint (`+key=`) would not do
+        line = _unknown_key_line(x, chain)
+        if line:
+            return line
     for x in chain:  # Hydra's sweep parser lets Python's own errors out of an override's function, e.g. range(0,4,0)
         if not isinstance(x, (HydraException, OmegaConfBaseException)) and _raised_in(x, "override_parser"):
             return f"an override does not evaluate: {' '.join(str(x).split())}"
@@ -41,6 +57,22 @@ def config_error_line(e: BaseException) -> "str | None":
         if text and not any(text in p for p in parts):
             parts.append(text)
     return ": ".join(parts)
+
+
+def _unknown_key_line(x: BaseException, chain) -> "str | None":
+    """unknown_setting's line where `x` is OmegaConf refusing a key its typed node lacks, after the config file
+    it came from where Hydra names one (`In 'prompts/calm': ...`)."""
+    import dataclasses
+    import re
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    kind, key, full = getattr(x, "object_type", None), getattr(x, "key", None), getattr(x, "full_key", None)
+    if not (isinstance(x, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(kind) and key and full
+            and key not in {f.name for f in dataclasses.fields(kind)}):
+        return None
+    where = next((m.group(1) for y in chain if (m := re.match(r"In '([^']+)':", str(y)))), None)
+    return (f"{where}: " if where else "") + str(unknown_setting(str(full), kind))
 
 
 def refuse_repeats(field: str, items, said: str = "") -> None:

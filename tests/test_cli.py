@@ -120,8 +120,8 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=[a[0].split("=")[0] + str(i) for i, (a, _) in enumerate(BAD)])
 def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_files, args, message, monkeypatch,
                                                     capsys):
-    # in this process: the command's own path to its config error, without a subprocess's imports (one bad input
-    # goes through a subprocess in test_a_failed_run_says_why_in_its_directory)
+    # in this process: the command's own path to its config error, without a subprocess's imports (bad input goes
+    # through a subprocess in test_hydra_config_errors_exit_2_in_one_line)
     res = cli_here([a.format(d=bad_files) for a in args], tmp_path, monkeypatch, capsys)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -140,18 +140,31 @@ def test_a_malformed_yaml_config_is_one_line_naming_file_line_and_column(tmp_pat
     assert f"{conf / 'broken.yaml'}:4:7: invalid YAML" in line
 
 
-@pytest.mark.parametrize("args,says", [(["edit.scal=3"], "Key 'scal' not in 'EditConf'"),
+SCAL = "edit.scal: is not a setting of this config; did you mean edit.scale? the settings there are: hi, kind,"
+
+
+@pytest.mark.parametrize("args,says", [(["edit.scal=3"], SCAL),  # not Hydra's advice to add it with `+`
                                        (["edit=nope"], "Could not find 'edit/nope'"),
                                        (["edit.scale=[1"], "no viable alternative at input '[1'"),
                                        (["-m", "edit.scale=range(0,4,0)"], "range() arg 3 must not be zero"),
-                                       # what Hydra's own message for the first suggests: added, then refused
-                                       (["+edit.scal=3"], "edit.scal: is not a setting of this config; did you "
-                                                          "mean edit.scale?")])
+                                       (["+edit.scal=3"], SCAL),  # added to the typed node, then refused
+                                       (["gen.max_new_tokns=3"], "gen.max_new_tokns: is not a setting of this "
+                                                                 "config; did you mean gen.max_new_tokens?")])
 def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says):
     res = run_cli(args, tmp_path, cache_dir)
     assert res.returncode == 2
     [line] = res.stderr.strip().splitlines()
     assert says in line and "$VALUE" not in line
+
+
+def test_a_misspelt_key_in_a_config_file_of_ones_own_names_the_file_and_the_nearest_key(tmp_path, cache_dir):
+    (tmp_path / "my_conf" / "prompts").mkdir(parents=True)
+    (tmp_path / "my_conf" / "prompts" / "calm.yaml").write_text("postive: [calm]\nnegative: [rush]\n")
+    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), "prompts=calm"], tmp_path, cache_dir)
+    assert res.returncode == 2
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith("error prompts/calm: prompts.postive: is not a setting of this config; did you mean "
+                           "prompts.positive?")
 
 
 def test_a_second_run_into_a_held_run_dir_refuses(cli, tmp_path):

@@ -2,7 +2,6 @@
 type or an unknown edit kind fails at composition, before anything is loaded."""
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -11,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from steer.errors import ConfigError
+from steer.errors import ConfigError, unknown_setting
 from interleaver.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
 
 
@@ -294,13 +293,10 @@ def register() -> None:
 
 def to_object(cfg: DictConfig):
     """The composed config as its dataclasses (steer's, the server's or the bench's), refusing a key its schema does
-    not have. Hydra lets `+edit.scael=2` add one to a typed node (its own error for `edit.scael=2` suggests the
-    `+`), and OmegaConf.to_object would then drop it without a word."""
+    not have. Hydra lets `+edit.scael=2` add one to a typed node, and OmegaConf.to_object would then drop it
+    without a word."""
     for key, node in _unknown(cfg, ""):
-        known = sorted(f.name for f in dataclasses.fields(OmegaConf.get_type(node)))
-        near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
-        hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{near[0]}? " if near else ""
-        raise ConfigError(key, f"is not a setting of this config; {hint}the settings there are: {', '.join(known)}")
+        raise unknown_setting(key, OmegaConf.get_type(node))
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # an interpolation that does not resolve (`v${tap.layr}`), a missing value
