@@ -55,6 +55,7 @@ class Lab:
         self._engine = None
         self._engine_key: Optional[str] = None
         self._model_files = None
+        self._hidden_size: Optional[int] = None
         self.engine_loads = 0
 
     # --- the calls
@@ -265,15 +266,33 @@ class Lab:
         return self._defaults[kind]
 
     def _vector_path(self, v, field: str) -> Optional[str]:
-        """Where the run reads vector `v` from: a file named by path as it is; a Vector written once into the cache
-        (named by its values, so the same vector is the same file, and a sweep resumes on it)."""
+        """Where the run reads vector `v` from: a file named by path as it is; a Vector (or a tensor or array of
+        its values) checked against the model, then written once into the cache (named by its values, so the
+        same vector is the same file, and a sweep resumes on it)."""
         if v is None or isinstance(v, (str, Path)):
             return None if v is None else str(v)
         if not isinstance(v, Vector):
-            raise ConfigError(field, f"expected a steer.Vector, a safetensors path or None, got {type(v).__name__}")
+            import numpy as np
+            import torch
+
+            if not isinstance(v, (torch.Tensor, np.ndarray)):
+                raise ConfigError(field, f"expected a steer.Vector, a tensor or array ([hidden] or [k, hidden]), a "
+                                         f"safetensors path or None, got {type(v).__name__}")
+            v = Vector(torch.as_tensor(v).detach().cpu())
+        from steer.edits import vector
+
+        vector.check(v.tensor.detach().cpu(), self._hidden(), field)  # before it becomes a file the error would name
         path = Path(self.config.cache_dir).expanduser() / "vectors" / "lab" / f"{v.digest()[:16]}.safetensors"
         v.save(path)
         return str(path)
+
+    def _hidden(self) -> int:
+        """The model's hidden size (read from its config once: a Lab's model is its own)."""
+        if self._hidden_size is None:
+            from steer.models.spec import spec
+
+            self._hidden_size = spec(self.config.model, self.config.cache_dir).hidden
+        return self._hidden_size
 
     def _write_config(self, out_dir: Path, cfg: DictConfig) -> None:
         """The run's config where Hydra writes it for a CLI run (.hydra/config.yaml)."""

@@ -132,6 +132,23 @@ def test_a_vectors_diagnostics_come_in_extractions_order_whatever_order_its_file
         "norm", "resid_norm", "heldout_auc", "folds", "best_layer", "9.norm", "9.heldout_acc", "12.norm_ratio"]
 
 
+def test_a_tensor_steers_as_its_vector_does_and_a_bad_one_is_refused_before_it_is_a_file(lab, tiny_spec, loads):
+    t = torch.randn(tiny_spec.hidden, generator=torch.Generator().manual_seed(0))
+    as_tensor = lab.generate(PROMPTS, [steer.add(t, layer=1, scale=8)])
+    as_vector = lab.generate(PROMPTS, [steer.add(steer.Vector(t), layer=1, scale=8)])
+    assert [r["steered"] for r in as_tensor.rows] == [r["steered"] for r in as_vector.rows]
+    assert [r["steered"] for r in as_tensor.rows] != [r["baseline"] for r in as_tensor.rows]
+    kept = Path(lab.config.cache_dir) / "vectors" / "lab"
+    files = sorted(kept.iterdir())
+    for bad, says in ((torch.full((tiny_spec.hidden,), float("nan")), "NaN"), (torch.zeros(tiny_spec.hidden), "zeros"),
+                      (torch.ones(3, 2, tiny_spec.hidden), "3 dimensions"), (torch.ones(7), "does not fit")):
+        with pytest.raises(ConfigError) as e:
+            lab.generate(PROMPTS, [steer.add(bad.numpy(), layer=1)])
+        assert e.value.field == "edit.vector" and says in str(e.value) and "safetensors" not in str(e.value)
+    assert sorted(kept.iterdir()) == files  # none of them written
+    assert len(loads) == 1
+
+
 def _wrong_size():
     return steer.Vector(torch.ones(7))
 

@@ -11,10 +11,10 @@ TOKENS = {"both": "both", "all": "both", "prompt": "prompt", "generated": "gener
 
 @dataclass(frozen=True)
 class EditSpec:
-    """One edit at one tap. `vector`: a steer.Vector, a safetensors path, or None (the direction extracted from
-    prompts.positive / prompts.negative at the tap, as the CLI does). `layer`: the residual stream after that
-    decoder layer; `path`: any module's output instead. `fields`: the edit's own settings given (scale, tokens,
-    lo, hi, value, key)."""
+    """One edit at one tap. `vector`: a steer.Vector, a tensor or array of its values (`[hidden]`, or `[k, hidden]`
+    for a subspace), a safetensors path, or None (the direction extracted from prompts.positive / prompts.negative
+    at the tap, as the CLI does). `layer`: the residual stream after that decoder layer; `path`: any module's
+    output instead. `fields`: the edit's own settings given (scale, tokens, lo, hi, value, key)."""
 
     kind: str
     vector: object = None
@@ -39,7 +39,7 @@ class _Default:
 
 
 _DEFAULT = _Default()  # a field left out: conf/edit/<kind>.yaml's value (None is a value: an unbounded clamp side)
-Vec = Union["Vector", str, None]  # noqa: F821
+Vec = Union["Vector", "torch.Tensor", str, None]  # noqa: F821
 
 
 def add(vector: Vec = None, layer: Optional[int] = None, scale=_DEFAULT, *, path: Optional[str] = None,
