@@ -65,7 +65,8 @@ def _check_against_transformers(engine, spec, cfg, layer, chat):
         steered = _direct(spec, items, chat, layer, vec, s)
         assert [r["p_steered"][f"{s:g}"] for r in got["items"]] == pytest.approx(steered, abs=2e-4)
         assert max(abs(a - b) for a, b in zip(steered, base)) > 1e-3  # the edit moved what is compared
-    assert got["baseline"]["p_matching"] == pytest.approx(sum(base) / len(base))
+    # the mean of the items, each within the items' tolerance of transformers' (float32 sums differ by machine)
+    assert got["baseline"]["p_matching"] == pytest.approx(sum(base) / len(base), abs=2e-4)
     shift = got["scales"][0]
     lo, hi = shift["shift_ci95"]
     assert lo <= shift["shift"] <= hi
