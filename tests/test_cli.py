@@ -36,6 +36,8 @@ def test_default_run(tmp_path, cache_dir):
         assert stat.S_IMODE((d / name).stat().st_mode) == 0o644, name
     log = (d / "steer.log").read_text()
     assert "edits: layer1 add scale=4" in log and "wrote results.jsonl and metrics.json" in log
+    said = next(line for line in res.stderr.splitlines() if line.startswith("default direction at layer1: norm "))
+    assert said in log and "held-out AUC" in said  # how good the direction it extracted is
     rows = [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {"prompt", "baseline", "steered", "kl", "tokens_changed"} <= set(rows[0])
     m = json.loads((d / "metrics.json").read_text())

@@ -172,3 +172,11 @@ def test_cached_default_is_keyed_on_the_models_files_and_dtype(hf_engine, tiny_s
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # retrained in place
     cached_default(str(tmp_path / "cache"), As(dataclasses.replace(tiny_spec, source=str(ckpt))), tap, POS, NEG)
     assert cached() == 4
+
+
+def test_auto_reads_ab_pairs_at_the_answers_last_token_and_other_pairs_as_a_mean_of_every_token():
+    assert (Recipe.from_conf(ExtractConf()).position, Recipe.from_conf(ExtractConf()).span) == ("mean", "all")
+    ab = Recipe.from_conf(ExtractConf(), ab=True)
+    assert (ab.position, ab.span) == ("last", "user")
+    mine = Recipe.from_conf(ExtractConf(position="mean", span="all"), ab=True)  # what the config says stands
+    assert (mine.position, mine.span) == ("mean", "all")

@@ -138,10 +138,13 @@ class ExtractConf:
     # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
     # positive_i - negative_i, pointing toward the positive set (steer/runs/extract.py)
     method: str = "diffmean"
-    position: str = "mean"  # "mean" over the span's tokens or its "last" token
+    # "mean" over the span's tokens, its "last" token, or "auto": last where the pairs are CAA A/B items (a pairs
+    # file of them, task=eval's dataset), whose prompts differ only in the answer, which a mean would drown
+    position: str = "auto"
     # The tokens a row is read from: "all", every token fed; "user", the prompt's own text (in a chat rendering, the
-    # user turn's content, not the system prompt, turn markers or generation prompt that every prompt shares)
-    span: str = "all"
+    # user turn's content, not the system prompt, turn markers or generation prompt that every prompt shares);
+    # "auto": user for CAA A/B pairs (their last token is then the answer's, not the generation prompt's), else all
+    span: str = "auto"
     # Take out of the direction its part along the rows' mean (the midpoint of the two sets' means): a direction
     # that shares the mean every token has moves every token when it is ablated (steer/runs/extract.py)
     orthogonal_to_mean: bool = True

@@ -120,8 +120,9 @@ def ab_text(question: str, answer: str) -> str:
     return f"{question}\n{answer}"
 
 
-def fill_prompts(p) -> None:
-    """Replace `prompts.steer` / `positive` / `negative` (a PromptsConf) by what the files it names hold."""
+def fill_prompts(p) -> bool:
+    """Replace `prompts.steer` / `positive` / `negative` (a PromptsConf) by what the files it names hold; whether
+    the pairs are CAA A/B items (from `pairs_file`)."""
     if p.steer_file is not None:
         p.steer = load_texts(p.steer_file, p.field)
     if p.pairs_file is not None and (p.positive_file is not None or p.negative_file is not None):
@@ -129,12 +130,14 @@ def fill_prompts(p) -> None:
                                                 "contrastive pairs; set one")
     if p.pairs_file is not None:
         p.positive, p.negative = load_pairs(p.pairs_file, p.positive_field, p.negative_field)
-    elif (p.positive_file is None) != (p.negative_file is None):
+        return _is_caa(records(p.pairs_file, "prompts.pairs_file"))
+    if (p.positive_file is None) != (p.negative_file is None):
         missing = "prompts.negative_file" if p.negative_file is None else "prompts.positive_file"
         raise ConfigError(missing, "is unset; the .txt pairs need both files (as cvector-generator's --positive-file "
                                    "and --negative-file)")
-    elif p.positive_file is not None:
+    if p.positive_file is not None:
         p.positive, p.negative = load_txt_pairs(p.positive_file, p.negative_file)
+    return False
 
 
 def _is_caa(rows: Sequence[Dict]) -> bool:

@@ -68,6 +68,32 @@ def metadata(diag: Dict[str, Optional[float]], prefix: str = "diag.") -> Dict[st
     return {f"{prefix}{k}": ("none" if diag.get(k) is None else f"{diag[k]:.8g}") for k in KEYS}
 
 
+def from_metadata(meta: Dict[str, str], prefix: str = "diag.") -> Dict[str, Optional[float]]:
+    """The diagnostics a vector file's metadata holds (`metadata`'s inverse; None where not measured)."""
+    out: Dict[str, Optional[float]] = {}
+    for k in KEYS:
+        try:
+            out[k] = float(meta[f"{prefix}{k}"])
+        except (KeyError, ValueError):
+            out[k] = None
+    return out
+
+
+WEAK_AUC = 0.7  # held-out AUC below this: the two prompt sets barely separate at the tap (0.5 is chance)
+
+
+def line(name: str, d: Dict[str, Optional[float]]) -> str:
+    """One line of a direction's diagnostics (a run that extracts its default direction says it so)."""
+    parts = [f"{name}: norm {_fmt(d.get('norm'))} ({_fmt(d.get('norm_ratio'))} of the stream's "
+             f"{_fmt(d.get('resid_norm'))})"]
+    if d.get("heldout_auc") is not None:
+        parts.append(f"held-out AUC {_fmt(d['heldout_auc'])}, d {_fmt(d.get('heldout_effect'))} over "
+                     f"{int(d.get('folds') or 0)} folds")
+        if d["heldout_auc"] < WEAK_AUC:
+            parts.append("the prompt sets barely separate here, so it may steer little")
+    return "; ".join(parts)
+
+
 def best(diags: Sequence[Dict[str, Optional[float]]]) -> Optional[int]:
     """The index of the best-separating direction: highest held-out AUC, then effect size; None unmeasured."""
     def key(i):

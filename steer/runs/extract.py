@@ -63,10 +63,14 @@ class Recipe:
     orthogonal_to_mean: bool = True
 
     @classmethod
-    def from_conf(cls, conf: ExtractConf, chat="false") -> "Recipe":
-        """The recipe of a run's `extract` settings and `prompts.chat`, validated."""
-        return cls(conf.method, conf.position, str(chat), bool(conf.skip_first), bool(conf.skip_special),
-                   bool(conf.normalize), conf.span, bool(conf.orthogonal_to_mean)).check()
+    def from_conf(cls, conf: ExtractConf, chat="false", ab: bool = False) -> "Recipe":
+        """The recipe of a run's `extract` settings and `prompts.chat`, validated. `ab`: the pairs are CAA A/B
+        items, which "auto" reads at the last token of the prompt's own text, the answer's (else as a mean over
+        every token fed)."""
+        position = ("last" if ab else "mean") if conf.position == "auto" else conf.position
+        span = ("user" if ab else "all") if conf.span == "auto" else conf.span
+        return cls(conf.method, position, str(chat), bool(conf.skip_first), bool(conf.skip_special),
+                   bool(conf.normalize), span, bool(conf.orthogonal_to_mean)).check()
 
     def check(self, positive: Optional[Sequence[str]] = None, negative: Optional[Sequence[str]] = None) -> "Recipe":
         """Validate (before any engine starts): ConfigError naming the field. With the prompt sets, also that pca
@@ -74,9 +78,9 @@ class Recipe:
         if self.method not in METHODS:
             raise ConfigError("extract.method", f"{self.method!r} is not one of {', '.join(METHODS)}")
         if self.position not in POSITIONS:
-            raise ConfigError("extract.position", f"{self.position!r} is not one of {', '.join(POSITIONS)}")
+            raise ConfigError("extract.position", f"{self.position!r} is not one of auto, {', '.join(POSITIONS)}")
         if self.span not in SPANS:
-            raise ConfigError("extract.span", f"{self.span!r} is not one of {', '.join(SPANS)}")
+            raise ConfigError("extract.span", f"{self.span!r} is not one of auto, {', '.join(SPANS)}")
         if self.method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
             raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
                                                 f"{len(positive)} prompts and prompts.negative {len(negative)}")

@@ -47,10 +47,12 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
     its plan built (vectors loaded and checked against the model)."""
     data_files = inputs.data(inputs.data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
-    data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
+    ab = data.fill_prompts(cfg.prompts) or cfg.task == Task.eval  # files' prompts and pairs replace the lists
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
-    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
+    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, ab).check(cfg.prompts.positive, cfg.prompts.negative)
+    # "auto" resolved once: every later reading of the job's recipe agrees
+    cfg.extract.position, cfg.extract.span = recipe.position, recipe.span
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
     checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)

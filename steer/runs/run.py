@@ -228,8 +228,18 @@ def _setup(job: Job, engine, console: Console) -> _Work:
     cfg = job.cfg
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
-    plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe, True),
-                                  job.spec.hidden)
+    read: Dict[str, Dict[str, str]] = {}  # tap name: the default direction's metadata
+
+    def default(tap):
+        got = cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe, True)
+        read[tap.name] = got[1]
+        return got
+
+    plan = job.plan.with_defaults(default, job.spec.hidden)
+    for name, meta in read.items():  # how good the direction is, as task=extract says it
+        said = diagnostics.line(f"default direction at {name}", diagnostics.from_metadata(meta))
+        console.print(said, highlight=False, markup=False)
+        job_log(job).info(said)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
     rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]

@@ -150,3 +150,21 @@ def test_files_replace_the_prompt_lists(tmp_path, cache_dir):
     data.fill_prompts(cfg.prompts)
     assert cfg.prompts.steer == ["one", "two"]
     assert cfg.prompts.positive == data.load_pairs(tmp_path / "ab.json")[0]
+
+
+def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_path, cache_dir):
+    """extract.position and extract.span "auto": CAA A/B pairs differ only in the answer, which a mean over the
+    prompt drowns, and whose last token in a chat rendering is the generation prompt's, not the answer's."""
+    from helpers import compose
+
+    from steer.runs import run
+
+    ab = write(tmp_path / "ab.json", json.dumps(CAA))
+    plain = write(tmp_path / "pairs.jsonl", '{"positive": "glad", "negative": "sad"}\n')
+    for args, want in (([f"prompts.pairs_file={ab}"], ("last", "user")),
+                       ([f"prompts.pairs_file={plain}"], ("mean", "all")),
+                       ([f"prompts.pairs_file={ab}", "extract.position=mean"], ("mean", "user")),
+                       (["task=eval"], ("last", "user")), ([], ("mean", "all")),
+                       (["extract.position=last", "extract.span=all"], ("last", "all"))):
+        job = run.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
+        assert (job.cfg.extract.position, job.cfg.extract.span) == want, args

@@ -64,3 +64,16 @@ def test_measure_says_norm_ratio_and_tells_a_real_direction_from_noise():
     assert one["heldout_auc"] is None and one["folds"] == 0
     meta = diagnostics.metadata(one)
     assert meta["diag.heldout_auc"] == "none" and float(meta["diag.norm"]) == pytest.approx(one["norm"])
+
+
+def test_a_line_of_diagnostics_warns_where_the_sets_barely_separate():
+    good = {"norm": 6.27, "resid_norm": 142.0, "norm_ratio": 0.0441, "heldout_acc": 1.0, "heldout_auc": 1.0,
+            "heldout_effect": 6.71, "folds": 5.0}
+    assert diagnostics.from_metadata(diagnostics.metadata(good)) == pytest.approx(good)
+    assert diagnostics.line("default direction at layer12", good) == (
+        "default direction at layer12: norm 6.27 (0.0441 of the stream's 142); held-out AUC 1, d 6.71 over 5 folds")
+    weak = diagnostics.line("d", {**good, "heldout_auc": 0.52})
+    assert weak.endswith("the prompt sets barely separate here, so it may steer little")
+    unmeasured = {**good, "heldout_acc": None, "heldout_auc": None, "heldout_effect": None, "folds": 0.0}
+    assert diagnostics.line("d", diagnostics.from_metadata(diagnostics.metadata(unmeasured))) == (
+        "d: norm 6.27 (0.0441 of the stream's 142)")
