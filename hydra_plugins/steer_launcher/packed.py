@@ -187,9 +187,10 @@ class PackedLauncher(Launcher):
         if bad:
             # A later batch of a sweeper that sends several: the earlier batches' jobs ran, and their report stands
             ran = f"; earlier batches ran, {_report(sweep_dir)}" if initial_job_idx > 0 else ""
-            print(f"{len(bad)} of {len(job_overrides)} jobs have bad input ({', '.join(bad)}; the error above each, "
-                  f"and in its error.txt): no engine started for {'this batch' if ran else 'them'}{ran}",
-                  file=sys.stderr)
+            n = len(job_overrides)
+            print(f"{len(bad)} of {n} job{'s' if n > 1 else ''} {'has' if len(bad) == 1 else 'have'} bad input "
+                  f"({', '.join(bad)}; the error above each, and in its error.txt): no engine started, none of "
+                  f"{'this batch' if ran else 'the sweep'}'s jobs ran{ran}", file=sys.stderr)
             sys.exit(2)
         return returns, failed + self._run_groups(jobs, pending)
 

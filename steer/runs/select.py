@@ -78,8 +78,9 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
         results.write_json(cell.out_dir / CELL, _settings(cell.cfg))
     kept = len(jobs) - len(todo)
     kept = f"; {kept} done before with these settings and inputs, kept" if kept else ""
-    say = (f"select: {len(jobs)} pairs ({len(cfg.select.layers)} layers x {len(cfg.select.scales)} scales) in one "
-           f"packed sweep, each in its own directory here{kept}")
+    n, layers, scales = len(jobs), len(cfg.select.layers), len(cfg.select.scales)
+    say = (f"select: {n} pair{'s' * (n > 1)} ({layers} layer{'s' * (layers > 1)} x {scales} scale{'s' * (scales > 1)}) "
+           f"in one packed sweep, each in its own directory here{kept}")
     console.print(say)
     log.info(say)  # the run's steer.log (each pair's own says how it ran)
     if todo:

@@ -123,7 +123,8 @@ def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(cli, tmp_pat
     res = cli(["-m", f"edit.vector.path={good},{nan},{wide}", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
               tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
-    assert "2 of 3 jobs have bad input (#1, #2;" in res.stderr and "no engine started" in res.stderr
+    assert "2 of 3 jobs have bad input (#1, #2;" in res.stderr
+    assert "no engine started, none of the sweep's jobs ran" in res.stderr
     assert "nan" in res.stderr and f"shape [{tiny_spec.hidden + 1}]" in res.stderr  # each job's own error
     assert not (tmp_path / "sweep" / "0" / "metrics.json").exists()
 
