@@ -31,7 +31,13 @@ def test_path_wins_over_layer(tiny_spec):
 def test_path_naming_no_module(tiny_spec):
     with pytest.raises(ConfigError, match="'model.layers.1.mpl' names no module of tiny") as e:
         resolve(TapConf(path="model.layers.1.mpl"), tiny_spec)
-    assert e.value.field == "tap.path" and "model.layers.1.mlp" in str(e.value)
+    assert e.value.field == "tap.path" and "modules under model.layers.1: [" in str(e.value)
+    assert "'model.layers.1.mlp'" in str(e.value) and "'model.layers.1.mlp.up_proj'" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a layer out of range says the range, not a list of modules
+        resolve(TapConf(path=f"model.layers.{tiny_spec.layers}.mlp"), tiny_spec)
+    assert str(e.value).endswith(f"has {tiny_spec.layers} (0..{tiny_spec.layers - 1}) under model.layers")
+    with pytest.raises(ConfigError, match="top-level modules: \\['lm_head', 'model'\\]"):
+        resolve(TapConf(path="nothing"), tiny_spec)
 
 
 def test_empty_tap(tiny_spec):

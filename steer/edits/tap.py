@@ -16,6 +16,23 @@ class Tap:
     residual: bool  # True when the value is the residual stream after a decoder layer
 
 
+def _no_module(path: str, spec: ModelSpec) -> str:
+    """What is wrong with a module path the model lacks: a decoder layer out of range, or the modules under the
+    deepest part of it that exists."""
+    parts = path.split(".")
+    index = parts[len(spec.layers_path.split("."))] if path.startswith(spec.layers_path + ".") else None
+    if index is not None and index.isdigit() and int(index) >= spec.layers:
+        return (f"{path!r} names decoder layer {index}, and {spec.name} has {spec.layers} (0..{spec.layers - 1}) "
+                f"under {spec.layers_path}")
+    known = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in spec.modules]
+    under = known[0] if known else None
+    depth = len(under.split(".")) + 1 if under else 1
+    near = sorted(m for m in spec.modules
+                  if (under is None or m.startswith(under + ".")) and len(m.split(".")) == depth)
+    where = f"modules under {under}" if under else "top-level modules"
+    return f"{path!r} names no module of {spec.name}; {where}: {near[:12]}{' ...' if len(near) > 12 else ''}"
+
+
 def resolve(conf: TapConf, spec: ModelSpec, field: str = "tap") -> Tap:
     """Turn a tap config into a module path, checking it against the model's module tree."""
     if conf.layer is None and conf.path is None:
@@ -27,9 +44,7 @@ def resolve(conf: TapConf, spec: ModelSpec, field: str = "tap") -> Tap:
                                                 f"choose one with {field}.layer=N")
         return Tap(f"layer{conf.layer}", spec.layer_path(conf.layer), residual=True)
     if conf.path not in spec.modules:
-        near = sorted(m for m in spec.modules if m.startswith(conf.path.rsplit(".", 1)[0]))[:12]
-        raise ConfigError(f"{field}.path", f"{conf.path!r} names no module of {spec.name}; "
-                                           f"modules near it: {near or sorted(spec.modules)[:12]}")
+        raise ConfigError(f"{field}.path", _no_module(conf.path, spec))
     layer_paths = {spec.layer_path(i): i for i in range(spec.layers)}
     if conf.path in layer_paths:
         return Tap(f"layer{layer_paths[conf.path]}", conf.path, residual=True)
