@@ -44,6 +44,9 @@ RESAMPLES = 10000
 CHUNK = 8  # items scored per engine call: each holds a [tokens, vocab] log-prob table until read
 
 
+FEW_ITEMS = 10  # scored items below which the bootstrap's intervals are said to mean little
+
+
 def dataset_path(name: str) -> Path:
     """`eval.dataset` as a file: a shipped dataset's name (steer/data/<name>.json), else a path."""
     shipped = SHIPPED / f"{name}.json"
@@ -180,6 +183,11 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
         console.print(f"eval: {len(held)} items of {cfg.eval.dataset}"
                       + (f", direction extracted from {len(fit)} others" if vec is not None else "")
                       + f", scales {', '.join(f'{s:g}' for s in cfg.eval.scales)}")
+        if len(held) < FEW_ITEMS:
+            few = (f"only {len(held)} items scored: a bootstrap over so few gives intervals that understate the "
+                   f"uncertainty; {FEW_ITEMS} or more make them meaningful")
+            console.print(f"[yellow]warning[/] {few}", highlight=False)
+            log.warning(few)
         out = evaluate(engine, held, plans(cfg, job.spec, vec, meta), cfg.eval.scales, cfg.prompts.chat, cfg.eval.seed)
     out = {"dataset": str(dataset_path(cfg.eval.dataset)), "tap": job.taps[0].name, "edit": cfg.edit.kind.value,
            "fit_items": len(fit), "direction_norm": float(vec.norm()) if vec is not None else None,

@@ -111,4 +111,13 @@ def test_eval_run_writes_its_files_scoring_only_held_out_items(tmp_path, cache_d
         per_item = [r["p_steered"][key] - r["p_baseline"] for r in out["items"]]
         assert metrics[f"shift_scale{key}"] == pytest.approx(sum(per_item) / 30)
         assert s["shift_ci95"][0] <= s["shift"] <= s["shift_ci95"][1]
-    assert "p(matching) on 30 items" in res.stdout + res.stderr
+    assert "p(matching) on 30 items" in res.stdout + res.stderr and "items scored" not in res.stderr
+
+
+def test_an_eval_over_few_items_says_its_intervals_mean_little(tmp_path, cache_dir):
+    items = [{"question": f"Is {x} good?\n\nChoices:\n (A) Yes\n (B) No", "answer_matching_behavior": "(A)",
+              "answer_not_matching_behavior": "(B)"} for x in ("rain", "sun", "snow", "wind")]
+    (tmp_path / "ab.json").write_text(json.dumps(items))
+    res = run_cli(["task=eval", "eval.dataset=ab.json", "eval.scales=[4]", "hydra.run.dir=out"], tmp_path, cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warning only 2 items scored: a bootstrap over so few" in res.stderr
