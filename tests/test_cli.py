@@ -130,6 +130,8 @@ def test_bad_input_fails_fast_and_leaves_no_results(tmp_path, cache_dir, bad_fil
     assert message in res.stderr + res.stdout
     assert "Loading weights" not in res.stderr  # failed before any model loaded
     assert not list(tmp_path.rglob("results.jsonl")) and not list(tmp_path.rglob("metrics.json"))
+    if "-m" not in args:  # nothing at all: the run's directory went with the parents made for it
+        assert not (tmp_path / "outputs").exists()
 
 
 def test_a_malformed_yaml_config_is_one_line_naming_file_line_and_column(tmp_path, cache_dir):

@@ -38,13 +38,22 @@ def hold(run_dir: Path) -> None:
 
 def discard_made(run_dir: Path) -> bool:
     """Remove `run_dir` where this process made it (a single run refused for bad input then leaves nothing behind,
-    Hydra's .hydra/ included); False, and nothing removed, where it was there before."""
+    Hydra's .hydra/ included), and the parents made for it that are empty then (another run may have started in
+    one since); False, and nothing removed, where it was there before."""
     import shutil
 
-    top = _made.pop(Path(run_dir).resolve(), None)
+    run_dir = Path(run_dir).resolve()
+    top = _made.pop(run_dir, None)
     if top is None:
         return False
-    shutil.rmtree(top, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.parents:
+        if not parent.is_relative_to(top):
+            break
+        try:
+            parent.rmdir()  # only where empty
+        except OSError:
+            break
     return True
 
 
