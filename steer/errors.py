@@ -67,9 +67,13 @@ def _unknown_key_line(x: BaseException, chain) -> "str | None":
 
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+    from hydra.errors import HydraException
+
     kind, key, full = getattr(x, "object_type", None), getattr(x, "key", None), getattr(x, "full_key", None)
     if not (isinstance(x, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(kind) and key and full
             and key not in {f.name for f in dataclasses.fields(kind)}):
+        return None
+    if not any(isinstance(y, HydraException) for y in chain):  # composing the config, not steer's own code reading it
         return None
     where = next((m.group(1) for y in chain if (m := re.match(r"In '([^']+)':", str(y)))), None)
     return (f"{where}: " if where else "") + str(unknown_setting(str(full), kind))

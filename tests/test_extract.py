@@ -176,7 +176,10 @@ def test_cached_default_is_keyed_on_the_models_files_and_dtype(hf_engine, tiny_s
 
 def test_auto_reads_ab_pairs_at_the_answers_last_token_and_other_pairs_as_a_mean_of_every_token():
     assert (Recipe.from_conf(ExtractConf()).position, Recipe.from_conf(ExtractConf()).span) == ("mean", "all")
-    ab = Recipe.from_conf(ExtractConf(), ab=True)
+    ab = Recipe.from_conf(ExtractConf(), ab=True, templated=True)  # in a chat rendering: the answer's last token
     assert (ab.position, ab.span) == ("last", "user")
+    raw = Recipe.from_conf(ExtractConf(), ab=True)  # raw, the last token fed is the answer's already
+    assert (raw.position, raw.span) == ("last", "all")
+    assert Recipe(position="auto", span="auto").check() == Recipe(position="mean", span="all").check()
     mine = Recipe.from_conf(ExtractConf(position="mean", span="all"), ab=True)  # what the config says stands
     assert (mine.position, mine.span) == ("mean", "all")

@@ -64,7 +64,7 @@ def test_a_record_without_data_fingerprints_cannot_vouch_for_the_data_files_its_
 
 
 def test_task_eval_fingerprints_its_ab_dataset_shipped_or_a_path(tmp_path):
-    from steer.runs.evaluate import dataset_path
+    from steer.runs.data import dataset_path
     assert inputs.data_paths(compose("task=eval"))[-1] == str(dataset_path("optimism"))
     assert inputs.data(inputs.data_paths(compose("task=eval")))[str(dataset_path("optimism"))] is not None
     mine = tmp_path / "mine.json"

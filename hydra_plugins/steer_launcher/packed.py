@@ -90,7 +90,28 @@ def _comparable(cfg: DictConfig) -> Dict[str, Any]:
     out = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg)), resolve=False)
     for key in ("hydra", *NOT_RESULTS):
         out.pop(key, None)
+    extract = out.get("extract")
+    if isinstance(extract, dict) and "auto" in (extract.get("position"), extract.get("span")) and not _reads_ab(out):
+        # "auto" reads pairs that are not A/B items as the values it replaced did: a job saved with them is current
+        from steer.runs.extract import auto
+
+        plain = dict(zip(("position", "span"), auto(False, False)))
+        extract.update({k: plain[k] for k in plain if extract.get(k) == "auto"})
     return out
+
+
+def _reads_ab(cfg: Dict[str, Any]) -> bool:
+    """Whether a job config extracts from CAA A/B items (steer.runs.data.reads_ab); a pairs file that cannot be
+    read counts as not (its fingerprint in inputs.json says it changed)."""
+    from steer.errors import ConfigError
+    from steer.runs import data
+
+    pairs = (cfg.get("prompts") or {}).get("pairs_file")
+    try:
+        caa = pairs is not None and data.is_caa_file(pairs)
+    except (ConfigError, OSError):
+        caa = False
+    return data.reads_ab(cfg.get("task"), caa)
 
 
 def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:

@@ -77,6 +77,21 @@ def records(path, field: str) -> List[Dict]:
     return rows
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "data"  # datasets that ship with the package
+
+
+def dataset_path(name: str) -> Path:
+    """`eval.dataset` as a file: a shipped dataset's name (steer/data/<name>.json), else a path."""
+    shipped = SHIPPED / f"{name}.json"
+    if "/" not in name and not Path(name).suffix and shipped.is_file():
+        return shipped
+    return Path(name).expanduser()
+
+
+def shipped() -> List[str]:
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
 def load_texts(path, text_field: str = "text", field: str = "prompts.steer_file") -> List[str]:
     """One prompt per record: a .txt file's lines, else each record's `text_field`."""
     return _column(records(path, field), text_field, path, field, "prompts.field")
@@ -86,7 +101,10 @@ def load_pairs(path, positive: str = "positive", negative: str = "negative",
                field: str = "prompts.pairs_file") -> Tuple[List[str], List[str]]:
     """(positive prompts, negative prompts) of a pairs file: records with the fields `positive` and `negative`, or
     CAA A/B items (question + matching answer, question + the other)."""
-    rows = records(path, field)
+    return _pairs(records(path, field), path, positive, negative, field)
+
+
+def _pairs(rows: Sequence[Dict], path, positive: str, negative: str, field: str) -> Tuple[List[str], List[str]]:
     if _is_caa(rows):
         items = _ab_items(rows, path, field)
         return [ab_text(x.question, x.matching) for x in items], [ab_text(x.question, x.not_matching) for x in items]
@@ -129,8 +147,9 @@ def fill_prompts(p) -> bool:
         raise ConfigError("prompts.pairs_file", "and prompts.positive_file / prompts.negative_file both give the "
                                                 "contrastive pairs; set one")
     if p.pairs_file is not None:
-        p.positive, p.negative = load_pairs(p.pairs_file, p.positive_field, p.negative_field)
-        return _is_caa(records(p.pairs_file, "prompts.pairs_file"))
+        rows = records(p.pairs_file, "prompts.pairs_file")  # read once: the pairs, and whether they are A/B items
+        p.positive, p.negative = _pairs(rows, p.pairs_file, p.positive_field, p.negative_field, "prompts.pairs_file")
+        return _is_caa(rows)
     if (p.positive_file is None) != (p.negative_file is None):
         missing = "prompts.negative_file" if p.negative_file is None else "prompts.positive_file"
         raise ConfigError(missing, "is unset; the .txt pairs need both files (as cvector-generator's --positive-file "
@@ -138,6 +157,16 @@ def fill_prompts(p) -> bool:
     if p.positive_file is not None:
         p.positive, p.negative = load_txt_pairs(p.positive_file, p.negative_file)
     return False
+
+
+def reads_ab(task, caa_pairs: bool) -> bool:
+    """Whether a job extracts from CAA A/B items: task=eval's dataset, or a pairs file of them (`caa_pairs`)."""
+    return str(getattr(task, "value", task)) == "eval" or caa_pairs
+
+
+def is_caa_file(path) -> bool:
+    """Whether a pairs file holds CAA A/B items (read as fill_prompts reads it)."""
+    return _is_caa(records(path, "prompts.pairs_file"))
 
 
 def _is_caa(rows: Sequence[Dict]) -> bool:

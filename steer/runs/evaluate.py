@@ -36,27 +36,12 @@ from steer.config.schema import SteerConf
 from steer.edits.plan import Plan, build
 from steer.errors import ConfigError
 from steer.runs import data, inputs
-from steer.runs.data import ABItem
+from steer.runs.data import ABItem, dataset_path, shipped
 
 log = logging.getLogger(__name__)
-SHIPPED = Path(__file__).resolve().parent.parent / "data"  # datasets that ship with the package
 RESAMPLES = 10000
 CHUNK = 8  # items scored per engine call: each holds a [tokens, vocab] log-prob table until read
-
-
 FEW_ITEMS = 10  # scored items below which the bootstrap's intervals are said to mean little
-
-
-def dataset_path(name: str) -> Path:
-    """`eval.dataset` as a file: a shipped dataset's name (steer/data/<name>.json), else a path."""
-    shipped = SHIPPED / f"{name}.json"
-    if "/" not in name and not Path(name).suffix and shipped.is_file():
-        return shipped
-    return Path(name).expanduser()
-
-
-def shipped() -> List[str]:
-    return sorted(p.stem for p in SHIPPED.glob("*.json"))
 
 
 def load(cfg: SteerConf) -> Tuple[List[ABItem], List[ABItem]]:
@@ -184,8 +169,8 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
                       + (f", direction extracted from {len(fit)} others" if vec is not None else "")
                       + f", scales {', '.join(f'{s:g}' for s in cfg.eval.scales)}")
         if len(held) < FEW_ITEMS:
-            few = (f"only {len(held)} items scored: a bootstrap over so few gives intervals that understate the "
-                   f"uncertainty; {FEW_ITEMS} or more make them meaningful")
+            few = (f"only {len(held)} item{'s' * (len(held) != 1)} scored: a bootstrap over fewer than {FEW_ITEMS} "
+                   f"gives intervals that understate the uncertainty")
             console.print(f"[yellow]warning[/] {few}", highlight=False)
             log.warning(few)
         out = evaluate(engine, held, plans(cfg, job.spec, vec, meta), cfg.eval.scales, cfg.prompts.chat, cfg.eval.seed)

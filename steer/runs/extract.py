@@ -1,9 +1,10 @@
 """Steering directions from two contrastive prompt sets, read at a tap.
 
 Each prompt gives one row: the mean of its tap values over the tokens of its span (position "mean"), or the
-span's last token's ("last"). The span (extract.span) is "all" by default, every token fed (the last: the chat
-rendering's generation prompt); "user" reads only the prompt's own text, which in a chat rendering is the user
-turn's content, not the system prompt, turn markers and generation prompt around it. The tokens before the text
+span's last token's ("last"). The span (extract.span) "all" is every token fed (the last: the chat rendering's
+generation prompt); "user" reads only the prompt's own text, which in a chat rendering is the user turn's content,
+not the system prompt, turn markers and generation prompt around it. Both default to "auto" (`auto`): mean over
+all, but CAA A/B pairs at the last token of their own text, the answer's. The tokens before the text
 are the same in every prompt, and so (the model being causal) are their values: they dilute a difference more than
 they turn it. On SmolLM2's joy prompts the two spans' directions have cosine >= 0.99 at layers 6-18, the "user"
 one 3.3-3.4 x longer, so an edit's scale means 3.3-3.4 x more with it. The mean leaves out the first token and
@@ -29,7 +30,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -48,6 +49,13 @@ SPANS = ("user", "all")
 FOLDS = 5  # k of the held-out separation (steer/runs/diagnostics.py)
 
 
+def auto(ab: bool, templated: bool) -> Tuple[str, str]:
+    """(position, span) that extract.position and extract.span "auto" read: CAA A/B pairs (`ab`), which differ
+    only in the answer, at the last token of the prompt's own text (`templated`, a chat rendering: the answer's,
+    not the generation prompt's); other pairs as a mean over every token fed."""
+    return ("last" if ab else "mean"), ("user" if ab and templated else "all")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How a direction is made (extract.* and prompts.chat); every field keys the cached default direction and is
@@ -63,28 +71,29 @@ class Recipe:
     orthogonal_to_mean: bool = True
 
     @classmethod
-    def from_conf(cls, conf: ExtractConf, chat="false", ab: bool = False) -> "Recipe":
-        """The recipe of a run's `extract` settings and `prompts.chat`, validated. `ab`: the pairs are CAA A/B
-        items, which "auto" reads at the last token of the prompt's own text, the answer's (else as a mean over
-        every token fed)."""
-        position = ("last" if ab else "mean") if conf.position == "auto" else conf.position
-        span = ("user" if ab else "all") if conf.span == "auto" else conf.span
-        return cls(conf.method, position, str(chat), bool(conf.skip_first), bool(conf.skip_special),
-                   bool(conf.normalize), span, bool(conf.orthogonal_to_mean)).check()
+    def from_conf(cls, conf: ExtractConf, chat="false", ab: bool = False, templated: bool = False) -> "Recipe":
+        """The recipe of a run's `extract` settings and `prompts.chat`, validated, "auto" as `auto` resolves it."""
+        position, span = auto(ab, templated)
+        return cls(conf.method, position if conf.position == "auto" else conf.position, str(chat),
+                   bool(conf.skip_first), bool(conf.skip_special), bool(conf.normalize),
+                   span if conf.span == "auto" else conf.span, bool(conf.orthogonal_to_mean)).check()
 
     def check(self, positive: Optional[Sequence[str]] = None, negative: Optional[Sequence[str]] = None) -> "Recipe":
         """Validate (before any engine starts): ConfigError naming the field. With the prompt sets, also that pca
         can pair them."""
         if self.method not in METHODS:
             raise ConfigError("extract.method", f"{self.method!r} is not one of {', '.join(METHODS)}")
-        if self.position not in POSITIONS:
-            raise ConfigError("extract.position", f"{self.position!r} is not one of auto, {', '.join(POSITIONS)}")
-        if self.span not in SPANS:
-            raise ConfigError("extract.span", f"{self.span!r} is not one of auto, {', '.join(SPANS)}")
+        plain = auto(False, False)  # "auto" given here, not through from_conf: pairs that are not A/B
+        position = plain[0] if self.position == "auto" else self.position
+        span = plain[1] if self.span == "auto" else self.span
+        if position not in POSITIONS:
+            raise ConfigError("extract.position", f"{position!r} is not one of auto, {', '.join(POSITIONS)}")
+        if span not in SPANS:
+            raise ConfigError("extract.span", f"{span!r} is not one of auto, {', '.join(SPANS)}")
         if self.method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
             raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
                                                 f"{len(positive)} prompts and prompts.negative {len(negative)}")
-        return replace(self, chat=chat_mode(self.chat))
+        return replace(self, chat=chat_mode(self.chat), position=position, span=span)
 
     def metadata(self) -> Dict[str, str]:
         return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}

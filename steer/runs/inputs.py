@@ -32,7 +32,7 @@ def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
 def data_paths(cfg: SteerConf) -> List[str]:
     """The data files a job reads: its prompts and pairs files, and task=eval's A/B dataset (a job config, typed or
     as Hydra composed it)."""
-    from steer.runs.evaluate import dataset_path
+    from steer.runs.data import dataset_path
 
     p = cfg.prompts
     paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file]

@@ -47,16 +47,18 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
     its plan built (vectors loaded and checked against the model)."""
     data_files = inputs.data(inputs.data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
-    ab = data.fill_prompts(cfg.prompts) or cfg.task == Task.eval  # files' prompts and pairs replace the lists
+    caa = data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, ab).check(cfg.prompts.positive, cfg.prompts.negative)
-    # "auto" resolved once: every later reading of the job's recipe agrees
-    cfg.extract.position, cfg.extract.span = recipe.position, recipe.span
+    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
     checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
-    prompt.check(cfg.prompts.chat, spec.chat_template)
+    chat = prompt.check(cfg.prompts.chat, spec.chat_template)
+    # task=eval renders its pairs itself and reads them raw, so only a pairs file's are in a chat rendering
+    templated = cfg.task != Task.eval and (chat == "true" or (chat == "auto" and spec.chat_template is not False))
+    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, data.reads_ab(cfg.task, caa), templated)
+    cfg.extract.position, cfg.extract.span = recipe.position, recipe.span  # "auto" resolved once for the job
     if cfg.task == Task.select:
         checks.select_grid(cfg, spec.layers)
     job = Job(cfg, spec, Path(out_dir), engine, data=data_files)

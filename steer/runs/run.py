@@ -145,7 +145,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
             return execute(jobs, console, on_done, summary, engine)
     summary = len(jobs) == 1 if summary is None else summary
     say = len(jobs) > 1  # a failure is printed where it would not end the run
-    work = _start(jobs, engine, console, on_done, say)
+    work = _start(jobs, engine, console, on_done, say, summary)
     conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
     baselines: Dict[tuple, Scores] = {}
@@ -180,8 +180,9 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     return [job.result for job in jobs]
 
 
-def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) -> List[_Work]:
-    """Run the extractions; set up each steer job's generation (a job that cannot be set up fails alone)."""
+def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool, summary: bool) -> List[_Work]:
+    """Run the extractions; set up each steer job's generation (a job that cannot be set up fails alone).
+    `summary`: each job's default directions are printed (else only in its steer.log)."""
     taps = sorted({t.path for job in jobs for t in job.taps})  # the pack's: its requests share the batches
     _cache_defaults(jobs, engine)
     work = []
@@ -194,7 +195,7 @@ def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool) ->
                 if on_done:
                     on_done(job)
             else:
-                work.append(_setup(job, engine, console))
+                work.append(_setup(job, engine, console, summary))
         except Exception as e:
             fail(job, e, console, say)
     return work
@@ -223,7 +224,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
                          ", ".join(taps), e)
 
 
-def _setup(job: Job, engine, console: Console) -> _Work:
+def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     """A job's compiled plan and encoded prompts, checked against the model's positions."""
     cfg = job.cfg
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
@@ -238,7 +239,8 @@ def _setup(job: Job, engine, console: Console) -> _Work:
     plan = job.plan.with_defaults(default, job.spec.hidden)
     for name, meta in read.items():  # how good the direction is, as task=extract says it
         said = diagnostics.line(f"default direction at {name}", diagnostics.from_metadata(meta))
-        console.print(said, highlight=False, markup=False)
+        if summary:  # a sweep's or a grid's jobs say it in their steer.log alone, rather than once a job
+            console.print(said, highlight=False, markup=False, soft_wrap=True)
         job_log(job).info(said)
     active = plan.active()
     prompts = list(cfg.prompts.steer)

@@ -90,8 +90,8 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
                     execute(todo[start : start + PACK], console, summary=False, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
-            console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command again runs the "
-                          "rest and keeps these")
+            console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
+                          f"hydra.run.dir={out_dir} runs the rest and keeps these", soft_wrap=True)
             raise
     table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio, cfg.select.min_distinct_ratio)
              for job in jobs]

@@ -39,6 +39,21 @@ def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
     assert packed.config_changes(tmp_path / "nope", _cfg()) == "no saved config"
 
 
+def test_a_job_saved_before_auto_extraction_is_current_unless_it_reads_ab_pairs(tmp_path):
+    from omegaconf import OmegaConf
+
+    ab = tmp_path / "ab.json"
+    ab.write_text(json.dumps([{"question": "Good?\n (A) Yes\n (B) No", "answer_matching_behavior": "(A)",
+                               "answer_not_matching_behavior": "(B)"}] * 2))
+    plain = tmp_path / "pairs.jsonl"
+    plain.write_text('{"positive": "glad", "negative": "sad"}\n')
+    (tmp_path / ".hydra").mkdir()
+    for pairs, changed in ((plain, None), (ab, "extract.position mean -> auto, extract.span all -> auto")):
+        old = _cfg(f"prompts.pairs_file={pairs}", "extract.position=mean", "extract.span=all")  # the old defaults
+        OmegaConf.save(old, tmp_path / ".hydra" / "config.yaml")
+        assert packed.config_changes(tmp_path, _cfg(f"prompts.pairs_file={pairs}")) == changed
+
+
 def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
     from omegaconf import OmegaConf
 

@@ -68,7 +68,7 @@ def test_two_txt_files_paired_line_by_line(tmp_path):
 
 
 def test_the_shipped_dataset_is_balanced_ab():
-    from steer.runs.evaluate import dataset_path
+    from steer.runs.data import dataset_path
 
     items = data.load_ab(dataset_path("optimism"))
     assert len(items) >= 50
@@ -152,7 +152,7 @@ def test_files_replace_the_prompt_lists(tmp_path, cache_dir):
     assert cfg.prompts.positive == data.load_pairs(tmp_path / "ab.json")[0]
 
 
-def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_path, cache_dir):
+def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_path, cache_dir, smollm2_spec):
     """extract.position and extract.span "auto": CAA A/B pairs differ only in the answer, which a mean over the
     prompt drowns, and whose last token in a chat rendering is the generation prompt's, not the answer's."""
     from helpers import compose
@@ -161,10 +161,13 @@ def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_pa
 
     ab = write(tmp_path / "ab.json", json.dumps(CAA))
     plain = write(tmp_path / "pairs.jsonl", '{"positive": "glad", "negative": "sad"}\n')
-    for args, want in (([f"prompts.pairs_file={ab}"], ("last", "user")),
+    for args, want in (([f"prompts.pairs_file={ab}"], ("last", "all")),  # the tiny model: no chat template
                        ([f"prompts.pairs_file={plain}"], ("mean", "all")),
-                       ([f"prompts.pairs_file={ab}", "extract.position=mean"], ("mean", "user")),
-                       (["task=eval"], ("last", "user")), ([], ("mean", "all")),
-                       (["extract.position=last", "extract.span=all"], ("last", "all"))):
+                       ([f"prompts.pairs_file={ab}", "extract.position=mean"], ("mean", "all")),
+                       (["task=eval"], ("last", "all")), ([], ("mean", "all")),
+                       (["extract.position=last", "extract.span=user"], ("last", "user")),
+                       # SmolLM2 renders the pairs as chat: the last token of the user turn is the answer's
+                       (["model=smollm2", f"prompts.pairs_file={ab}"], ("last", "user")),
+                       (["model=smollm2", "task=eval"], ("last", "all"))):  # eval renders its pairs itself
         job = run.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
         assert (job.cfg.extract.position, job.cfg.extract.span) == want, args

@@ -99,9 +99,9 @@ def test_eval_run_writes_its_files_scoring_only_held_out_items(tmp_path, cache_d
     out = json.loads((tmp_path / "out" / "eval.json").read_text())
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert (tmp_path / "out" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from steer.runs.data import load_ab
+    from steer.runs.data import dataset_path, load_ab
 
-    items = load_ab(evaluate.dataset_path("optimism"))
+    items = load_ab(dataset_path("optimism"))
     fit, held = evaluate.split(items, 0.5, 0)
     assert [r["question"] for r in out["items"]] == [x.question for x in held]
     assert out["fit_items"] == len(fit) == 30 and out["n"] == 30
@@ -120,4 +120,4 @@ def test_an_eval_over_few_items_says_its_intervals_mean_little(tmp_path, cache_d
     (tmp_path / "ab.json").write_text(json.dumps(items))
     res = run_cli(["task=eval", "eval.dataset=ab.json", "eval.scales=[4]", "hydra.run.dir=out"], tmp_path, cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "warning only 2 items scored: a bootstrap over so few" in res.stderr
+    assert "warning only 2 items scored: a bootstrap over fewer than 10 gives intervals" in res.stderr
