@@ -50,6 +50,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     caa = data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
+    # checked before the model's files are read; "auto" is resolved below, once the chat rendering is known
     Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
