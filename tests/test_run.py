@@ -89,6 +89,27 @@ def test_a_run_clears_the_last_runs_results_before_hydra_writes_its_config(tmp_p
     assert sorted(p.name for p in d.iterdir()) == ["notes.txt"]
 
 
+def test_a_missing_vector_file_is_said_before_the_models_files_are_read(tmp_path, cache_dir, monkeypatch):
+    import pytest
+
+    from steer.errors import ConfigError
+    from steer.runs import job
+
+    def unread(*a, **kw):
+        raise AssertionError("the model's files were read first")
+
+    monkeypatch.setattr(job, "model_spec", unread)
+    for field in ("edit.vector", "extra_edits[0].edit.vector"):
+        paths = {f: str(tmp_path / "other.safetensors") for f in ("edit.vector", "extra_edits[0].edit.vector")}
+        paths[field] = str(tmp_path / "missing.safetensors")
+        (tmp_path / "other.safetensors").write_bytes(b"")  # there: only the missing one is named
+        with pytest.raises(ConfigError) as e:
+            job.prepare(compose(f"edit.vector.path={paths['edit.vector']}", "+experiment=joy_two_taps",
+                                f"extra_edits.0.edit.vector.path={paths['extra_edits[0].edit.vector']}",
+                                f"cache_dir={cache_dir}"), tmp_path / "out")
+        assert e.value.field == f"{field}.path" and "missing.safetensors' does not exist" in str(e.value)
+
+
 def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_path, cache_dir, monkeypatch):
     import pytest
 

@@ -87,14 +87,21 @@ def resid_norm(meta: Dict[str, str], key: str) -> Tuple[Optional[float], Optiona
         return None, None
 
 
+def require(path: str | Path, field: str = "edit.vector") -> Path:
+    """`path` expanded, or a ConfigError where nothing is there (a job checks it before reading the model's files,
+    so the commonest mistake is said in a moment)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist")
+    return path
+
+
 def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", layer: Optional[int] = None,
          feature: Optional[int] = None, any_layer: bool = False) -> torch.Tensor:
     """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong. A GGUF control
     vector or a multi-layer file gives its direction at decoder layer `layer` (the tap's), an SAE directory its
     feature `feature` (steer.edits.formats reads them all)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{field}.path", f"vector file {str(path)!r} does not exist")
+    path = require(path, field)
     kind = formats.kind(path)
     if kind == "sae":
         v = formats.read_sae(path, feature, hidden, layer, any_layer, field)

@@ -18,7 +18,8 @@ from steer.config import checks
 from steer.runs import data, evaluate, grid
 from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
-from steer.edits.plan import Plan, build
+from steer.edits import vector
+from steer.edits.plan import Plan, build, entries
 from steer.config.schema import SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
@@ -52,6 +53,10 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     checks.run(cfg, engine)
     # checked before the model's files are read; "auto" is resolved below, once the chat rendering is known
     Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
+    if cfg.task != Task.extract:
+        for prefix, _, e in entries(cfg):
+            if e.vector.path is not None:
+                vector.require(e.vector.path, f"{prefix}edit.vector")
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
     checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
