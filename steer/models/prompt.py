@@ -25,17 +25,20 @@ def has_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def renders_chat(chat, template: Optional[bool]) -> bool:
+    """Whether prompts are chat-formatted under mode `chat` where the tokenizer has a chat template or not
+    (`template`; None: not known yet, taken as one)."""
+    mode = chat_mode(chat)
+    return mode == "true" or (mode == "auto" and template is not False)
+
+
 def uses_chat(tokenizer, chat) -> bool:
     """Whether prompts are chat-formatted under mode `chat` with this tokenizer (true without a template: error)."""
-    mode = chat_mode(chat)
-    if mode == "false":
-        return False
-    if has_template(tokenizer):
-        return True
-    if mode == "true":
+    template = has_template(tokenizer)
+    if chat_mode(chat) == "true" and not template:
         raise ConfigError("prompts.chat", f"true, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} "
                                           "has no chat template; use prompts.chat=auto or false")
-    return False
+    return renders_chat(chat, template)
 
 
 def render(tokenizer, text: str, chat) -> Tuple[str, List[int]]:

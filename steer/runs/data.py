@@ -161,7 +161,7 @@ def fill_prompts(p) -> bool:
 
 def reads_ab(task, caa_pairs: bool) -> bool:
     """Whether a job extracts from CAA A/B items: task=eval's dataset, or a pairs file of them (`caa_pairs`)."""
-    return str(getattr(task, "value", task)) == "eval" or caa_pairs
+    return task == "eval" or caa_pairs  # a Task is a str: Task.eval == "eval"
 
 
 def is_caa_file(path) -> bool:

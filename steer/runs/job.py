@@ -60,9 +60,9 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
     checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
-    chat = prompt.check(cfg.prompts.chat, spec.chat_template)
+    prompt.check(cfg.prompts.chat, spec.chat_template)
     # task=eval renders its pairs itself and reads them raw, so only a pairs file's are in a chat rendering
-    templated = cfg.task != Task.eval and (chat == "true" or (chat == "auto" and spec.chat_template is not False))
+    templated = cfg.task != Task.eval and prompt.renders_chat(cfg.prompts.chat, spec.chat_template)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, data.reads_ab(cfg.task, caa), templated)
     cfg.extract.position, cfg.extract.span = recipe.position, recipe.span  # "auto" resolved once for the job
     if cfg.task == Task.select:

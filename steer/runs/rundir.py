@@ -80,7 +80,7 @@ class RunDirLock(Callback):
             sys.exit(2)
         # Before Hydra writes this run's config there: stopped before run.main clears them, an earlier run's
         # results would stand beside it as if they were this run's
-        clear_stale(Path(str(config.hydra.run.dir)))
+        clear_stale(run_dir)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         _made.pop(Path(str(config.hydra.run.dir)).resolve(), None)  # the run finished: its directory stays
