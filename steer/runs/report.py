@@ -18,7 +18,7 @@ import io
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -160,19 +160,23 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
             continue  # no value, or the same for every job (ppl_baseline, a pack's tokens_per_s): nothing to plot
         fig, ax = plt.subplots(figsize=(6, 4))
         lines: Dict[str, list] = {}
+        base = baseline_of(metric, names)
         for r in rows:
             label = ", ".join(f"{k}={r.get(k)}" for k in others) or metric
-            lines.setdefault(label, []).append((_num(r.get(x_key)), r.get(metric)))
+            lines.setdefault(label, []).append((_num(r.get(x_key)), r.get(metric), r.get(base) if base else None))
         for label, pts in lines.items():
             pts = sorted((p for p in pts if p[1] is not None), key=lambda p: (isinstance(p[0], str), p[0]))
-            ax.plot([str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts],
-                    [p[1] for p in pts], marker="o", label=label)
+            xs_ = [str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts]
+            drawn = ax.plot(xs_, [p[1] for p in pts], marker="o", label=label)
+            if base is not None and any(p[2] is not None for p in pts):  # the same jobs' unsteered counterpart
+                ax.plot(xs_, [float("nan") if p[2] is None else p[2] for p in pts], ls="--", lw=1.2,
+                        color=drawn[0].get_color(), label=base + (f" ({label})" if others else ""))
         xs = [_num(r.get(x_key)) for r in rows]
         if all(isinstance(x, float) and x.is_integer() for x in xs):  # layers, seeds: no half ticks between them
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(x_key)
         ax.set_ylabel(metric)
-        if len(lines) > 1 or others:
+        if len(lines) > 1 or others or base is not None:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -181,6 +185,15 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
         plt.close(fig)
         out.append(results.write_bytes(Path(sweep_dir) / f"{metric}.png", buf.getvalue()))
     return out
+
+
+def baseline_of(metric: str, names: List[str]) -> Optional[str]:
+    """The unsteered counterpart a plot of `metric` draws beside it (`ppl_steered`: `ppl_baseline`), if the jobs
+    report it."""
+    if not metric.endswith("_steered"):
+        return None
+    base = metric[: -len("_steered")] + "_baseline"
+    return base if base in names else None
 
 
 def build(sweep_dir: Path) -> Dict[str, Any]:
@@ -202,7 +215,7 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
 def clear(sweep_dir: Path) -> None:
     """Remove the report last written into `sweep_dir`: a sweep starting there must not leave an earlier one's
     summary and plots looking like its own if it is stopped before writing its own."""
-    for p in _report_files(Path(sweep_dir)):
+    for p in _report_files(Path(sweep_dir)) | {Path(sweep_dir) / "report.html"}:  # steer.report's page too
         p.unlink(missing_ok=True)
 
 

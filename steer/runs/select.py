@@ -111,6 +111,9 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     results.write_json(out_dir / "metrics.json", {
         "best_layer": best and best["layer"], "best_scale": best and best["scale"], "best_gain": best and best["gain"],
         "best_ppl_ratio": best and best["ppl_ratio"], "pairs": len(table), "pairs_kept": sum(c["ok"] for c in table)})
+    from steer import report
+
+    report.write_quietly(out_dir)
     _print(console, cfg, table, best, summary["command"], out_dir)
     return summary
 
@@ -303,4 +306,6 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
                       f"x{best['ppl_ratio']:.2f})\n  {command}")
     else:
         console.print("[bold red]no pair passed[/] (the perplexity cap, the repetition check and a positive gain)")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
+        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
+        if (out_dir / "report.html").is_file() else ""))

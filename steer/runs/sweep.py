@@ -35,9 +35,13 @@ def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
     main = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS} if main else {}
     try:
-        return report.build(Path(sweep_dir))
+        out = report.build(Path(sweep_dir))
     except report.NoJobs:
         return None
+    from steer import report as html
+
+    out["html"] = html.write_quietly(Path(sweep_dir))
+    return out
     finally:
         for sig, handler in old.items():
             if handler is not None:
@@ -133,4 +137,5 @@ class SummaryCallback(Callback):
             else:
                 from steer.runs.report import left_out
 
-                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})")
+                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})"
+                      + (f"; report: {out['html']}" if out.get("html") else ""))
