@@ -123,7 +123,8 @@ def prompt_view(row: Dict[str, Any]) -> Dict[str, Any]:
         elif isinstance(value, list):
             continue  # token ids
         elif isinstance(value, dict):
-            numbers += [(f"{key}.{k}", v) for k, v in value.items() if isinstance(v, (int, float)) or v is None]
+            numbers += [(f"{key}.{k}", v) for k, v in value.items()
+                        if (isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None]
             flags += [f"{key}.{k}" for k, v in value.items() if v is True]
         else:
             other.append((key, value))
@@ -134,8 +135,9 @@ def prompt_view(row: Dict[str, Any]) -> Dict[str, Any]:
             "baseline_text": base, "steered_text": steered}
 
 
-def edits(cfg: Optional[Dict[str, Any]]) -> List[str]:
-    """The config's edits, one line each, as the run composed them (`layer 12: add, scale 4, tokens both`)."""
+def edits(cfg: Optional[Dict[str, Any]], grid: bool = False) -> List[str]:
+    """The config's edits, one line each, as the run composed them (`layer 12: add, scale 4, tokens both`); `grid`:
+    a task=select run's, whose first edit runs at each pair's layer and scale."""
     if not cfg:
         return []
     pairs = [(cfg.get("tap") or {}, cfg.get("edit") or {})]
@@ -144,6 +146,8 @@ def edits(cfg: Optional[Dict[str, Any]]) -> List[str]:
     for tap, edit in pairs:
         where = f"layer {tap['layer']}" if tap.get("layer") is not None else str(tap.get("path") or "?")
         bits = [f"{edit.get('kind', '?')}", f"scale {edit.get('scale')}"]
+        if grid and not out:
+            where, bits = "each pair's layer", [f"{edit.get('kind', '?')}", "each pair's scale"]
         if edit.get("scale_by") not in (None, "vector"):
             bits.append(f"scale_by {edit['scale_by']}")
         for k in {"clamp": ("lo", "hi"), "set": ("value",)}.get(str(edit.get("kind")), ()):
@@ -304,7 +308,7 @@ def select_page(d: Path) -> Dict[str, Any]:
     diags.sort(key=lambda x: x["layer"])
     plots = [("Extraction diagnostics per layer", diagnostics_plot(diags))] if len(diags) > 1 else []
     return {"kind": "select", "title": f"steer select {d.name}", "dir": str(d), "model": _model(cfg),
-            "edits": edits(cfg), "config_text": _config_text(d), "best": best, "command": sel.get("command"),
+            "edits": edits(cfg, grid=True), "config_text": _config_text(d), "best": best, "command": sel.get("command"),
             "max_ppl_ratio": sel.get("max_ppl_ratio"), "map": heatmap.grid(cells, layers, scales, best),
             "texts": texts, "plots": plots, "metrics": list((results.read_json(d / "metrics.json") or {}).items())}
 

@@ -169,15 +169,16 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
             xs_ = [str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts]
             drawn = ax.plot(xs_, [p[1] for p in pts], marker="o", label=label)
             if base is not None and any(p[2] is not None for p in pts):  # the same jobs' unsteered counterpart
+                first = not any(line.get_label().startswith(base) for line in ax.get_lines())
                 ax.plot(xs_, [float("nan") if p[2] is None else p[2] for p in pts], ls="--", lw=1.2,
-                        color=drawn[0].get_color(), label=base + (f" ({label})" if others else ""))
+                        color=drawn[0].get_color(), label=f"{base} (dashed)" if first else "_nolegend_")
         xs = [_num(r.get(x_key)) for r in rows]
         if all(isinstance(x, float) and x.is_integer() for x in xs):  # layers, seeds: no half ticks between them
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(x_key)
         ax.set_ylabel(metric)
         if len(lines) > 1 or others or base is not None:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, ncol=2 if len(lines) > 6 else 1)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         buf = io.BytesIO()

@@ -36,12 +36,12 @@ def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
     old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS} if main else {}
     try:
         out = report.build(Path(sweep_dir))
+        from steer import report as html
+
+        out["html"] = html.write_quietly(Path(sweep_dir))  # report.html, from the jobs and the plots just written
+        return out
     except report.NoJobs:
         return None
-    from steer import report as html
-
-    out["html"] = html.write_quietly(Path(sweep_dir))
-    return out
     finally:
         for sig, handler in old.items():
             if handler is not None:
