@@ -14,8 +14,6 @@ def grid(cells: List[Dict[str, Any]], layers: List[Any], scales: List[float], be
     import matplotlib
     from matplotlib.colors import Normalize, to_hex
 
-    from steer.runs.select import label_colour
-
     by = {(c["layer"], float(c["scale"])): c for c in cells}
     kept = [c["gain"] for c in cells if c.get("ok") and c.get("gain") is not None]
     norm = Normalize(min(kept), max(kept)) if kept else None
@@ -48,3 +46,13 @@ def grid(cells: List[Dict[str, Any]], layers: List[Any], scales: List[float], be
 def _letter(i: int) -> str:
     letters = string.ascii_uppercase
     return letters[i] if i < len(letters) else f"{letters[i // 26 - 1]}{letters[i % 26]}"
+
+
+def label_colour(face) -> str:
+    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
+    def lum(rgb):
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    y = lum(face)
+    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"

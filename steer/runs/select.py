@@ -24,6 +24,7 @@ from rich.table import Table
 from steer import results
 
 from steer.runs import rundir
+from steer.report.heatmap import label_colour
 from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
 
@@ -276,16 +277,6 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
                  fontsize=9)
     fig.tight_layout()
     return fig
-
-
-def label_colour(face) -> str:
-    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
-    def lum(rgb):
-        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
-        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-    y = lum(face)
-    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"
 
 
 def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str],

@@ -136,14 +136,16 @@ class FromConf:
             from steer import engine as engines
             from steer.models.spec import spec as model_spec
             from steer.runs.extract import Recipe
+            from steer.config.schema import TapConf
+            from steer.edits.tap import resolve
             from steer.serve.schema import ServeConf
-            from steer.serve.start import inline_taps
 
             conf = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ServeConf),
                                                        OmegaConf.load(self.section["conf"])))
             spec = model_spec(conf.model, conf.cache_dir)
             lazy = LazyEngine(lambda: engines.make("hf", spec, conf.device, hf_conf=conf.hf))
-            self._setup = (lazy, inline_taps(conf.serve, spec), Recipe.from_conf(conf.extract, conf.prompts.chat))
+            taps = {k: resolve(TapConf(layer=k), spec) for k in conf.serve.inline_layers}  # checked at the start
+            self._setup = (lazy, taps, Recipe.from_conf(conf.extract, conf.prompts.chat))
         return self._setup
 
     async def direction(self, body: Any) -> Dict[str, Any]:
