@@ -169,9 +169,13 @@ def vectors(d: Path) -> List[Dict[str, Any]]:
 def run_page(d: Path) -> Dict[str, Any]:
     cfg = read_config(d)
     got = results.read_json(d / "metrics.json") or {}
-    page: Dict[str, Any] = {"kind": "run", "title": f"steer run {d.name}", "dir": str(d), "config": cfg,
-                            "config_text": _config_text(d), "edits": edits(cfg), "task": (cfg or {}).get("task"),
-                            "model": _model(cfg), "metrics": list(got.items()), "paired": paired(got), "vectors": vectors(d),
+    lines = edits(cfg)
+    title = f"{_model(cfg)} · {(cfg or {}).get('task', 'run')}"
+    title += f" · {lines[0].split(', vector')[0]}" if lines else ""
+    page: Dict[str, Any] = {"kind": "run", "title": title, "dir": str(d), "config": cfg,
+                            "config_text": _config_text(d), "edits": lines, "task": (cfg or {}).get("task"),
+                            "model": _model(cfg), "metrics": list(got.items()), "paired": paired(got),
+                            "vectors": vectors(d),
                             "prompts": [prompt_view(r) for r in read_rows(d / "results.jsonl")],
                             "error": _error(d), "images": [], "plots": []}
     layers = _extract_layers(got)
@@ -193,7 +197,8 @@ def paired(got: Dict[str, Any]) -> Dict[str, Any]:
     for k in got:
         if k.endswith("_baseline") and f"{k[:-9]}_steered" in got:
             name = k[: -len("_baseline")]
-            pairs.append({"name": name, "baseline": (k, got[k]), "steered": (f"{name}_steered", got[f"{name}_steered"])})
+            steered = f"{name}_steered"
+            pairs.append({"name": name, "baseline": (k, got[k]), "steered": (steered, got[steered])})
             used |= {k, f"{name}_steered"}
     return {"pairs": pairs, "rest": [(k, v) for k, v in got.items() if k not in used]}
 
@@ -243,7 +248,8 @@ def sweep_page(d: Path) -> Dict[str, Any]:
     distinct = {x["layer"]: x for x in layers}
     diag_plots = [("Extraction diagnostics per layer (each job's first direction)",
                    diagnostics_plot(sorted(distinct.values(), key=lambda x: x["layer"])))] if len(distinct) > 1 else []
-    return {"kind": "sweep", "title": f"steer sweep {d.name}", "dir": str(d), "params": params, "metrics": names,
+    title = f"steer sweep: {len(rows)} jobs over {', '.join(params) or 'nothing'}"
+    return {"kind": "sweep", "title": title, "dir": str(d), "params": params, "metrics": names,
             "table": table, "plots": plots + diag_plots, "left_out": left_out,
             "failed": sum(r.get("status") == "failed" for r in rows), "texts": text_view(rows, params, per_job)}
 
@@ -307,7 +313,8 @@ def select_page(d: Path) -> Dict[str, Any]:
                 diags.append({"layer": v["layer"], "diagnostics": v.get("diagnostics") or {}})
     diags.sort(key=lambda x: x["layer"])
     plots = [("Extraction diagnostics per layer", diagnostics_plot(diags))] if len(diags) > 1 else []
-    return {"kind": "select", "title": f"steer select {d.name}", "dir": str(d), "model": _model(cfg),
+    return {"kind": "select", "title": f"{_model(cfg)} · select: a layer and a strength", "dir": str(d),
+            "model": _model(cfg),
             "edits": edits(cfg, grid=True), "config_text": _config_text(d), "best": best, "command": sel.get("command"),
             "max_ppl_ratio": sel.get("max_ppl_ratio"), "map": heatmap.grid(cells, layers, scales, best),
             "texts": texts, "plots": plots, "metrics": list((results.read_json(d / "metrics.json") or {}).items())}

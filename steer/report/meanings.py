@@ -15,7 +15,8 @@ MEANINGS = {
     "concept_steered": "mean signed projection on the edit's direction as the unsteered model re-reads the steered "
                        "text: does the text itself carry the concept",
     "distinct2_baseline": "distinct bigrams over all bigrams of the baseline: near 1 for varied text, low for a loop",
-    "distinct2_steered": "distinct bigrams over all bigrams of the steered text: near 1 for varied text, low for a loop",
+    "distinct2_steered": "distinct bigrams over all bigrams of the steered text: near 1 for varied text, low for a "
+                         "loop",
     "rep_steered": "share of the steered tokens inside a 3-gram that occurs more than once",
     "sentiment_baseline": "VADER's compound sentiment of the baseline, in [-1, 1]",
     "sentiment_steered": "VADER's compound sentiment of the steered text, in [-1, 1]",

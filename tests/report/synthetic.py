@@ -22,7 +22,8 @@ def make(d: Path, layers: int = 10, scales: int = 10, prompts: int = 6, words: i
             scale = float(2 ** (s - 2))
             jd = d / str(job)
             (jd / ".hydra").mkdir(parents=True, exist_ok=True)
-            (jd / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"tap.layer={layer}", f"edit.scale={scale:g}"]))
+            overrides = [f"tap.layer={layer}", f"edit.scale={scale:g}"]
+            (jd / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
             rows = []
             for i in range(prompts):
                 base = " ".join(rng.choice(WORDS) for _ in range(words))

@@ -51,7 +51,7 @@ def test_run_report_shows_each_prompts_texts_escaped(chromium, cli, tmp_path):
     d = tmp_path / "run"
     res = cli(["prompts.steer_file=prompts.txt", "gen.max_new_tokens=12", f"hydra.run.dir={d}"], tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "report:" in res.stdout and (d / "report.html").is_file()
+    assert "report:" in res.stdout + res.stderr and (d / "report.html").is_file()
     p = opened(chromium, d / "report.html")
     try:
         texts_as_results(p, d)
@@ -110,7 +110,7 @@ def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
                 assert cells.nth(k).text_content() == row["steered"], (job, prompt)
         # the grid is layer x scale: each job's cell sits in its layer's row and its scale's column
         heads = p.page.locator(".textview[data-prompt='0'] table.textgrid thead th").all_text_contents()[1:]
-        for r_i, tr in enumerate(p.page.locator(".textview[data-prompt='0'] table.textgrid tbody tr").all()):
+        for tr in p.page.locator(".textview[data-prompt='0'] table.textgrid tbody tr").all():
             layer = tr.locator("th").text_content()
             for c_i, td in enumerate(tr.locator("td").all()):
                 job = td.locator(".text").get_attribute("data-job")
