@@ -237,7 +237,7 @@ def sweep_page(d: Path) -> Dict[str, Any]:
     jobs, left_out = report._jobs(d)
     rows = report._rows(jobs)
     params = report.swept(rows)
-    names = report.metrics(rows)
+    names = _telling_first(report.metrics(rows), rows)
     table = [{"job": r["job"], "params": [r.get(p) for p in params], "status": r.get("status"),
               "error": r.get("error"), "metrics": [r.get(m) for m in names],
               "link": f"{r['job']}/{FILE}" if (d / r["job"] / FILE).is_file() else None} for r in rows]
@@ -252,6 +252,19 @@ def sweep_page(d: Path) -> Dict[str, Any]:
     return {"kind": "sweep", "title": title, "dir": str(d), "params": params, "metrics": names,
             "table": table, "plots": plots + diag_plots, "left_out": left_out,
             "failed": sum(r.get("status") == "failed" for r in rows), "texts": text_view(rows, params, per_job)}
+
+
+def _telling_first(names: List[str], rows: List[Dict[str, Any]]) -> List[str]:
+    """The table's metric columns: those that differ between jobs first (the steered side before the rest), the
+    ones every job shares last."""
+    ok = [r for r in rows if r.get("status", "ok") == "ok"]
+
+    def key(i_name):
+        i, name = i_name
+        same = len({repr(r.get(name)) for r in ok}) <= 1
+        return (same, not name.endswith("_steered"), i)
+
+    return [n for _, n in sorted(enumerate(names), key=key)]
 
 
 def text_view(rows: List[Dict[str, Any]], params: List[str], per_job: Dict[str, List[Dict]]) -> Dict[str, Any]:

@@ -43,12 +43,18 @@ def diff(baseline: str, steered: str) -> Tuple[List[Tuple[str, bool]], List[Tupl
     return _runs(a, same_a), _runs(b, same_b)
 
 
+def _glue(piece: str) -> bool:
+    """A space or a lone punctuation mark: between two changed words it is part of the change, whichever text it
+    happens to match ("I'm" against "That's" shares the apostrophe alone)."""
+    return piece.isspace() or (len(piece) == 1 and not piece.isalnum())
+
+
 def _runs(parts: List[str], same: List[bool]) -> List[Tuple[str, bool]]:
-    """Neighbouring pieces of the same kind joined, a space between two changed words counted as changed."""
+    """Neighbouring pieces of the same kind joined, a space or a mark between two changed words counted as changed."""
     out: List[Tuple[str, bool]] = []
     for i, (p, s) in enumerate(zip(parts, same)):
         changed = not s
-        if s and p.isspace() and 0 < i < len(parts) - 1 and not same[i - 1] and not same[i + 1]:
+        if s and _glue(p) and 0 < i < len(parts) - 1 and not same[i - 1] and not same[i + 1]:
             changed = True
         if out and out[-1][1] == changed:
             out[-1] = (out[-1][0] + p, changed)
