@@ -60,7 +60,7 @@ def keyboard_reach(page, selector: str, limit: int = 400) -> List[str]:
     """The elements matching `selector` that Tab never reaches from the top of the page (each named by its id, or
     its text)."""
     want = page.evaluate(f"""() => Array.from(document.querySelectorAll({selector!r}))
-        .filter(e => !e.disabled && e.offsetParent !== null)
+        .filter(e => !e.disabled && e.checkVisibility())
         .map((e, i) => {{ e.dataset.reachId = String(i); return String(i); }})""")
     seen = set()
     page.evaluate("() => document.activeElement && document.activeElement.blur()")

@@ -68,11 +68,10 @@ def test_run_report_shows_each_prompts_texts_escaped(chromium, cli, tmp_path):
 
 def test_smollm2_joy_report_keeps_emoji(chromium, cli, smollm2_spec, tmp_path):
     d = tmp_path / "joy"
-    res = cli(["model=smollm2", "prompts.steer=['When I opened the letter, I felt']", "gen.max_new_tokens=24",
-               f"hydra.run.dir={d}"], tmp_path)
+    res = cli(["+experiment=smollm2_joy", f"hydra.run.dir={d}"], tmp_path)  # the README's main job
     assert res.returncode == 0, res.stderr
-    steered = rows(d)[0]["steered"]
-    assert any(ord(c) > 0xFFFF for c in steered), f"no emoji in {steered!r}: the test checks nothing"
+    steered = [r["steered"] for r in rows(d)]
+    assert any(ord(c) > 0xFFFF for s in steered for c in s), f"no emoji in {steered!r}: the test checks nothing"
     p = opened(chromium, d / "report.html")
     try:
         texts_as_results(p, d)
@@ -135,10 +134,13 @@ def test_sweep_table_sorts_by_a_column(chromium, sweep_dir):
         def job_order():
             return p.page.locator("#jobs tbody tr td:nth-child(1)").all_text_contents()
 
-        p.page.get_by_role("button", name="kl_mean", exact=True).click()
+        button = p.page.locator(f"#jobs thead button[data-col='{col}']")
+        assert button.text_content() == "kl_mean"
+        button.click()
         assert column() == sorted(r["kl_mean"] for r in jobs)
         assert job_order() == [r["job"] for r in sorted(jobs, key=lambda r: r["kl_mean"])]
-        p.page.get_by_role("button", name="kl_mean", exact=True).press("Enter")  # the keyboard sorts too
+        button.press("Enter")  # the keyboard sorts too
+        assert p.page.get_by_role("button", name="kl_mean", exact=True).count() == 1  # the arrow is not its name
         assert column() == sorted((r["kl_mean"] for r in jobs), reverse=True)
         assert p.page.locator("#jobs thead th").nth(col).get_attribute("aria-sort") == "descending"
         assert p.page.locator("figure.plot img").count() >= 1  # the plots, inline
