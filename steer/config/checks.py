@@ -135,6 +135,20 @@ def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least o
 
 # --- entry points -------------------------------------------------------------------------------------------
 
+RANK_BY = ("probe", "judge")
+
+
+def damage(cfg: SteerConf) -> None:
+    """The per-prompt damage thresholds (select.*: every run flags its prompts with them)."""
+    s = cfg.select
+    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
+        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
+    if not (math.isfinite(s.min_distinct_ratio) and s.min_distinct_ratio >= 0):
+        raise ConfigError("select.min_distinct_ratio", f"must be a number >= 0 (0 turns the check off), got "
+                                                       f"{s.min_distinct_ratio}")
+    at_least("select.max_run", s.max_run, 2, " (repeats in a row that mark a loop)")
+
+
 def run(cfg: SteerConf, engine: str) -> None:
     """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
     # A steer run scores with the tap's values (projection metrics), which an engine with its edits in the graph
@@ -157,6 +171,7 @@ def run(cfg: SteerConf, engine: str) -> None:
     for i, te in enumerate(cfg.extra_edits):
         scale_by(f"extra_edits[{i}].edit", te.edit)
     at_least("extract.folds", cfg.extract.folds, 2)
+    damage(cfg)
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:
@@ -257,11 +272,22 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
         raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
                                               "direction, and edit.kind=scale without a vector scales the whole "
                                               "stream: give it a direction (edit.vector.path)")
-    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
-        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
-    if not (math.isfinite(s.min_distinct_ratio) and s.min_distinct_ratio >= 0):
-        raise ConfigError("select.min_distinct_ratio", f"must be a number >= 0 (0 turns the check off), got "
-                                                       f"{s.min_distinct_ratio}")
+    at_least("select.max_bad_prompts", s.max_bad_prompts, 0, " (prompts a kept pair may damage)")
+    if not 0 <= s.split < 1:
+        raise ConfigError("select.split", f"must be in [0, 1) (the share of prompts.steer the pair is chosen on; 0: "
+                                          f"chosen and reported on all), got {s.split}")
+    if s.rank_by not in RANK_BY:
+        raise ConfigError("select.rank_by", f"{s.rank_by!r} is not one of {', '.join(RANK_BY)}")
+    if s.rank_by == "judge" and not cfg.eval.judge.base_url:
+        raise ConfigError("select.rank_by", "is judge, but eval.judge.base_url is unset: name an OpenAI-compatible "
+                                            "endpoint (eval.judge.base_url, eval.judge.model), or rank_by=probe")
+    if s.probe_layer is not None and not 0 <= s.probe_layer < layers:
+        raise ConfigError("select.probe_layer", f"{s.probe_layer} out of range: the model has {layers} decoder "
+                                                f"layers (0..{layers - 1})")
+    if s.probe_path is None and not (cfg.prompts.positive and cfg.prompts.negative):
+        raise ConfigError("select.probe_path", "is unset, and the probe that reads every pair's concept is extracted "
+                                               "from prompts.positive and prompts.negative, which are empty: give "
+                                               "the pairs, or a probe file (select.probe_path)")
     if cfg.extra_edits:
         raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
                                          "extra_edits empty")
