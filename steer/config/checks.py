@@ -53,9 +53,21 @@ def writable(field: str, path: Path) -> None:
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # made on write
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_make_in(parent):
         raise ConfigError(field, f"{str(path)!r} cannot be written: {str(parent)!r} is not a directory this "
                                  "process may write in")
+
+
+def _can_make_in(parent: Path) -> bool:
+    """Whether a directory can be made in `parent` (and is, then removed): os.access answers yes to root for what
+    the kernel refuses anyway (/proc, a read-only mount)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".steer-check-", dir=parent))
+    except OSError:
+        return False
+    return True
 
 
 def room_for_a_prompt(field: str, new_tokens: int, positions: Optional[int], model: str) -> None:
@@ -124,11 +136,17 @@ def gen(g: GenConf) -> None:
         raise ConfigError("gen.top_p", f"must be in (0, 1], got {g.top_p}")
 
 
+# The files that stand for each prompt set (steer/runs/data.py's fill_prompts reads them into the lists)
+FILES = {"steer": ("steer_file",), "positive": ("pairs_file", "positive_file"),
+         "negative": ("pairs_file", "negative_file")}
+
+
 def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least one prompt, or a file of them "
                                                                 "(prompts.steer_file, prompts.pairs_file)") -> None:
-    """Each named set holds at least one prompt, and every prompt is text."""
+    """Each named set holds at least one prompt or names a file that gives them (read, and checked not empty, as a
+    job is prepared: steer/runs/data.py), and every prompt is text."""
     for name in sets:
-        if not list(getattr(p, name)):
+        if not list(getattr(p, name)) and not any(getattr(p, f, None) is not None for f in FILES.get(name, ())):
             raise ConfigError(f"prompts.{name}", f"is empty; {why}")
     check_texts(p, tuple(sets))
 

@@ -152,8 +152,11 @@ def _convert(gguf: Path, dest: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from steer.progress import transformers_bars_off
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with transformers_bars_off():  # the conversion says itself in a line; the engine's load has the bar
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
              if not (tied and k == "lm_head.weight")}

@@ -426,7 +426,7 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
     wt = edit.row_weight(is_prompt)
     selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
     proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-    baseline, steered = engine.decode(b), engine.decode(s)
+    baseline, steered = whole_chars(engine.decode, b), whole_chars(engine.decode, s)
     row = {
         "prompt": text, "fed": fed, "prompt_ids": list(ids), "baseline": baseline, "steered": steered,
         "baseline_ids": list(b), "steered_ids": list(s), "baseline_tokens": len(b), "steered_tokens": len(s),
@@ -453,6 +453,20 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
     return row
+
+
+def whole_chars(decode: Callable[[List[int]], str], ids: List[int], most: int = 4) -> str:
+    """The text of `ids`, cut at its last whole character: a continuation that stops inside a character (the
+    first byte tokens of an emoji) decodes to a replacement character there, which no reader wants; up to `most`
+    trailing tokens are left out of the text until it ends in a whole one (the ids stay as generated)."""
+    text = decode(ids)
+    for k in range(1, min(most, len(ids)) + 1):
+        if not text.endswith("\ufffd"):
+            break
+        shorter = decode(ids[:-k])
+        if not shorter.endswith("\ufffd"):
+            return shorter
+    return text
 
 
 def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,

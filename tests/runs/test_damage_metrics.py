@@ -53,3 +53,14 @@ def test_a_run_flags_each_prompt_and_counts_them(tmp_path, cache_dir, console):
     assert agg["prompts_looping"] == sum(r["looping"] for r in rows)
     assert agg["prompts_ppl_over"] == sum(r["ppl_over"] for r in rows)
     assert agg["prompts_looping"] + agg["prompts_ppl_over"] > 0  # the thresholds tripped: the test saw a flag
+
+
+def test_a_text_cut_inside_a_character_ends_at_its_last_whole_one():
+    from steer.runs.run import whole_chars
+
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731  (a byte-level tokenizer)
+    bulb = list("💡".encode())  # four byte tokens
+    assert whole_chars(decode, list(b"ok ") + bulb + bulb[:2]) == "ok 💡"
+    assert whole_chars(decode, list(b"ok ") + bulb) == "ok 💡"
+    assert whole_chars(decode, bulb[:3]) == ""
+    assert whole_chars(decode, list(b"plain")) == "plain"
