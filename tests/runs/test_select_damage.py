@@ -1,5 +1,5 @@
 """task=select rejects looping text that perplexity passes, and picks only a positive gain; no model (the grid's
-steer runs are replaced by the metrics given here, as in tests/test_select_cell.py)."""
+steer runs are replaced by the metrics given here, as in tests/runs/test_select_cell.py)."""
 
 from contextlib import contextmanager
 from types import SimpleNamespace
