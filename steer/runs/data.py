@@ -115,14 +115,9 @@ def load_texts(path, text_field: str = "text", field: str = "prompts.steer_file"
     return _column(records(path, field), text_field, path, field, "prompts.field")
 
 
-def load_pairs(path, positive: str = "positive", negative: str = "negative",
-               field: str = "prompts.pairs_file") -> Tuple[List[str], List[str]]:
-    """(positive prompts, negative prompts) of a pairs file: records with the fields `positive` and `negative`, or
-    CAA A/B items (question + matching answer, question + the other)."""
-    return _pairs(records(path, field), path, positive, negative, field)
-
-
 def _pairs(rows: Sequence[Dict], path, positive: str, negative: str, field: str) -> Tuple[List[str], List[str]]:
+    """(positive prompts, negative prompts) of a pairs file's records: the fields `positive` and `negative`, or
+    CAA A/B items (question + matching answer, question + the other)."""
     if _is_caa(rows):
         items = _ab_items(rows, path, field)
         return [ab_text(x.question, x.matching) for x in items], [ab_text(x.question, x.not_matching) for x in items]

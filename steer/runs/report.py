@@ -36,13 +36,9 @@ class NoJobs(ValueError):
     """The directory holds no finished or failed job."""
 
 
-def job_rows(sweep_dir: Path) -> List[Dict[str, Any]]:
-    """One row per finished or failed job under `sweep_dir`, in job order: its number, its overrides, `status`
-    (`ok` or `failed`), then metrics.json's keys or the `error` (in that order: `swept` and `metrics` rely on it)."""
-    return _rows(_jobs(Path(sweep_dir))[0])
-
-
 def _rows(jobs) -> List[Dict[str, Any]]:
+    """One row per finished or failed job of `jobs`, in job order: its number, its overrides, `status` (`ok` or
+    `failed`), then metrics.json's keys or the `error` (in that order: `swept` and `metrics` rely on it)."""
     rows = []
     for job in sorted(jobs, key=lambda p: _job_key(p.name)):
         over = job / ".hydra" / "overrides.yaml"
@@ -243,8 +239,8 @@ def _texts_of(job: Path):
 
 
 def build(sweep_dir: Path) -> Dict[str, Any]:
-    """Rebuild summary.csv and the plots of `sweep_dir`; return what was written. NoJobs, and nothing written,
-    where no job finished or failed."""
+    """Rebuild summary.csv and the plots of `sweep_dir`; return what was written, with the rows summary.csv holds
+    (`rows`, as read: numbers as numbers). NoJobs, and nothing written, where no job finished or failed."""
     jobs, others = _jobs(Path(sweep_dir))
     rows = _rows(jobs)
     if not rows:
@@ -252,7 +248,7 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
     params = swept(rows)
     before = _report_files(Path(sweep_dir))
     out = {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
-           "swept": params, "left_out": others, "texts": write_texts(sweep_dir, jobs, params)}
+           "swept": params, "left_out": others, "rows": rows, "texts": write_texts(sweep_dir, jobs, params)}
     for p in before - set(out["plots"]) - {out["summary"], out["texts"]}:  # a metric no job has now, or no texts
         p.unlink(missing_ok=True)
     return out
