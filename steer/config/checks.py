@@ -167,6 +167,21 @@ def damage(cfg: SteerConf) -> None:
     at_least("select.max_run", s.max_run, 2, " (repeats in a row that mark a loop)")
 
 
+def judge(j) -> None:
+    """eval.judge: an endpoint named with the model to ask and the concept to look for."""
+    if not j.base_url:
+        return
+    if not str(j.base_url).startswith(("http://", "https://")):
+        raise ConfigError("eval.judge.base_url", f"{j.base_url!r} is no http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+    for name in ("model", "concept"):
+        if not getattr(j, name):
+            raise ConfigError(f"eval.judge.{name}", "is unset; the judge needs the endpoint's model name and the "
+                                                    "concept in words (eval.judge.concept=\"joy and happiness\")")
+    if not j.timeout_s > 0:
+        raise ConfigError("eval.judge.timeout_s", f"must be positive, got {j.timeout_s}")
+    at_least("eval.judge.max_tokens", j.max_tokens, 1)
+
+
 def run(cfg: SteerConf, engine: str) -> None:
     """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
     # A steer run scores with the tap's values (projection metrics), which an engine with its edits in the graph
@@ -190,6 +205,7 @@ def run(cfg: SteerConf, engine: str) -> None:
         scale_by(f"extra_edits[{i}].edit", te.edit)
     at_least("extract.folds", cfg.extract.folds, 2)
     damage(cfg)
+    judge(cfg.eval.judge)
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:

@@ -162,6 +162,11 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
+            if w.job.cfg.eval.judge.base_url:  # off unless an endpoint is named: nothing leaves the machine
+                from steer.runs import judge
+
+                judge.rate(w.job.cfg.eval.judge, rows)
+                agg.update(judge.counts(rows))
             inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete

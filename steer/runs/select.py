@@ -53,7 +53,6 @@ def _settings(cfg: SteerConf, probe=None) -> Dict:
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     for key in (*NOT_RESULTS, "select"):  # the grid and the cap choose pairs; a pair's result is its own
         out.pop(key, None)
-    out.get("eval", {}).pop("judge", None)  # the judge rates the texts after the run; they do not depend on it
     if probe is not None:
         out["probe"] = probe.identity()
     return out
@@ -135,10 +134,6 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
             raise
     rows = {cell.out_dir: (read_rows(cell.out_dir) or []) if not (cell.result or {}).get("error") else []
             for cell in jobs}
-    if cfg.eval.judge.base_url:
-        from steer.runs import judge
-
-        judge.rate_cells(cfg, [(cell.out_dir, rows[cell.out_dir]) for cell in jobs], console)
     n_prompts = len(cfg.prompts.steer)
     choose, report = split(n_prompts, cfg.select.split, cfg.select.split_seed)
     table = [_cell(cell.cfg, cell.result or {}, rows[cell.out_dir], choose, report, cfg.select) for cell in jobs]
