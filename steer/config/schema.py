@@ -17,7 +17,7 @@ from interleaver.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-fre
 class Task(str, Enum):
     steer = "steer"
     extract = "extract"
-    select = "select"  # a layer x scale sweep of the config's edit, scored by concept gain under a perplexity cap
+    select = "select"  # a layer x scale sweep of the config's edit, scored by one probe under per-prompt damage rules
     export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
     eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/runs/evaluate.py)
 

@@ -96,3 +96,27 @@ def test_the_rerun_command_keeps_scale_by(monkeypatch):
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: hydra))
     assert select._command({"layer": 12, "scale": 0.5}) == \
         "python -m steer edit.scale_by=resid task=steer tap.layer=12 edit.scale=0.5"
+
+
+def test_the_pair_is_chosen_on_one_half_and_reported_on_the_other(tmp_path, console):
+    """Six prompts, select.split=0.5: the choice and its gain come from the choosing half alone (a pair that shines
+    only on the held-out prompts is not chosen), and the report gives the other half's numbers beside them."""
+    choose, report = select.split(6, 0.5, 0)
+    assert sorted(choose + report) == list(range(6)) and len(choose) == 3
+    assert select.split(6, 0.5, 1) != (choose, report) and select.split(3, 0.5, 0) == ([0, 1, 2], [])
+
+    def rows(on_choose, on_report):
+        return [row(**CLEAN, **concept(on_choose if i in choose else on_report)) for i in range(6)]
+
+    got = run_grid(tmp_path, console, {(1, 2.0): rows(2.0, 1.0), (1, 4.0): rows(1.0, 9.0),
+                                        (2, 2.0): rows(0.5, 0.5), (2, 4.0): rows(-1.0, 3.0)})
+    best = got["best"]
+    assert (best["layer"], best["scale"]) == (1, 2.0)
+    assert best["gain"] == pytest.approx(2.0) and best["report"]["gain"] == pytest.approx(1.0)
+    assert got["split"]["choose"] == choose and got["split"]["report"] == report
+    md = (tmp_path / "selection.md").read_text()
+    assert f"Chosen on 3 of 6 prompts (select.split=0.5, seed 0: prompts {', '.join(str(i + 1) for i in choose)})" \
+        in md
+    assert "Held-out prompts: gain 1, ppl x1.10, 0 of 3 looping, 0 over the ppl cap." in md
+    m = __import__("json").loads((tmp_path / "metrics.json").read_text())
+    assert m["best_gain"] == pytest.approx(2.0) and m["heldout_gain"] == pytest.approx(1.0)

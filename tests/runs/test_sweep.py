@@ -282,8 +282,6 @@ def test_a_steered_metric_is_drawn_against_its_baseline_and_the_baseline_gets_no
                                                                                                    monkeypatch):
     import matplotlib.pyplot as plt
 
-    from steer.runs.report import plot
-
     for n, scale in enumerate((2, 4, 8)):
         job(tmp_path, n, [f"edit.scale={scale}"], {"concept_baseline": 0.5, "concept_steered": 1.0 + scale,
                                                    "distinct2_baseline": 0.9, "distinct2_steered": 0.75})
@@ -291,7 +289,7 @@ def test_a_steered_metric_is_drawn_against_its_baseline_and_the_baseline_gets_no
     close = plt.close
     monkeypatch.setattr(plt, "close", lambda fig: (drawn.update({fig.axes[0].get_ylabel(): [
         (ln.get_linestyle(), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()]}), close(fig)))
-    out = plot(tmp_path, job_rows(tmp_path), ["edit.scale"])
+    out = build(tmp_path)["plots"]
     # distinct2_steered is the same everywhere: no plot; concept_baseline is concept_steered's reference line
     assert [p.name for p in out] == ["concept_steered.png"]
     assert drawn["concept_steered"] == [("-", [3.0, 5.0, 9.0]), ("--", [0.5, 0.5, 0.5])]
