@@ -1,5 +1,5 @@
 """The one door to vLLM's internals (vLLM 0.26): breakable graph recording, weak references, vLLM's Worker class,
-its norms (folding), its graph counters and its engine core (shutdown, step stamps). The tap worker that drives them
+its norms (folding), its graph counters and its engine core (shutdown). The tap worker that drives them
 lives in tap_worker.py.
 
 Everything else in the tap layer and the application that drives it uses vLLM's public API or this file, so a vLLM
@@ -84,22 +84,6 @@ def shutdown(llm: Any) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None:
         core.shutdown()
-
-
-def step_stamps(llm: Any):
-    """`take()`: the engine core's stamps (monotonic s, its clock) of a vllm.LLM's steps that made tokens since the
-    last call. vLLM's scheduler stamps a step's outputs as it turns them out, so consecutive stamps are a step apart."""
-    core, stamps = llm.llm_engine.engine_core, []
-    get = core.get_output
-
-    def get_output(*args, **kwargs):
-        out = get(*args, **kwargs)
-        if out.outputs:
-            stamps.append(out.timestamp)
-        return out
-
-    core.get_output = get_output
-    return lambda: [stamps.pop(0) for _ in range(len(stamps))]
 
 
 def fold_norms(il, modules: Dict[str, Any], taps) -> Dict[str, str]:

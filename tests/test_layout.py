@@ -99,3 +99,9 @@ def test_the_module_map_names_every_module_and_only_modules_that_exist():
             continue
         missing.append(path)
     assert missing == [], "CONTRIBUTING's module map does not name these modules"
+
+
+def test_tests_mirror_the_package():
+    """A test module lives in the folder of what it tests; at tests/ itself only the checks of the whole repo."""
+    assert sorted(p.name for p in (ROOT / "tests").glob("test_*.py")) == ["test_layout.py", "test_notebook.py",
+                                                                          "test_readme.py"]

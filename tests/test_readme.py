@@ -133,7 +133,7 @@ def test_every_readme_command_passes_the_checks_before_an_engine_starts(command,
                         tap="layer12", method="diffmean")
         job = prepare(cfg, tmp_path)
     except ConfigError as e:
-        if e.field == "model.source" and cfg.model.name == "smollm2":  # as tests/test_smollm2.py: no wheel here
+        if e.field == "model.source" and cfg.model.name == "smollm2":  # as tests/models/test_smollm2.py: no wheel here
             pytest.skip(f"SmolLM2 is not available on this machine: {e}")
         raise
     assert job.taps or job.cells

@@ -48,17 +48,6 @@ class Edit:
         requests with different scales run the unit edit once with a per-row weight of `strength`."""
         return replace(self, scale=2.0 if self.kind == EditKind.scale else 1.0)
 
-    def to_dict(self) -> dict:
-        """Plain data (for RPC to engine workers): the inverse of `Edit.from_dict`."""
-        return {"kind": self.kind.value, "scale": self.scale, "tokens": self.tokens.value, "lo": self.lo,
-                "hi": self.hi, "value": self.value, "basis": None if self.basis is None else self.basis.tolist()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Edit":
-        basis = None if d["basis"] is None else torch.tensor(d["basis"], dtype=torch.float32)
-        return cls(EditKind(d["kind"]), float(d["scale"]), basis, Tokens(d["tokens"]), d["lo"], d["hi"],
-                   float(d["value"]))
-
     def to(self, device) -> "Edit":
         """The same edit with its vectors on `device` (so applying it does no host-to-device copy)."""
         return self if self.basis is None else replace(self, basis=self.basis.to(device))

@@ -228,6 +228,8 @@ def _table(console: Console, out: Dict) -> None:
     for name in ("scale", "p(matching)", "shift", "95% interval"):
         t.add_column(name, justify="right")
     b = out["baseline"]
+    t.caption = (f"letter mass {b['letter_mass']:.3f}: the probability the two answer letters hold together "
+                 "unsteered (near 1: the model reads each question as a choice between them)")
     t.add_row("unsteered", f"{b['p_matching']:.3f}", "", "")
     for s in out["scales"]:
         lo, hi = s["shift_ci95"]

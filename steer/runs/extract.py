@@ -185,23 +185,11 @@ def _check_contrast(pos: torch.Tensor, neg: torch.Tensor, mean_diff: torch.Tenso
                                               "no direction between them; give sets that differ in the concept")
 
 
-def diff_of_means(engine, tap: Tap, positive: List[str], negative: List[str], position: str = "mean",
-                  normalize: bool = False, **recipe) -> torch.Tensor:
-    """`mean(positive) - mean(negative)` at `tap` (other Recipe fields as keywords)."""
-    return direction(engine, tap, positive, negative, Recipe(position=position, normalize=normalize, **recipe))
-
-
 def resolve(recipe: Recipe, engine, positive: List[str], negative: List[str]) -> Recipe:
     """`recipe` validated, its chat mode resolved against the engine's tokenizer ("true" if prompts are
     chat-formatted, else "false"): what the direction is keyed on and what its metadata says."""
     recipe = recipe.check(positive, negative)
     return replace(recipe, chat="true" if uses_chat(engine.tokenizer, recipe.chat) else "false")
-
-
-def _legacy(recipe, normalize: Optional[bool]) -> Recipe:
-    if isinstance(recipe, str):  # the older (position, normalize) arguments
-        recipe = Recipe(position=recipe)
-    return replace(recipe, normalize=normalize) if normalize is not None else recipe
 
 
 @dataclass(frozen=True)
@@ -237,12 +225,12 @@ def extract(engine, taps: Union[Tap, Sequence[Tap]], positive: List[str], negati
 
 
 def extract_to(path: str | Path, key: str, engine, tap: Tap, positive: List[str], negative: List[str],
-               recipe: Recipe = Recipe(), normalize: Optional[bool] = None, folds: int = FOLDS) -> Path:
+               recipe: Recipe = Recipe(), folds: int = FOLDS) -> Path:
     """Extract a direction and write it to `path` under `key`, with metadata saying how it was made (method,
     position, span, chat, skip_first, skip_special, normalize, orthogonal_to_mean, the prompt counts, the model's
     source) and how good it is (`diag.*`, steer/runs/diagnostics.py)."""
-    return write(path, key, engine, extract(engine, tap, positive, negative, _legacy(recipe, normalize), folds),
-                 positive, negative, _legacy(recipe, normalize))
+    return write(path, key, engine, extract(engine, tap, positive, negative, recipe, folds), positive, negative,
+                 recipe)
 
 
 def write(path: str | Path, key: str, engine, ex: Extraction, positive: List[str], negative: List[str],
@@ -295,6 +283,12 @@ def cache_defaults(cache_dir: str, engine, taps: Sequence[Tap], positive: List[s
         return
     for (_, path), ex in zip(missing, extract(engine, [t for t, _ in missing], positive, negative, recipe)):
         write(path, "direction", engine, ex, positive, negative, recipe)
+
+
+def default_path(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str],
+                 recipe: Recipe = Recipe()) -> Path:
+    """Where `cached_default` keeps the default direction at `tap`."""
+    return _cache_path(cache_dir, engine, tap, positive, negative, resolve(recipe, engine, positive, negative))
 
 
 def _cache_path(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str], recipe: Recipe) -> Path:

@@ -26,7 +26,7 @@ from steer.engine.base import Scores
 from steer.edits.plan import Plan
 from steer.errors import ConfigError
 from steer.progress import bar as progress_bar
-from steer.runs import diagnostics, export, inputs, metrics, rundir
+from steer.runs import damage, diagnostics, export, inputs, metrics, rundir
 from steer.runs.extract import Recipe, cache_defaults, cached_default, extract, write, write_layers
 from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 
@@ -164,6 +164,11 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
+            if w.job.cfg.eval.judge.base_url:  # off unless an endpoint is named: nothing leaves the machine
+                from steer.runs import judge
+
+                judge.rate(w.job.cfg.eval.judge, rows)
+                agg.update(judge.counts(rows))
             inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
@@ -412,7 +417,7 @@ def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) 
     taps: Dict[tuple, set] = {}
     for w in work:
         for k in _base_keys(w):
-            taps.setdefault(k, set()).add(w.plan.primary[0].path)
+            taps.setdefault(k, set()).update(_read_at(w))
     out: Dict[tuple, Scores] = {}
     for w in work:
         todo = {k: ids for k, ids in zip(_base_keys(w), w.encoded) if k not in out}
@@ -421,13 +426,19 @@ def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) 
     return out
 
 
+def _read_at(w: _Work) -> tuple:
+    """The taps whose values a job's scoring reads: its first edit's, and its probe's (task=select)."""
+    paths = [w.plan.primary[0].path] + ([w.job.probe.tap.path] if w.job.probe is not None else [])
+    return tuple(dict.fromkeys(paths))
+
+
 def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tuple, Scores]) -> List[Dict]:
     """Score a job's continuations. The unsteered model re-reads the baseline (`baselines`) and the steered
     continuation (perplexity, and the concept: the signed projection of its tap values on the edit's direction)
     and the steered model re-reads the steered one (KL against the unsteered reading, projections at the first
     edit's tap)."""
     tap, edit = w.plan.primary
-    cap = (tap.path,)
+    cap = _read_at(w)
     keys = _base_keys(w)
     jobs = []
     for i, ids in enumerate(w.encoded):
@@ -454,7 +465,7 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
     wt = edit.row_weight(is_prompt)
     selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
     proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-    baseline, steered = engine.decode(b), engine.decode(s)
+    baseline, steered = whole_chars(engine.decode, b), whole_chars(engine.decode, s)
     row = {
         "prompt": text, "fed": fed, "prompt_ids": list(ids), "baseline": baseline, "steered": steered,
         "baseline_ids": list(b), "steered_ids": list(s), "baseline_tokens": len(b), "steered_tokens": len(s),
@@ -467,13 +478,34 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         "distinct2_baseline": metrics.distinct2(b),
         "distinct2_steered": metrics.distinct2(s),
         "rep_steered": metrics.repetition(s),
+        "repeat_baseline": damage.longest_repeat(b),
+        "repeat_steered": damage.longest_repeat(s),
         "concept_baseline": metrics.concept(reread.captured[tap.path][n:], direction),
         "concept_steered": metrics.concept(base.captured[tap.path][n:], direction),
     }
+    probe = w.job.probe
+    if probe is not None:  # task=select's one ruler for every pair (steer/runs/probe.py)
+        row["probe_baseline"] = metrics.concept(reread.captured[probe.tap.path][n:], probe.direction)
+        row["probe_steered"] = metrics.concept(base.captured[probe.tap.path][n:], probe.direction)
+    row.update(damage.judge(row, damage.Rules.from_conf(w.job.cfg.select)))
     if w.job.cfg.eval.sentiment:
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
     return row
+
+
+def whole_chars(decode: Callable[[List[int]], str], ids: List[int], most: int = 4) -> str:
+    """The text of `ids`, cut at its last whole character: a continuation that stops inside a character (the
+    first byte tokens of an emoji) decodes to a replacement character there, which no reader wants; up to `most`
+    trailing tokens are left out of the text until it ends in a whole one (the ids stay as generated)."""
+    text = decode(ids)
+    for k in range(1, min(most, len(ids)) + 1):
+        if not text.endswith("\ufffd"):
+            break
+        shorter = decode(ids[:-k])
+        if not shorter.endswith("\ufffd"):
+            return shorter
+    return text
 
 
 def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,

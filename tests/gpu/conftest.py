@@ -20,7 +20,7 @@ def hf(tiny_spec):
 
 @pytest.fixture(scope="module")
 def direction(hf, tiny_spec):
-    from steer.runs.extract import diff_of_means
+    from steer.runs.extract import Recipe, direction
 
-    return diff_of_means(hf, resolve(TapConf(layer=1), tiny_spec), ["I am happy and glad today"],
-                         ["I am sad and tired today"])[None]
+    return direction(hf, resolve(TapConf(layer=1), tiny_spec), ["I am happy and glad today"],
+                     ["I am sad and tired today"], Recipe())[None]

@@ -321,23 +321,6 @@ def test_an_in_graph_worker_serves_only_its_declared_stages():
 
 
 
-def test_step_stamps_hand_back_each_token_making_steps_stamp_once():
-    from types import SimpleNamespace
-
-    from interleaver.vllm_internals import step_stamps
-
-    outs = iter([SimpleNamespace(outputs=["tok"], timestamp=1.0), SimpleNamespace(outputs=[], timestamp=1.5),
-                 SimpleNamespace(outputs=["tok"], timestamp=2.0), SimpleNamespace(outputs=["tok"], timestamp=3.0)])
-    core = SimpleNamespace(get_output=lambda: next(outs))
-    take = step_stamps(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core)))
-    assert take() == []
-    assert core.get_output().timestamp == 1.0 and core.get_output().outputs == []  # outputs pass through unchanged
-    core.get_output()
-    assert take() == [1.0, 2.0] and take() == []  # a step with no token (a utility answer) has no stamp
-    core.get_output()
-    assert take() == [3.0]
-
-
 def test_a_profiled_worker_times_each_way_it_fills_a_step_and_each_steps_first_break(monkeypatch):
     """STEER_PROFILE=1: `fill_step` is timed as a whole and by the way it went (a request joined, rows read anew,
     the last step's weights again), and a step's first eager break apart from the rest, each with its calls'

@@ -11,7 +11,7 @@ from helpers import (TWO_PROMPTS, cli_env, compose_conf, held_cli, on_tiny, star
 
 from hydra_plugins.steer_launcher import packed
 from steer.runs import inputs
-from steer.runs.report import job_rows
+from steer.runs.report import build
 from hydra_plugins.steer_launcher.packed import complete
 
 QUICK = ["engine=hf", "gen.max_new_tokens=4", TWO_PROMPTS]
@@ -76,7 +76,7 @@ def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
         assert packed.resume_note(tmp_path, cfg) == " (its metrics.json is damaged, rerunning)"
         (tmp_path / "sweep" / "0").mkdir(parents=True, exist_ok=True)
         (tmp_path / "sweep" / "0" / "metrics.json").write_text(damaged)
-        assert [r["status"] for r in job_rows(tmp_path / "sweep")] == ["failed"]  # the report says so
+        assert [r["status"] for r in build(tmp_path / "sweep")["rows"]] == ["failed"]  # the report says so
 
 def test_resume_reruns_jobs_whose_config_changed(cli, tmp_path, tiny_spec):
     sweep = tmp_path / "sweep"

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import cli_here
+from steer.config.schema import PromptsConf
 from steer.errors import ConfigError
 from steer.runs import data
 
@@ -37,22 +38,29 @@ def test_a_named_field_of_each_format(tmp_path, suffix):
     assert data.load_texts(f, "prompt") == [r["prompt"] for r in rows]
 
 
+def pairs(path, positive="positive", negative="negative"):
+    """(positive, negative) prompts of a pairs file, as a job reads prompts.pairs_file."""
+    p = PromptsConf(pairs_file=str(path), positive_field=positive, negative_field=negative)
+    data.fill_prompts(p)
+    return p.positive, p.negative
+
+
 def test_a_saved_datasets_directory(tmp_path):
     import datasets
 
     datasets.Dataset.from_list([{"positive": "glad", "negative": "sad"}, {"positive": "sunny", "negative": "grey"}]
                                ).save_to_disk(str(tmp_path / "ds"))
-    assert data.load_pairs(tmp_path / "ds") == (["glad", "sunny"], ["sad", "grey"])
+    assert pairs(tmp_path / "ds") == (["glad", "sunny"], ["sad", "grey"])
 
 
 def test_pairs_with_named_fields(tmp_path):
     f = write(tmp_path / "p.csv", "pos,neg\nI love it,I hate it\nbright,dark\n")
-    assert data.load_pairs(f, "pos", "neg") == (["I love it", "bright"], ["I hate it", "dark"])
+    assert pairs(f, "pos", "neg") == (["I love it", "bright"], ["I hate it", "dark"])
 
 
 def test_caa_items_are_question_then_answer(tmp_path):
     f = write(tmp_path / "ab.json", json.dumps(CAA))
-    pos, neg = data.load_pairs(f)
+    pos, neg = pairs(f)
     assert pos == [CAA[0]["question"] + "\n(A)", CAA[1]["question"] + "\n(B)"]
     assert neg == [CAA[0]["question"] + "\n(B)", CAA[1]["question"] + "\n(A)"]
     assert [x.matching for x in data.load_ab(f)] == ["(A)", "(B)"]
@@ -98,7 +106,7 @@ BAD = [
 def test_bad_pairs_file_names_file_and_field(tmp_path, name, text, field, message):
     f = write(tmp_path / name, text)
     with pytest.raises(ConfigError) as e:
-        data.load_pairs(f)
+        pairs(f)
     assert e.value.field == field and str(f) in str(e.value) and message in str(e.value)
 
 
@@ -149,7 +157,7 @@ def test_files_replace_the_prompt_lists(tmp_path, cache_dir):
     cfg = compose(f"prompts.steer_file={tmp_path}/steer.jsonl", f"prompts.pairs_file={tmp_path}/ab.json")
     data.fill_prompts(cfg.prompts)
     assert cfg.prompts.steer == ["one", "two"]
-    assert cfg.prompts.positive == data.load_pairs(tmp_path / "ab.json")[0]
+    assert cfg.prompts.positive == pairs(tmp_path / "ab.json")[0]
 
 
 def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_path, cache_dir, smollm2_spec):
@@ -171,3 +179,17 @@ def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_pa
                        (["model=smollm2", "task=eval"], ("last", "all"))):  # eval renders its pairs itself
         job = run.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
         assert (job.cfg.extract.position, job.cfg.extract.span) == want, args
+
+
+def test_a_malformed_jsonl_line_is_named_with_the_parsers_reason_and_nothing_else_is_printed(tmp_path, capfd):
+    f = write(tmp_path / "pairs.jsonl", '{"positive": "a", "negative": "b"}\n\n{"positive": "c", "negative": "d"}\n'
+                                        '{"positive": "e" "negative": "f"}\n')
+    with pytest.raises(ConfigError) as e:
+        data.load_pairs(f)
+    assert e.value.field == "prompts.pairs_file" and "line 4 is not JSON: Expecting ',' delimiter at column 17" \
+        in str(e.value), e.value
+    out, err = capfd.readouterr()
+    assert out + err == ""  # no log lines of the library that reads the file
+    f = write(tmp_path / "list.jsonl", '["positive", "negative"]\n')
+    with pytest.raises(ConfigError, match="line 1 is a JSON list; each line of a .jsonl file must be an object"):
+        data.load_pairs(f)

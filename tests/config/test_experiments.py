@@ -25,7 +25,7 @@ EDITS = {
 }
 METRICS = ["kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "ppl_baseline", "ppl_steered",
            "concept_baseline", "concept_steered", "tokens_per_s"]
-# Experiments on the real model run, with their own checks, in tests/test_real_model.py.
+# Experiments on the real model run, with their own checks, in tests/models/test_real_model.py.
 REAL = {"smollm2_joy"}
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from helpers import run
 
-from steer.runs.report import build, job_rows, swept
+from steer.runs.report import build, swept
 
 
 def job(root, num, overrides, metrics):
@@ -34,7 +34,7 @@ def test_swept_keys_and_plots_one_line_per_other_value(tmp_path):
             job(tmp_path, n, [f"edit.scale={scale}", f"tap.layer={layer}", "edit=add"],
                 {"kl_mean": scale * layer / 10, "proj_steered": None, "tokens_per_s": 5.0})
             n += 1
-    rows = job_rows(tmp_path)
+    rows = build(tmp_path)["rows"]
     assert swept(rows) == ["edit.scale", "tap.layer"]
     out = build(tmp_path)
     # tokens_per_s is the same for every job (a pack's): in summary.csv, and no plot
@@ -133,14 +133,14 @@ def test_a_smaller_sweep_into_the_same_directory_reports_its_own_jobs_alone(tmp_
     _list_jobs(tmp_path, [tmp_path / "0"], 0)
     _list_jobs(tmp_path, [tmp_path / "1"], 1)  # the sweeper's second batch of the same sweep
     out = build(tmp_path)
-    assert [r["job"] for r in job_rows(tmp_path)] == ["0", "1"] and out["jobs"] == 2 and out["left_out"] == 4
+    assert [r["job"] for r in out["rows"]] == ["0", "1"] and out["jobs"] == 2 and out["left_out"] == 4
     assert main([str(tmp_path)]) == 0
     assert "4 job directories of an earlier sweep here left out" in capsys.readouterr().out
     _list_jobs(tmp_path, [tmp_path / str(n) for n in range(6)], 0)  # the first sweep again: all of it
     assert build(tmp_path)["left_out"] == 0
     job(tmp_path, "lr=1 x", ["lr=1 x"], {"kl_mean": 1.0})  # a name with a space (a subdir from override_dirname)
     _list_jobs(tmp_path, [tmp_path / "lr=1 x"], 0)
-    assert [r["job"] for r in job_rows(tmp_path)] == ["lr=1 x"]
+    assert [r["job"] for r in build(tmp_path)["rows"]] == ["lr=1 x"]
 
 
 def test_a_sweep_starting_forgets_the_job_list_of_the_one_before(tmp_path):
@@ -194,7 +194,7 @@ def test_a_sweepers_escapes_are_not_part_of_the_reported_value(tmp_path):
     for n in range(2):  # as the basic sweeper writes overrides.yaml for -m 'extract.out=v${tap.layer}.safetensors'
         job(tmp_path, n, [f"tap.layer={n}", "extract.out=v$\\{tap.layer\\}.safetensors",
                           "prompts.steer=[Hello\\ there,Bye]"], {"kl_mean": n / 10})
-    rows = job_rows(tmp_path)
+    rows = build(tmp_path)["rows"]
     assert [r["extract.out"] for r in rows] == ["v${tap.layer}.safetensors"] * 2
     assert rows[0]["prompts.steer"] == "[Hello\\ there,Bye]"  # a list keeps its escapes: a comma there is structure
 
@@ -202,7 +202,7 @@ def test_a_sweepers_escapes_are_not_part_of_the_reported_value(tmp_path):
 def test_an_override_holding_an_interpolation_is_reported_as_written(tmp_path):
     for n in range(2):
         job(tmp_path, n, [f"tap.layer={n}", "extract.out='v${tap.layr}.safetensors'"], {"kl_mean": n / 10})
-    assert [r["extract.out"] for r in job_rows(tmp_path)] == ["v${tap.layr}.safetensors"] * 2
+    assert [r["extract.out"] for r in build(tmp_path)["rows"]] == ["v${tap.layr}.safetensors"] * 2
 
 
 def test_a_failed_jobs_error_is_the_exceptions_own_line_not_its_indented_tail(tmp_path):
@@ -211,8 +211,8 @@ def test_a_failed_jobs_error_is_the_exceptions_own_line_not_its_indented_tail(tm
         'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
         "omegaconf.errors.InterpolationKeyError: Interpolation key 'nope' not found\n"
         "    full_key: edit.vector.path\n    object_type=VectorConf\n")
-    assert job_rows(tmp_path)[0]["error"] == ("omegaconf.errors.InterpolationKeyError: Interpolation key 'nope' "
-                                              "not found")
+    assert build(tmp_path)["rows"][0]["error"] == ("omegaconf.errors.InterpolationKeyError: Interpolation key "
+                                                   "'nope' not found")
 
 
 def test_a_plot_over_an_integer_setting_has_integer_ticks(tmp_path, monkeypatch):
@@ -222,10 +222,11 @@ def test_a_plot_over_an_integer_setting_has_integer_ticks(tmp_path, monkeypatch)
 
     for layer in range(4):
         job(tmp_path, layer, [f"tap.layer={layer}"], {"kl_mean": layer / 10})
+    rows = build(tmp_path)["rows"]
     ticks = []
     close = plt.close
     monkeypatch.setattr(plt, "close", lambda fig: (ticks.append(list(fig.axes[0].get_xticks())), close(fig)))
-    plot(tmp_path, job_rows(tmp_path), ["tap.layer"])
+    plot(tmp_path, rows, ["tap.layer"])
     assert ticks and all(float(t).is_integer() for t in ticks[0])
 
 
@@ -275,3 +276,34 @@ def test_a_file_is_held_by_one_job_where_the_file_system_has_no_hard_links(tmp_p
         held = [j for j in pool.map(take, range(64)) if j is not None]
     assert len(held) == 1
     claim(tmp_path, held[0], "extract.out", tmp_path / "v.safetensors")
+
+
+def test_a_steered_metric_is_drawn_against_its_baseline_and_the_baseline_gets_no_plot_of_its_own(tmp_path,
+                                                                                                   monkeypatch):
+    import matplotlib.pyplot as plt
+
+    for n, scale in enumerate((2, 4, 8)):
+        job(tmp_path, n, [f"edit.scale={scale}"], {"concept_baseline": 0.5, "concept_steered": 1.0 + scale,
+                                                   "distinct2_baseline": 0.9, "distinct2_steered": 0.75})
+    drawn = {}
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update({fig.axes[0].get_ylabel(): [
+        (ln.get_linestyle(), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()]}), close(fig)))
+    out = build(tmp_path)["plots"]
+    # distinct2_steered is the same everywhere: no plot; concept_baseline is concept_steered's reference line
+    assert [p.name for p in out] == ["concept_steered.png"]
+    assert drawn["concept_steered"] == [("-", [3.0, 5.0, 9.0]), ("--", [0.5, 0.5, 0.5])]
+
+
+def test_texts_md_puts_each_jobs_texts_side_by_side_with_their_damage(tmp_path):
+    rows = [{"prompt": "The weather | today", "baseline": "is fine.", "steered": "💡💡💡\nis", "damage": [
+        "distinct-2 0.10 < 0.7 x 0.90"], "looping": True, "ppl_over": False},
+        {"prompt": "Hi", "baseline": "there", "steered": "friend", "damage": [], "looping": False, "ppl_over": False}]
+    for n, scale in enumerate((2, 4)):
+        job(tmp_path, n, [f"edit.scale={scale}", "progress=false"], {"kl_mean": float(n)})
+        (tmp_path / str(n) / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = build(tmp_path)
+    text = out["texts"].read_text()
+    assert "## job 0: `edit.scale=2`" in text and "## job 1: `edit.scale=4`" in text
+    assert "| 1 | The weather \\| today | is fine. | 💡💡💡<br>is | distinct-2 0.10 < 0.7 x 0.90 |" in text
+    assert "| 2 | Hi | there | friend | ok |" in text

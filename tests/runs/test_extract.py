@@ -5,7 +5,7 @@ import torch
 
 from steer.edits import vector
 from steer.errors import ConfigError
-from steer.runs.extract import Recipe, cached_default, diff_of_means, direction, extract_to, prompt_rows
+from steer.runs.extract import Recipe, cached_default, direction, extract_to, prompt_rows
 from steer.config.schema import ExtractConf, TapConf
 from steer.edits.tap import resolve
 
@@ -22,22 +22,26 @@ def direct_mean(engine, prompts, layer, last, skip=0):
     return torch.stack(rows).mean(0)
 
 
-def test_diff_of_means_matches_direct_computation(hf_engine, tiny_spec):
+def test_the_difference_of_means_matches_direct_computation(hf_engine, tiny_spec):
     tap = resolve(TapConf(layer=1), tiny_spec)
+
+    def difference(*sets, **recipe):
+        return direction(hf_engine, tap, *sets, Recipe(**recipe))
+
     raw = dict(span="all", skip_first=False, skip_special=False, orthogonal_to_mean=False)  # every token fed
     for position in ("mean", "last"):
-        d = diff_of_means(hf_engine, tap, POS, NEG, position, **raw)
+        d = difference(POS, NEG, position=position, **raw)
         last = position == "last"
         expected = direct_mean(hf_engine, POS, 1, last) - direct_mean(hf_engine, NEG, 1, last)
         torch.testing.assert_close(d, expected, atol=1e-4, rtol=1e-4)
     # The default leaves out the first token (the tiny model's is its BOS, a special token too).
     expected = direct_mean(hf_engine, POS, 1, False, skip=1) - direct_mean(hf_engine, NEG, 1, False, skip=1)
     plain = dict(orthogonal_to_mean=False)
-    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, **plain), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(difference(POS, NEG, **plain), expected, atol=1e-4, rtol=1e-4)
     assert hf_engine.encode(POS[0])[0] == hf_engine.tokenizer.bos_token_id
-    torch.testing.assert_close(diff_of_means(hf_engine, tap, POS, NEG, skip_first=False, **plain), expected,
+    torch.testing.assert_close(difference(POS, NEG, skip_first=False, **plain), expected,
                                atol=1e-4, rtol=1e-4)  # skip_special alone drops the BOS here
-    assert abs(float(diff_of_means(hf_engine, tap, POS, NEG, normalize=True).norm()) - 1) < 1e-5
+    assert abs(float(difference(POS, NEG, normalize=True).norm()) - 1) < 1e-5
 
 
 @pytest.mark.parametrize("method", ["diffmean", "pca"])
