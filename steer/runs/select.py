@@ -28,7 +28,6 @@ from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
 
 log = logging.getLogger(__name__)
-PACK = 16  # jobs per batch, as the packed launcher's default
 
 
 CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a finished pair made with the same
@@ -62,7 +61,7 @@ def _done(cell) -> bool:
 
 
 def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
-    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
+    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute_packs),
     write the selection report and return the best pair (or none). `engine`: one already started for the job's
     model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where the
     run is not a command line's (steer.Lab's), else read from Hydra's."""
@@ -86,8 +85,7 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     if todo:
         try:
             with nullcontext(engine) if engine is not None else engine_for(todo) as engine:
-                for start in range(0, len(todo), PACK):
-                    execute(todo[start : start + PACK], console, summary=False, engine=engine)
+                execute(todo, console, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
