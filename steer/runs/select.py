@@ -219,7 +219,7 @@ def _cell(cfg: SteerConf, m: Dict, rows: List[Dict], choose: List[int], report: 
     if cell["error"]:
         cell["why"] = cell["why_short"] = "failed"
         return cell
-    if len(rows) != len(choose) + len(report) or any(r.get("probe_steered") is None for r in rows):
+    if len(rows) != len(choose) + len(report) or all(r.get("probe_steered") is None for r in rows):
         cell["why"] = cell["why_short"] = "no continuation to score"
         return cell
     rules = damage.Rules.from_conf(s)
