@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from steer import results
+from steer import report, results
 from steer.config import checks
 from steer.config.schema import SteerConf, Task
 from steer.edits import formats
@@ -66,6 +66,7 @@ def _export(job: Job, console: Console) -> Dict:
     out = export.out_path(job.cfg, job.out_dir)
     result = export.write(job.cfg, job.plan, job.spec, out)
     results.write_json(job.out_dir / "metrics.json", result)
+    report.write_quietly(job.out_dir)
     console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
     return result
 
@@ -114,6 +115,7 @@ def _record_extraction(job: Job) -> None:
     out = job.result["vector"]
     inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data)
     results.write_json(job.out_dir / "metrics.json", job.result)
+    report.write_quietly(job.out_dir)
 
 
 def _model_files(job: Job) -> Dict:
@@ -173,6 +175,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         except Exception as e:
             fail(w.job, e, console, say)
             continue
+        report.write_quietly(w.job.out_dir)
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
         w.job.result = agg
@@ -247,6 +250,7 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
         if summary:  # a sweep's or a grid's jobs say it in their steer.log alone, rather than once a job
             console.print(said, highlight=False, markup=False, soft_wrap=True)
         job_log(job).info(said)
+    record_vectors(job, read)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
     rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]
@@ -254,6 +258,36 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     job_log(job).info("edits: %s", describe(plan))
     return _Work(job, plan, active if active.edits else None, prompts, [fed for fed, _ in rendered], encoded,
                  [cfg.gen.seed + i for i in range(len(prompts))])
+
+
+def record_vectors(job: Job, defaults: Dict[str, Dict[str, str]]) -> None:
+    """vectors.json: each edit's direction, where it came from and the diagnostics its file records (the run's
+    report shows them; the cache holds the default directions' files, which a run does not name otherwise)."""
+    out = []
+    for name, meta in defaults.items():
+        out.append({"tap": name, "layer": _layer(name), "source": f"the default direction at {name}, extracted from "
+                    f"{meta.get('positive', '?')} positive and {meta.get('negative', '?')} negative prompts "
+                    f"({meta.get('method', '?')})", "diagnostics": diagnostics.from_metadata(meta)})
+    from steer.edits import vector as vector_files
+    from steer.edits.plan import entries
+
+    for _, tap, edit in entries(job.cfg):
+        path = edit.vector.path
+        if path is None:
+            continue
+        try:
+            meta = vector_files.metadata(path)
+        except Exception:  # noqa: BLE001 - another tool's file, read by its own loader: no metadata to show
+            meta = {}
+        name = meta.get("tap") or (f"layer{tap.layer}" if tap.layer is not None else str(tap.path))
+        diag = diagnostics.from_metadata(meta) if "diag.norm" in meta else {}
+        out.append({"tap": name, "layer": tap.layer, "source": f"{path} (key {edit.vector.key})",
+                    "diagnostics": diag})
+    results.write_json(job.out_dir / "vectors.json", {"vectors": out})
+
+
+def _layer(tap_name: str) -> Optional[int]:
+    return int(tap_name[5:]) if tap_name.startswith("layer") and tap_name[5:].isdigit() else None
 
 
 def _fit(ids: List[int], i: int, cfg: SteerConf, job: Job, limit: int, console: Console) -> List[int]:
@@ -489,3 +523,5 @@ def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dic
     console.print(texts)
     console.print(t)
     console.print(f"results in [bold]{out_dir}[/]")
+    if (out_dir / report.FILE).is_file():
+        console.print(f"report: [bold]{out_dir / report.FILE}[/] (texts side by side, metrics, plots)")

@@ -32,6 +32,7 @@ from rich.table import Table
 
 from steer import results
 
+from steer.report.heatmap import label_colour
 from steer.runs import damage, rundir
 from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
@@ -156,6 +157,9 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     _heatmap(out_dir / "selection.png", cfg, table, best)
     # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
     results.write_json(out_dir / "metrics.json", _metrics(table, best, probe))
+    from steer import report
+
+    report.write_quietly(out_dir)
     _print(console, cfg, table, best, summary, out_dir)
     return summary
 
@@ -465,16 +469,6 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
     return fig
 
 
-def label_colour(face) -> str:
-    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
-    def lum(rgb):
-        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
-        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-    y = lum(face)
-    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"
-
-
 def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], summary: Dict,
            out_dir: Path) -> None:
     held = bool(summary["split"]["report"])
@@ -499,4 +493,6 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
                       + f"\n  {summary['command']}", highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
+        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
+        if (out_dir / "report.html").is_file() else ""))
