@@ -101,8 +101,10 @@ class Lab:
                scales: Optional[Sequence[float]] = None, *, prompts: Optional[Sequence[str]] = None,
                max_ppl_ratio: Optional[float] = None, overrides: Sequence[str] = ()) -> Selection:
         """task=select: `edit` (an EditSpec, or a vector to add; None: add the direction extracted at each layer)
-        at every pair of `layers` x `scales` (else select.layers / select.scales), the best pair by concept gain
-        among those that pass select's rules. The edit's own layer and scale are the grid's."""
+        at every pair of `layers` x `scales` (else select.layers / select.scales), the best pair by the gain one
+        probe reads toward each scale's pole, among those whose prompts pass select's per-prompt damage rules, chosen
+        on part of the prompts and reported on the rest (docs/sweeps.md). The edit's own layer and scale are the
+        grid's."""
         spec = edit if isinstance(edit, EditSpec) else add(edit)
         values: Dict[str, object] = {"task": "select"}
         if layers is not None:

@@ -2,8 +2,9 @@
 CI) a line at each tenth of the work, since rich draws nothing there until the work is done."""
 
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Union
+from typing import Iterator, Union
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -47,3 +48,19 @@ class Lines:
             t.shown = step
             line = f"{t.description}: {completed:g}/{t.total:g} ({time.monotonic() - t.start:.0f} s)"
             self.console.print(line, highlight=False, markup=False)
+
+
+@contextmanager
+def transformers_bars_off() -> Iterator[None]:
+    """transformers' own bars ("Loading weights", "Writing model shards") off for a while, then as they were: a
+    model steer prepares once (the tiny model's build, a GGUF's conversion) says so in one line of its own, and
+    its loading bar would be a second "Loading weights" beside the engine's."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

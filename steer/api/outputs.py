@@ -64,8 +64,10 @@ class Generation:
 
 @dataclass
 class Selection:
-    """A task=select run: `cells` (selection.json's, one per (layer, scale) pair: concept gain, perplexity ratio,
-    whether it passed and why not), `best` (the chosen pair, or None), `command` (the CLI command that reruns it)."""
+    """A task=select run: `cells` (selection.json's, one per (layer, scale) pair: the probe's gain toward its
+    scale's pole and the perplexity ratio on the choosing prompts, `choose` and `report` (each half's numbers and
+    damaged-prompt counts), `damaged` (each damaged prompt and why), whether it passed and why not), `best` (the
+    chosen pair, or None), `command` (the CLI command that reruns it); `summary` also holds the probe and split."""
 
     cells: List[Dict]
     best: Optional[Dict]
@@ -79,7 +81,7 @@ class Selection:
 
     @property
     def heatmap(self) -> Path:
-        """selection.png: concept gain by layer and scale, rejected pairs marked."""
+        """selection.png: the probe's gain by layer and scale, rejected pairs marked."""
         return self.dir / "selection.png"
 
     def table(self):

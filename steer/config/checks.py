@@ -54,9 +54,21 @@ def writable(field: str, path: Path) -> None:
     parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # made on write
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_make_in(parent):
         raise ConfigError(field, f"{str(path)!r} cannot be written: {str(parent)!r} is not a directory this "
                                  "process may write in")
+
+
+def _can_make_in(parent: Path) -> bool:
+    """Whether a directory can be made in `parent` (and is, then removed): os.access answers yes to root for what
+    the kernel refuses anyway (/proc, a read-only mount)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".steer-check-", dir=parent))
+    except OSError:
+        return False
+    return True
 
 
 def room_for_a_prompt(field: str, new_tokens: int, positions: Optional[int], model: str) -> None:
@@ -125,11 +137,17 @@ def gen(g: GenConf) -> None:
         raise ConfigError("gen.top_p", f"must be in (0, 1], got {g.top_p}")
 
 
+# The files that stand for each prompt set (steer/runs/data.py's fill_prompts reads them into the lists)
+FILES = {"steer": ("steer_file",), "positive": ("pairs_file", "positive_file"),
+         "negative": ("pairs_file", "negative_file")}
+
+
 def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least one prompt, or a file of them "
                                                                 "(prompts.steer_file, prompts.pairs_file)") -> None:
-    """Each named set holds at least one prompt, and every prompt is text."""
+    """Each named set holds at least one prompt or names a file that gives them (read, and checked not empty, as a
+    job is prepared: steer/runs/data.py), and every prompt is text."""
     for name in sets:
-        if not list(getattr(p, name)):
+        if not list(getattr(p, name)) and not any(getattr(p, f, None) is not None for f in FILES.get(name, ())):
             raise ConfigError(f"prompts.{name}", f"is empty; {why}")
     check_texts(p, tuple(sets))
 
@@ -151,6 +169,35 @@ def extraction(method: str, position: str, span: str, chat, positive: Optional[S
 
 
 # --- entry points -------------------------------------------------------------------------------------------
+
+RANK_BY = ("probe", "judge")
+
+
+def damage(cfg: SteerConf) -> None:
+    """The per-prompt damage thresholds (select.*: every run flags its prompts with them)."""
+    s = cfg.select
+    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
+        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
+    if not (math.isfinite(s.min_distinct_ratio) and s.min_distinct_ratio >= 0):
+        raise ConfigError("select.min_distinct_ratio", f"must be a number >= 0 (0 turns the check off), got "
+                                                       f"{s.min_distinct_ratio}")
+    at_least("select.max_run", s.max_run, 2, " (repeats in a row that mark a loop)")
+
+
+def judge(j) -> None:
+    """eval.judge: an endpoint named with the model to ask and the concept to look for."""
+    if not j.base_url:
+        return
+    if not str(j.base_url).startswith(("http://", "https://")):
+        raise ConfigError("eval.judge.base_url", f"{j.base_url!r} is no http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+    for name in ("model", "concept"):
+        if not getattr(j, name):
+            raise ConfigError(f"eval.judge.{name}", "is unset; the judge needs the endpoint's model name and the "
+                                                    "concept in words (eval.judge.concept=\"joy and happiness\")")
+    if not j.timeout_s > 0:
+        raise ConfigError("eval.judge.timeout_s", f"must be positive, got {j.timeout_s}")
+    at_least("eval.judge.max_tokens", j.max_tokens, 1)
+
 
 def run(cfg: SteerConf, engine: str) -> None:
     """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
@@ -174,6 +221,8 @@ def run(cfg: SteerConf, engine: str) -> None:
     for i, te in enumerate(cfg.extra_edits):
         scale_by(f"extra_edits[{i}].edit", te.edit)
     at_least("extract.folds", cfg.extract.folds, 2)
+    damage(cfg)
+    judge(cfg.eval.judge)
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:
@@ -274,11 +323,22 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
         raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
                                               "direction, and edit.kind=scale without a vector scales the whole "
                                               "stream: give it a direction (edit.vector.path)")
-    if not (math.isfinite(s.max_ppl_ratio) and s.max_ppl_ratio > 0):
-        raise ConfigError("select.max_ppl_ratio", f"must be a positive number, got {s.max_ppl_ratio}")
-    if not (math.isfinite(s.min_distinct_ratio) and s.min_distinct_ratio >= 0):
-        raise ConfigError("select.min_distinct_ratio", f"must be a number >= 0 (0 turns the check off), got "
-                                                       f"{s.min_distinct_ratio}")
+    at_least("select.max_bad_prompts", s.max_bad_prompts, 0, " (prompts a kept pair may damage)")
+    if not 0 <= s.split < 1:
+        raise ConfigError("select.split", f"must be in [0, 1) (the share of prompts.steer the pair is chosen on; 0: "
+                                          f"chosen and reported on all), got {s.split}")
+    if s.rank_by not in RANK_BY:
+        raise ConfigError("select.rank_by", f"{s.rank_by!r} is not one of {', '.join(RANK_BY)}")
+    if s.rank_by == "judge" and not cfg.eval.judge.base_url:
+        raise ConfigError("select.rank_by", "is judge, but eval.judge.base_url is unset: name an OpenAI-compatible "
+                                            "endpoint (eval.judge.base_url, eval.judge.model), or rank_by=probe")
+    if s.probe_layer is not None and not 0 <= s.probe_layer < layers:
+        raise ConfigError("select.probe_layer", f"{s.probe_layer} out of range: the model has {layers} decoder "
+                                                f"layers (0..{layers - 1})")
+    if s.probe_path is None and not (cfg.prompts.positive and cfg.prompts.negative):
+        raise ConfigError("select.probe_path", "is unset, and the probe that reads every pair's concept is extracted "
+                                               "from prompts.positive and prompts.negative, which are empty: give "
+                                               "the pairs, or a probe file (select.probe_path)")
     if cfg.extra_edits:
         raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
                                          "extra_edits empty")

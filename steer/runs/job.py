@@ -46,6 +46,7 @@ class Job:
     vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
     data: Dict[str, Optional[str]] = field(default_factory=dict)  # its data files' sha256, taken before reading
     model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
+    probe: Optional[object] = None  # a task=select pair's: the Probe that reads its concept (steer/runs/probe.py)
     error: Optional[BaseException] = None
 
     @property
@@ -97,11 +98,15 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
         job.plan = build(cfg, spec)
         job.taps = list(job.plan.taps.values())
     elif cfg.task == Task.select:
+        from steer.runs import probe
+
+        known = probe.tap(cfg, spec)  # a probe file or layer, checked now; else the grid's layers choose it
         for cell in grid.cells(cfg):
             digests = inputs.vectors(cell)
             plan = build(cell, spec)
+            taps = list(plan.taps.values()) + ([known] if known and known.path not in plan.taps else [])
             job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine, recipe,
-                                 list(plan.taps.values()), plan, vectors=digests, data=data_files))
+                                 taps, plan, vectors=digests, data=data_files))
     elif cfg.task == Task.export:
         from steer.runs import export
 

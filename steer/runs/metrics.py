@@ -4,6 +4,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from steer.runs import damage
+
 
 def kl_mean(steered_logits: torch.Tensor, baseline_logits: torch.Tensor) -> float:
     """Mean over rows of KL(steered || baseline) between next-token distributions (float32 logits or log-probs,
@@ -43,12 +45,16 @@ def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float
     for key in DAMAGE_AND_CONCEPT:
         if any(key in r for r in rows):
             out[key] = mean(key)
+    if any("looping" in r for r in rows):  # judged per prompt (steer/runs/damage.py): how many, not a mean
+        counted = damage.counts(rows)
+        out["prompts_looping"], out["prompts_ppl_over"] = counted["prompts_looping"], counted["prompts_ppl_over"]
     return out
 
 
 # Per-prompt keys that tell steering from damage, averaged into metrics.json when the rows have them.
 DAMAGE_AND_CONCEPT = ("ppl_baseline", "ppl_steered", "distinct2_baseline", "distinct2_steered", "rep_steered",
-                      "concept_baseline", "concept_steered", "sentiment_baseline", "sentiment_steered")
+                      "concept_baseline", "concept_steered", "probe_baseline", "probe_steered", "sentiment_baseline",
+                      "sentiment_steered")
 
 
 def perplexity(logits: torch.Tensor, targets: List[int]) -> Optional[float]:

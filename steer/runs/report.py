@@ -1,11 +1,13 @@
-"""Sweep reports, rebuilt from the job directories alone: `summary.csv` and one PNG per metric.
+"""Sweep reports, rebuilt from the job directories alone: `summary.csv`, one PNG per metric and `texts.md`.
 
     python -m steer.runs.report outputs/multirun/<date>/<time>
 
 A job directory counts once its metrics.json exists (written last, atomically): status `ok`. One that holds
 error.txt and no metrics.json failed: its row has status `failed` and the error, and no metrics. The swept
 parameters are the overrides that differ between jobs: each plot puts the first on the x axis and draws one line
-per combination of the others; a metric that is the same for every job gets no plot. A directory with no such
+per combination of the others; a metric that is the same for every job gets no plot, and a `<x>_baseline` metric
+is drawn as a dashed reference line on its `<x>_steered` plot rather than on a plot of its own. texts.md puts each
+job's texts side by side (a select job's: its chosen pair's), with each prompt's damage. A directory with no such
 job is an error (exit 2), and nothing is written.
 
 A sweep run again into the same directory with fewer jobs leaves the earlier sweep's other job directories there;
@@ -18,7 +20,7 @@ import io
 import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 
@@ -150,25 +152,34 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
     names = metrics(rows)
     x_key, others = params[0], params[1:]
     rows = [r for r in rows if r.get("status", "ok") == "ok"]  # a failed job has no metrics to draw
+    partner = {m: m.removesuffix("_steered") + "_baseline" for m in names
+               if m.endswith("_steered") and m.removesuffix("_steered") + "_baseline" in names}
     out = []
     for metric in names:
-        if len({r.get(metric) for r in rows if r.get(metric) is not None}) < 2:
-            continue  # no value, or the same for every job (ppl_baseline, a pack's tokens_per_s): nothing to plot
+        if metric in partner.values():
+            continue  # drawn as the reference line on its steered metric's plot
+        if not _varies(rows, metric):
+            continue  # no value, or the same for every job (a pack's tokens_per_s): nothing to plot
+        base = partner.get(metric)
         fig, ax = plt.subplots(figsize=(6, 4))
         lines: Dict[str, list] = {}
         for r in rows:
             label = ", ".join(f"{k}={r.get(k)}" for k in others) or metric
-            lines.setdefault(label, []).append((_num(r.get(x_key)), r.get(metric)))
+            lines.setdefault(label, []).append((_num(r.get(x_key)), r.get(metric), r.get(base) if base else None))
         for label, pts in lines.items():
             pts = sorted((p for p in pts if p[1] is not None), key=lambda p: (isinstance(p[0], str), p[0]))
-            ax.plot([str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts],
-                    [p[1] for p in pts], marker="o", label=label)
+            xs = [str(p[0]) if any(isinstance(q[0], str) for q in pts) else p[0] for p in pts]
+            drawn = ax.plot(xs, [p[1] for p in pts], marker="o", label=label)[0]
+            refs = [(x, p[2]) for x, p in zip(xs, pts) if p[2] is not None]
+            if refs:  # the same jobs unsteered: what the steered value is to be judged against
+                ax.plot([x for x, _ in refs], [y for _, y in refs], ls="--", lw=1, color=drawn.get_color(),
+                        label=f"{label}: {base}" if len(lines) > 1 or others else base)
         xs = [_num(r.get(x_key)) for r in rows]
         if all(isinstance(x, float) and x.is_integer() for x in xs):  # layers, seeds: no half ticks between them
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(x_key)
         ax.set_ylabel(metric)
-        if len(lines) > 1 or others:
+        if len(lines) > 1 or others or base:
             ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -177,6 +188,54 @@ def plot(sweep_dir: Path, rows: List[Dict[str, Any]], params: List[str]) -> List
         plt.close(fig)
         out.append(results.write_bytes(Path(sweep_dir) / f"{metric}.png", buf.getvalue()))
     return out
+
+
+def _varies(rows: List[Dict[str, Any]], metric: str) -> bool:
+    return len({r.get(metric) for r in rows if r.get(metric) is not None}) > 1
+
+
+TEXTS = "texts.md"  # every job's texts side by side (steer/runs/texts.py)
+
+
+def write_texts(sweep_dir: Path, jobs, params: List[str]) -> Optional[Path]:
+    """texts.md: per finished job with a results.jsonl (a select job: its chosen pair's), its swept values and its
+    texts side by side with each prompt's damage; None where no job has texts."""
+    from steer.runs import texts
+
+    lines = ["# Texts side by side", "", "Each job's prompts, baseline and steered text, and each prompt's damage "
+             "(loops; perplexity over select.max_ppl_ratio).", ""]
+    shown = 0
+    for job in sorted(jobs, key=lambda p: _job_key(p.name)):
+        found = _texts_of(job)
+        if found is None:
+            continue
+        where, rows = found
+        over = job / ".hydra" / "overrides.yaml"
+        given = [str(o) for o in (yaml.safe_load(over.read_text()) or [] if over.exists() else [])]
+        said = [o for o in given if o.partition("=")[0] in params] or given
+        lines += [f"## job {job.name}: {', '.join(f'`{o}`' for o in said) or 'no overrides'}"
+                  + (f" (chosen pair {where})" if where else ""), ""]
+        lines += texts.table(rows) + [""]
+        shown += 1
+    return results.write_text(Path(sweep_dir) / TEXTS, "\n".join(lines)) if shown else None
+
+
+def _texts_of(job: Path):
+    """(the pair a select job chose, or None; the rows of results.jsonl to show), or None where there are none."""
+    import json
+
+    from steer.runs.select import read_rows
+
+    chosen = (results.read_json(job / "selection.json") or {}).get("best") if (job / "selection.json").is_file() \
+        else None
+    where = job / chosen["dir"] if chosen else job
+    if not (where / "results.jsonl").is_file():
+        return None
+    try:
+        rows = read_rows(where)
+    except json.JSONDecodeError:
+        return None
+    return (chosen["dir"] if chosen else None), rows or []
 
 
 def build(sweep_dir: Path) -> Dict[str, Any]:
@@ -189,8 +248,8 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
     params = swept(rows)
     before = _report_files(Path(sweep_dir))
     out = {"summary": write_summary(sweep_dir, rows), "plots": plot(sweep_dir, rows, params), "jobs": len(rows),
-           "swept": params, "left_out": others, "rows": rows}
-    for p in before - set(out["plots"]) - {out["summary"]}:  # a metric no job has now, or nothing swept
+           "swept": params, "left_out": others, "rows": rows, "texts": write_texts(sweep_dir, jobs, params)}
+    for p in before - set(out["plots"]) - {out["summary"], out["texts"]}:  # a metric no job has now, or no texts
         p.unlink(missing_ok=True)
     return out
 
@@ -198,7 +257,7 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
 def clear(sweep_dir: Path) -> None:
     """Remove the report last written into `sweep_dir`: a sweep starting there must not leave an earlier one's
     summary and plots looking like its own if it is stopped before writing its own."""
-    for p in _report_files(Path(sweep_dir)):
+    for p in _report_files(Path(sweep_dir)) | {Path(sweep_dir) / "report.html"}:  # steer.report's page too
         p.unlink(missing_ok=True)
 
 
@@ -213,7 +272,7 @@ def _report_files(sweep_dir: Path) -> set:
     # The metrics' columns: after `status`, before `error` (write_summary); an override's column is no plot
     metrics = header[header.index("status") + 1:-1] if "status" in header and header[-1:] == ["error"] else []
     plots = {sweep_dir / f"{c}.png" for c in metrics if c and "/" not in c and c not in (".", "..")}
-    return {summary} | {p for p in plots if p.is_file()}
+    return {summary} | {p for p in plots | {sweep_dir / TEXTS} if p.is_file()}
 
 
 def left_out(out: Dict[str, Any]) -> str:

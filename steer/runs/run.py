@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from steer import results
+from steer import report, results
 from steer.config import checks
 from steer.config.schema import PACK, SteerConf, Task
 from steer.edits import formats
@@ -26,7 +26,7 @@ from steer.engine.base import Scores
 from steer.edits.plan import Plan
 from steer.errors import ConfigError
 from steer.progress import bar as progress_bar
-from steer.runs import diagnostics, export, inputs, metrics, rundir
+from steer.runs import damage, diagnostics, export, inputs, metrics, rundir
 from steer.runs.extract import cache_defaults, cached_default, extract, write, write_layers
 from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 
@@ -66,6 +66,7 @@ def _export(job: Job, console: Console) -> Dict:
     out = export.out_path(job.cfg, job.out_dir)
     result = export.write(job.cfg, job.plan, job.spec, out)
     results.write_json(job.out_dir / "metrics.json", result)
+    report.write_quietly(job.out_dir)
     console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
     return result
 
@@ -113,6 +114,7 @@ def _record_extraction(job: Job) -> None:
     out = job.result["vector"]
     inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data, job.settings)
     results.write_json(job.out_dir / "metrics.json", job.result)
+    report.write_quietly(job.out_dir)
 
 
 def _model_files(job: Job) -> Dict:
@@ -161,12 +163,18 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
+            if w.job.cfg.eval.judge.base_url:  # off unless an endpoint is named: nothing leaves the machine
+                from steer.runs import judge
+
+                judge.rate(w.job.cfg.eval.judge, rows)
+                agg.update(judge.counts(rows))
             inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data, w.job.settings)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:
             fail(w.job, e, console, say)
             continue
+        report.write_quietly(w.job.out_dir)
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
         w.job.result = agg
@@ -258,6 +266,7 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
         if summary:  # a sweep's or a grid's jobs say it in their steer.log alone, rather than once a job
             console.print(said, highlight=False, markup=False, soft_wrap=True)
         job_log(job).info(said)
+    record_vectors(job, read)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
     rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]
@@ -265,6 +274,36 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     job_log(job).info("edits: %s", describe(plan))
     return _Work(job, plan, active if active.edits else None, prompts, [fed for fed, _ in rendered], encoded,
                  [cfg.gen.seed + i for i in range(len(prompts))])
+
+
+def record_vectors(job: Job, defaults: Dict[str, Dict[str, str]]) -> None:
+    """vectors.json: each edit's direction, where it came from and the diagnostics its file records (the run's
+    report shows them; the cache holds the default directions' files, which a run does not name otherwise)."""
+    out = []
+    for name, meta in defaults.items():
+        out.append({"tap": name, "layer": _layer(name), "source": f"the default direction at {name}, extracted from "
+                    f"{meta.get('positive', '?')} positive and {meta.get('negative', '?')} negative prompts "
+                    f"({meta.get('method', '?')})", "diagnostics": diagnostics.from_metadata(meta)})
+    from steer.edits import vector as vector_files
+    from steer.edits.plan import entries
+
+    for _, tap, edit in entries(job.cfg):
+        path = edit.vector.path
+        if path is None:
+            continue
+        try:
+            meta = vector_files.metadata(path)
+        except Exception:  # noqa: BLE001 - another tool's file, read by its own loader: no metadata to show
+            meta = {}
+        name = meta.get("tap") or (f"layer{tap.layer}" if tap.layer is not None else str(tap.path))
+        diag = diagnostics.from_metadata(meta) if "diag.norm" in meta else {}
+        out.append({"tap": name, "layer": tap.layer, "source": f"{path} (key {edit.vector.key})",
+                    "diagnostics": diag})
+    results.write_json(job.out_dir / "vectors.json", {"vectors": out})
+
+
+def _layer(tap_name: str) -> Optional[int]:
+    return int(tap_name[5:]) if tap_name.startswith("layer") and tap_name[5:].isdigit() else None
 
 
 def _fit(ids: List[int], i: int, cfg: SteerConf, job: Job, limit: int, console: Console) -> List[int]:
@@ -394,7 +433,7 @@ def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) 
     taps: Dict[tuple, set] = {}
     for w in work:
         for k in _base_keys(w):
-            taps.setdefault(k, set()).add(w.plan.primary[0].path)
+            taps.setdefault(k, set()).update(_read_at(w))
     out: Dict[tuple, Scores] = {}
     for w in work:
         todo = {k: ids for k, ids in zip(_base_keys(w), w.encoded) if k not in out}
@@ -403,13 +442,19 @@ def _reread_baselines(engine, work: List[_Work], conts: Dict[tuple, List[int]]) 
     return out
 
 
+def _read_at(w: _Work) -> tuple:
+    """The taps whose values a job's scoring reads: its first edit's, and its probe's (task=select)."""
+    paths = [w.plan.primary[0].path] + ([w.job.probe.tap.path] if w.job.probe is not None else [])
+    return tuple(dict.fromkeys(paths))
+
+
 def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tuple, Scores]) -> List[Dict]:
     """Score a job's continuations. The unsteered model re-reads the baseline (`baselines`) and the steered
     continuation (perplexity, and the concept: the signed projection of its tap values on the edit's direction)
     and the steered model re-reads the steered one (KL against the unsteered reading, projections at the first
     edit's tap)."""
     tap, edit = w.plan.primary
-    cap = (tap.path,)
+    cap = _read_at(w)
     keys = _base_keys(w)
     jobs = []
     for i, ids in enumerate(w.encoded):
@@ -436,7 +481,7 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
     wt = edit.row_weight(is_prompt)
     selected = torch.ones_like(is_prompt) if wt is None else wt.bool()
     proj = (lambda h: metrics.projection(h, basis, selected)) if basis is not None else (lambda h: None)
-    baseline, steered = engine.decode(b), engine.decode(s)
+    baseline, steered = whole_chars(engine.decode, b), whole_chars(engine.decode, s)
     row = {
         "prompt": text, "fed": fed, "prompt_ids": list(ids), "baseline": baseline, "steered": steered,
         "baseline_ids": list(b), "steered_ids": list(s), "baseline_tokens": len(b), "steered_tokens": len(s),
@@ -449,13 +494,34 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         "distinct2_baseline": metrics.distinct2(b),
         "distinct2_steered": metrics.distinct2(s),
         "rep_steered": metrics.repetition(s),
+        "repeat_baseline": damage.longest_repeat(b),
+        "repeat_steered": damage.longest_repeat(s),
         "concept_baseline": metrics.concept(reread.captured[tap.path][n:], direction),
         "concept_steered": metrics.concept(base.captured[tap.path][n:], direction),
     }
+    probe = w.job.probe
+    if probe is not None:  # task=select's one ruler for every pair (steer/runs/probe.py)
+        row["probe_baseline"] = metrics.concept(reread.captured[probe.tap.path][n:], probe.direction)
+        row["probe_steered"] = metrics.concept(base.captured[probe.tap.path][n:], probe.direction)
+    row.update(damage.judge(row, damage.Rules.from_conf(w.job.cfg.select)))
     if w.job.cfg.eval.sentiment:
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
     return row
+
+
+def whole_chars(decode: Callable[[List[int]], str], ids: List[int], most: int = 4) -> str:
+    """The text of `ids`, cut at its last whole character: a continuation that stops inside a character (the
+    first byte tokens of an emoji) decodes to a replacement character there, which no reader wants; up to `most`
+    trailing tokens are left out of the text until it ends in a whole one (the ids stay as generated)."""
+    text = decode(ids)
+    for k in range(1, min(most, len(ids)) + 1):
+        if not text.endswith("\ufffd"):
+            break
+        shorter = decode(ids[:-k])
+        if not shorter.endswith("\ufffd"):
+            return shorter
+    return text
 
 
 def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,
@@ -473,3 +539,5 @@ def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dic
     console.print(texts)
     console.print(t)
     console.print(f"results in [bold]{out_dir}[/]")
+    if (out_dir / report.FILE).is_file():
+        console.print(f"report: [bold]{out_dir / report.FILE}[/] (texts side by side, metrics, plots)")

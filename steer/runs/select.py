@@ -2,62 +2,98 @@
 
 Every (layer, scale) pair of `select.layers` x `select.scales` runs the edit at that layer and strength, all of
 them one packed sweep on one engine (steer.runs.run.execute), each into a directory of its own under the run dir.
-A pair's score is its concept gain (concept_steered - concept_baseline: how much more of the direction the
-unsteered model reads in the steered text) among pairs whose perplexity stays within `max_ppl_ratio` of the
-baseline's and whose steered text does not loop (distinct2_steered at least `min_distinct_ratio` of the
-baseline's: a loop such as "La la la ..." reads a low perplexity, the model predicting it well). A strength that
-breaks the text is rejected however much concept it shows, and only a positive gain is chosen. The scales mean
-what `edit.scale_by` says at every layer: with `resid`, the same share of the stream's typical norm there.
-The run dir gets selection.md, selection.json and selection.png (a layers x scales heat map of the gain, rejected
-cells marked).
+How a pair is chosen:
+1. One probe reads every pair's text (steer/runs/probe.py): by default the direction at the grid layer of best
+   held-out AUC, so gains at different layers are numbers on one ruler.
+2. A pair's gain is the probe's reading of its steered text minus the baseline's, toward the pole its scale's sign
+   points to (a negative scale gains by moving toward the negative set).
+3. Each prompt is judged on its own (steer/runs/damage.py): its text loops, or its perplexity exceeds the cap; a
+   pair is kept where at most `select.max_bad_prompts` of its prompts are damaged and its mean perplexity is within
+   the cap.
+4. The pair is chosen on one part of the prompts (`select.split`) and reported on the rest, beside the choosing
+   part's numbers: the held-out figures are the ones to trust.
+5. The kept pair of largest gain (or judge score, `select.rank_by=judge`) wins; only a positive gain is chosen.
+The scales mean what `edit.scale_by` says at every layer: with `resid`, the same share of the stream's typical norm
+there. The run dir gets selection.md (the tables and the chosen pair's texts side by side), selection.json and
+selection.png (a layers x scales heat map of the gain, rejected cells marked).
 """
 
 import io
+import json
 import logging
+import random
 import shlex
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from steer import results
 
-from steer.runs import rundir
+from steer.report.heatmap import label_colour
+from steer.runs import damage, rundir
 from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
 
 log = logging.getLogger(__name__)
+MIN_SPLIT = 4  # prompts a split needs: two on either side
 
 
 CELL = "cell.json"  # a pair's settings, written as it starts: a rerun keeps a finished pair made with the same
+ROW_KEYS = ("probe_steered", "repeat_steered")  # a finished pair's rows hold these, or it is scored again
 
 
-def _settings(cfg: SteerConf) -> Dict:
-    """A pair's config as a rerun compares it: what changes its results (steer.config.schema.NOT_RESULTS left out)."""
+def _settings(cfg: SteerConf, probe=None) -> Dict:
+    """A pair's config as a rerun compares it: what changes its results (steer.config.schema.NOT_RESULTS left out),
+    and the probe that reads it."""
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     for key in (*NOT_RESULTS, "select"):  # the grid and the cap choose pairs; a pair's result is its own
         out.pop(key, None)
+    if probe is not None:
+        out["probe"] = probe.identity()
     return out
 
 
+def read_rows(d: Path) -> Optional[List[Dict]]:
+    """A pair's results.jsonl, or None where it has none (or a damaged one)."""
+    try:
+        return [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+
+
 def _done(cell) -> bool:
-    """Whether a pair finished before with these settings, and its vector files, data files and model read as they
-    did then; its metrics then stand as its result."""
+    """Whether a pair finished before with these settings and probe, and its vector files, data files and model read
+    as they did then; its metrics then stand as its result."""
     from steer.runs import inputs
 
     d = cell.out_dir
     got = results.read_json(d / "metrics.json")
-    if got is None or "error" in got or results.read_json(d / CELL) != _settings(cell.cfg):
+    if got is None or "error" in got or results.read_json(d / CELL) != _settings(cell.cfg, cell.probe):
         return False
-    if "distinct2_steered" not in got:  # scored before repetition was measured: its text is judged again
+    rows = read_rows(d)
+    if not rows or any(k not in rows[0] for k in ROW_KEYS):  # scored before the probe or the run length was read
         return False
     if inputs.recorded_changes(d, inputs.data_paths(cell.cfg)) is not None:
         return False
     cell.result = got
     return True
+
+
+def split(n: int, share: float, seed: int) -> Tuple[List[int], List[int]]:
+    """(the prompts a pair is chosen on, the prompts it is reported on), by index: a seeded shuffle cut at `share`,
+    at least two on either side; every prompt chooses (and none reports) where `share` is 0 or there are fewer than
+    MIN_SPLIT prompts."""
+    if share <= 0 or n < MIN_SPLIT:
+        return list(range(n)), []
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    k = min(max(round(share * n), 2), n - 2)
+    return sorted(order[:k]), sorted(order[k:])
 
 
 def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
@@ -67,77 +103,152 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     run is not a command line's (steer.Lab's), else read from Hydra's."""
     from contextlib import nullcontext
 
+    from steer.runs import probe as probes
     from steer.runs.job import engine_for
 
     cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
-    todo = [cell for cell in jobs if not _done(cell)]
-    for cell in todo:
-        cell.out_dir.mkdir(parents=True, exist_ok=True)
-        rundir.clear_stale(cell.out_dir)
-        results.write_json(cell.out_dir / CELL, _settings(cell.cfg))
-    kept = len(jobs) - len(todo)
-    kept = f"; {kept} done before with these settings and inputs, kept" if kept else ""
-    n, layers, scales = len(jobs), len(cfg.select.layers), len(cfg.select.scales)
-    say = (f"select: {n} pair{'s' * (n > 1)} ({layers} layer{'s' * (layers > 1)} x {scales} scale{'s' * (scales > 1)}) "
-           f"in one packed sweep, each in its own directory here{kept}")
-    console.print(say)
-    log.info(say)  # the run's steer.log (each pair's own says how it ran)
-    if todo:
+    with nullcontext(engine) if engine is not None else engine_for(jobs) as engine:
+        probe = probes.choose(cfg, job.spec, engine)  # the default directions it compares are the pairs' own
+        for cell in jobs:
+            cell.probe = probe
+        todo = [cell for cell in jobs if not _done(cell)]
+        for cell in todo:
+            cell.out_dir.mkdir(parents=True, exist_ok=True)
+            rundir.clear_stale(cell.out_dir)
+            results.write_json(cell.out_dir / CELL, _settings(cell.cfg, probe))
+        kept = len(jobs) - len(todo)
+        kept = f"; {kept} done before with these settings and inputs, kept" if kept else ""
+        n, layers, scales = len(jobs), len(cfg.select.layers), len(cfg.select.scales)
+        say = (f"select: {n} pair{'s' * (n > 1)} ({layers} layer{'s' * (layers > 1)} x {scales} "
+               f"scale{'s' * (scales > 1)}) in one packed sweep, each in its own directory here{kept}")
+        console.print(say)
+        log.info(say)  # the run's steer.log (each pair's own says how it ran)
+        console.print(f"select: {_probe_line(probe)}", highlight=False, soft_wrap=True)
         try:
-            with nullcontext(engine) if engine is not None else engine_for(todo) as engine:
-                execute(todo, console, engine=engine)
+            execute(todo, console, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
                           f"hydra.run.dir={out_dir} runs the rest and keeps these", soft_wrap=True)
             raise
-    table = [_cell(job.cfg, job.result or {}, cfg.select.max_ppl_ratio, cfg.select.min_distinct_ratio)
-             for job in jobs]
-    best = max((c for c in table if c["ok"] and c["gain"] > 0), key=lambda c: c["gain"], default=None)
+    rows = {cell.out_dir: (read_rows(cell.out_dir) or []) if not (cell.result or {}).get("error") else []
+            for cell in jobs}
+    n_prompts = len(cfg.prompts.steer)
+    choose, report = split(n_prompts, cfg.select.split, cfg.select.split_seed)
+    table = [_cell(cell.cfg, cell.result or {}, rows[cell.out_dir], choose, report, cfg.select) for cell in jobs]
+    best = _best(table, cfg.select.rank_by)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
+               "max_bad_prompts": cfg.select.max_bad_prompts, "max_run": cfg.select.max_run,
+               "min_distinct_ratio": cfg.select.min_distinct_ratio, "rank_by": cfg.select.rank_by,
+               "probe": probe.record(),
+               "split": {"share": cfg.select.split, "seed": cfg.select.split_seed, "choose": choose, "report": report},
                "command": (command or _command)(best) if best else None}
     if best:
         log.info("best: layer %s, scale %g (gain %.3g, ppl x%.2f): %s", best["layer"], best["scale"], best["gain"],
                  best["ppl_ratio"], summary["command"])
     else:
-        log.info("no pair passed: none kept perplexity within the cap and its text free of loops with a positive "
-                 "gain")
+        log.info("no pair passed: %s", NO_PAIR)
+    texts = rows[next(c.out_dir for c in jobs if c.cfg.tap.layer == best["layer"] and
+                      float(c.cfg.edit.scale) == best["scale"])] if best else []
     results.write_json(out_dir / "selection.json", summary)
-    results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary["command"]))
+    results.write_text(out_dir / "selection.md", _markdown(cfg, table, best, summary, texts))
     _heatmap(out_dir / "selection.png", cfg, table, best)
     # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
-    results.write_json(out_dir / "metrics.json", {
-        "best_layer": best and best["layer"], "best_scale": best and best["scale"], "best_gain": best and best["gain"],
-        "best_ppl_ratio": best and best["ppl_ratio"], "pairs": len(table), "pairs_kept": sum(c["ok"] for c in table)})
-    _print(console, cfg, table, best, summary["command"], out_dir)
+    results.write_json(out_dir / "metrics.json", _metrics(table, best, probe))
+    from steer import report
+
+    report.write_quietly(out_dir)
+    _print(console, cfg, table, best, summary, out_dir)
     return summary
 
 
-def _cell(cfg: SteerConf, m: Dict, cap: float, min_distinct: float = 0.0) -> Dict:
-    cell = {"layer": cfg.tap.layer, "scale": cfg.edit.scale, "dir": cell_name(cfg), "error": m.get("error"),
-            "gain": None, "ppl_ratio": None, "ok": False, "why": None}
+NO_PAIR = ("none kept its prompts' perplexity within the cap and their text free of loops with a positive gain")
+
+
+def _metrics(table: List[Dict], best: Optional[Dict], probe) -> Dict:
+    """The select run's metrics.json: the chosen pair, on the choosing prompts and on the held-out ones."""
+    def of(half, key):
+        return best[half][key] if best and best.get(half) else None
+
+    return {"best_layer": best and best["layer"], "best_scale": best and best["scale"],
+            "best_gain": best and best["gain"], "best_ppl_ratio": best and best["ppl_ratio"],
+            "best_prompts_looping": of("choose", "prompts_looping"),
+            "best_prompts_ppl_over": of("choose", "prompts_ppl_over"),
+            "heldout_gain": of("report", "gain"), "heldout_ppl_ratio": of("report", "ppl_ratio"),
+            "heldout_prompts_looping": of("report", "prompts_looping"),
+            "heldout_prompts_ppl_over": of("report", "prompts_ppl_over"),
+            "probe_layer": probe.layer, "pairs": len(table), "pairs_kept": sum(c["ok"] for c in table)}
+
+
+def _best(table: List[Dict], rank_by: str) -> Optional[Dict]:
+    """The kept pair of largest gain (rank_by probe) or judge score (rank_by judge; a tie: the larger gain), among
+    those with a positive gain."""
+    kept = [c for c in table if c["ok"] and c["gain"] is not None and c["gain"] > 0]
+    if rank_by == "judge":
+        kept = [c for c in kept if c["choose"].get("judge") is not None]
+        return max(kept, key=lambda c: (c["choose"]["judge"], c["gain"]), default=None)
+    return max(kept, key=lambda c: c["gain"], default=None)
+
+
+def _mean(rows: Sequence[Dict], key: str) -> Optional[float]:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _diff(a: Optional[float], b: Optional[float], sign: float) -> Optional[float]:
+    return None if a is None or b is None else sign * (a - b)
+
+
+def stats(rows: Sequence[Dict], sign: float) -> Dict:
+    """A pair's numbers over some of its prompts (judged rows): the probe's gain toward the scale's pole, the own
+    layer's, the mean perplexity ratio and the damaged prompts' counts."""
+    m = {k: _mean(rows, k) for k in ("probe_baseline", "probe_steered", "concept_baseline", "concept_steered",
+                                     "ppl_baseline", "ppl_steered", "distinct2_baseline", "distinct2_steered",
+                                     "rep_steered", "kl", "sentiment_baseline", "sentiment_steered", "judge")}
+    ppl = m["ppl_steered"] / m["ppl_baseline"] if m["ppl_baseline"] and m["ppl_steered"] is not None else None
+    return {"prompts": len(rows), "gain": _diff(m["probe_steered"], m["probe_baseline"], sign),
+            "gain_layer": _diff(m["concept_steered"], m["concept_baseline"], sign), "ppl_ratio": ppl,
+            **damage.counts(rows), **m}
+
+
+def _cell(cfg: SteerConf, m: Dict, rows: List[Dict], choose: List[int], report: List[int], s) -> Dict:
+    """A pair's line of selection.json: its numbers on the choosing prompts (`gain`, `ppl_ratio`, `ok`, `why`, and
+    `choose`) and on the reporting ones (`report`), and its damaged prompts (`damaged`)."""
+    scale = float(cfg.edit.scale)
+    cell = {"layer": cfg.tap.layer, "scale": scale, "pole": "negative" if scale < 0 else "positive",
+            "dir": cell_name(cfg), "error": m.get("error"), "gain": None, "gain_layer": None, "ppl_ratio": None,
+            "ok": False, "why": None, "why_short": None, "choose": None, "report": None, "damaged": []}
     if cell["error"]:
-        cell["why"] = "failed"
+        cell["why"] = cell["why_short"] = "failed"
         return cell
-    for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered", "distinct2_baseline",
-              "distinct2_steered", "rep_steered", "sentiment_baseline", "sentiment_steered", "kl_mean"):
-        cell[k] = m.get(k)
-    if None in (m.get("concept_baseline"), m.get("concept_steered"), m.get("ppl_baseline"), m.get("ppl_steered")):
-        cell["why"] = "no continuation to score"
+    if len(rows) != len(choose) + len(report) or all(r.get("probe_steered") is None for r in rows):
+        cell["why"] = cell["why_short"] = "no continuation to score"
         return cell
-    cell["gain"] = m["concept_steered"] - m["concept_baseline"]
-    cell["ppl_ratio"] = m["ppl_steered"] / m["ppl_baseline"]
-    why = []
-    if cell["ppl_ratio"] > cap:
-        shown = f"{cell['ppl_ratio']:.2f}"
-        if float(shown) <= cap:  # x2.0000001 against a cap of 2 must not read "x2.00 > 2"
-            shown = f"{cell['ppl_ratio']:.8g}"
-        why.append(f"ppl x{shown} > {cap:g}")
-    base, steered = m.get("distinct2_baseline"), m.get("distinct2_steered")
-    if base is not None and steered is not None and steered < min_distinct * base:
-        why.append(f"repetitive: distinct-2 {steered:.2f} < {min_distinct:g} x {base:.2f}")
-    cell["ok"] = not why
-    cell["why"] = "; ".join(why) or None
+    rules = damage.Rules.from_conf(s)
+    judged = [{**r, **damage.judge(r, rules)} for r in rows]  # this run's thresholds, whatever the pair's run had
+    sign = -1.0 if scale < 0 else 1.0
+    cell["choose"] = stats([judged[i] for i in choose], sign)
+    cell["report"] = stats([judged[i] for i in report], sign) if report else None
+    for key in ("gain", "gain_layer", "ppl_ratio"):
+        cell[key] = cell["choose"][key]
+    half = {i: "choose" for i in choose} | {i: "report" for i in report}
+    cell["damaged"] = [{"index": i, "prompt": r["prompt"], "half": half[i], "looping": r["looping"],
+                        "ppl_over": r["ppl_over"], "damage": r["damage"]}
+                       for i, r in enumerate(judged) if r["looping"] or r["ppl_over"]]
+    why, short = [], []
+    c = cell["choose"]
+    if c["prompts_bad"] > s.max_bad_prompts:
+        bits = [f"{c['prompts_looping']} loop" if c["prompts_looping"] else "",
+                f"{c['prompts_ppl_over']} ppl over" if c["prompts_ppl_over"] else ""]
+        why.append(f"{c['prompts_bad']} of {c['prompts']} prompts damaged ({', '.join(b for b in bits if b)}; "
+                   f"max {s.max_bad_prompts})")
+        short.append(f"{c['prompts_bad']} of {c['prompts']} damaged")
+    if c["ppl_ratio"] is not None and c["ppl_ratio"] > s.max_ppl_ratio:
+        why.append(f"ppl x{damage.shown_ratio(c['ppl_ratio'], s.max_ppl_ratio)} > {s.max_ppl_ratio:g}")
+        short.append(why[-1])
+    cell["ok"] = not why and c["gain"] is not None and c["ppl_ratio"] is not None
+    cell["why"] = "; ".join(why) or (None if cell["ok"] else "no continuation to score")
+    cell["why_short"] = "; ".join(short) or cell["why"]  # the heat map's label
     return cell
 
 
@@ -186,36 +297,119 @@ def _fmt(x: Optional[float], spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str]) -> str:
-    s = cfg.select
-    lines = [f"# Layer and strength for `{cfg.edit.kind.value}` on {cfg.model.name}", "",
-             f"Score: concept gain (concept_steered - concept_baseline) among pairs with ppl_steered <= "
-             f"{s.max_ppl_ratio:g} x ppl_baseline and distinct2_steered >= {s.min_distinct_ratio:g} x "
-             "distinct2_baseline; only a positive gain is chosen.", "", _scale_note(cfg), ""]
-    if best:
-        lines += [f"**Best: layer {best['layer']}, scale {best['scale']:g}** (gain {best['gain']:.3g}, "
-                  f"ppl x{best['ppl_ratio']:.2f}). Rerun it: `{command}`", ""]
-    else:
-        lines += ["**No pair passed** (the perplexity cap, the repetition check and a positive gain).", ""]
-    lines += ["Concept gain by layer (rows) and scale (columns); a rejected pair shows why.", "",
-              "| layer | " + " | ".join(f"{x:g}" for x in s.scales) + " |",
-              "| ---: | " + " | ".join("---:" for _ in s.scales) + " |"]
+HOW = ("How the pair is chosen: one probe reads every pair's text (so gains at different layers share a ruler); a "
+       "pair's gain is that reading of its steered text minus the baseline's, toward the pole its scale's sign points "
+       "to; each prompt is judged on its own (its text loops, or its perplexity exceeds the cap) and a pair is kept "
+       "where at most select.max_bad_prompts prompts are damaged and its mean perplexity is within the cap; the pair "
+       "is chosen on one part of the prompts and reported on the rest.")
+
+
+def _probe_line(probe) -> str:
+    auc = f" (held-out AUC {probe.auc:.3g})" if probe.auc is not None else ""
+    by = ""
+    if probe.aucs:
+        by = "; by layer: " + ", ".join(f"{k}: {_fmt(v)}" for k, v in probe.aucs.items())
+    return f"concept read by one probe for every pair: layer {probe.layer}{auc}, {probe.source}{by}"
+
+
+def _half_line(summary: Dict, prompts: Sequence[str]) -> str:
+    sp = summary["split"]
+    if not sp["report"]:
+        why = "select.split=0" if sp["share"] <= 0 else f"fewer than {MIN_SPLIT} prompts"
+        return (f"Chosen and reported on all {len(sp['choose'])} prompts ({why}): the numbers are the choosing "
+                "prompts' own, not held out.")
+    return (f"Chosen on {len(sp['choose'])} of {len(prompts)} prompts (select.split={sp['share']:g}, seed "
+            f"{sp['seed']}: prompts {', '.join(str(i + 1) for i in sp['choose'])}), reported on the other "
+            f"{len(sp['report'])} (prompts {', '.join(str(i + 1) for i in sp['report'])}).")
+
+
+def _half(c: Optional[Dict]) -> str:
+    """A half's numbers in a sentence."""
+    if not c:
+        return "-"
+    return (f"gain {_fmt(c['gain'])}, ppl x{_fmt(c['ppl_ratio'], '.2f')}, {c['prompts_looping']} of {c['prompts']} "
+            f"looping, {c['prompts_ppl_over']} over the ppl cap" + (f", judge {c['judge']:.2f}" if c.get("judge")
+                                                                    is not None else ""))
+
+
+def _grid(s, table: List[Dict], value: Callable[[Dict], str]) -> List[str]:
+    lines = ["| layer | " + " | ".join(f"{x:g}" for x in s.scales) + " |",
+             "| ---: | " + " | ".join("---:" for _ in s.scales) + " |"]
     by = {(c["layer"], c["scale"]): c for c in table}
     for layer in s.layers:
-        row = []
-        for scale in s.scales:
-            c = by[(layer, float(scale))]
-            row.append(_fmt(c["gain"]) if c["ok"] else f"~~{_fmt(c['gain'])}~~ ({c['why']})")
-        lines.append(f"| {layer} | " + " | ".join(row) + " |")
-    lines += ["", "| layer | scale | concept base | concept steered | ppl base | ppl steered | distinct-2 base | "
-                  "distinct-2 steered | rep steered | sentiment base | sentiment steered | kl_mean | dir |",
-              "|" + " ---: |" * 12 + " --- |"]
+        lines.append(f"| {layer} | " + " | ".join(value(by[(layer, float(x))]) for x in s.scales) + " |")
+    return lines
+
+
+def _markdown(cfg: SteerConf, table: List[Dict], best: Optional[Dict], summary: Dict, rows: List[Dict]) -> str:
+    from steer.runs import texts
+
+    s = cfg.select
+    held = bool(summary["split"]["report"])
+    lines = [f"# Layer and strength for `{cfg.edit.kind.value}` on {cfg.model.name}", "", HOW, "",
+             f"Rules: a prompt loops where its distinct-2 < {s.min_distinct_ratio:g} x its baseline's or a token (or a "
+             f"unit of up to {damage.UNIT} tokens) repeats {s.max_run} times in a row, more than in its baseline; its "
+             f"perplexity is over where ppl_steered > {s.max_ppl_ratio:g} x its ppl_baseline. At most "
+             f"{s.max_bad_prompts} damaged prompt{'s' * (s.max_bad_prompts != 1)} per kept pair; ranked by "
+             f"{s.rank_by}.", "", f"Probe: {_probe_line(_Shown(summary['probe']))}.", "",
+             _half_line(summary, cfg.prompts.steer), "", _scale_note(cfg), ""]
+    if best:
+        lines += [f"**Best: layer {best['layer']}, scale {best['scale']:g}** (toward the {best['pole']} set). "
+                  f"Choosing prompts: {_half(best['choose'])}."]
+        if held:
+            lines += [f"Held-out prompts: {_half(best['report'])}."]
+        lines += ["", f"Rerun it: `{summary['command']}`", ""]
+    else:
+        lines += [f"**No pair passed**: {NO_PAIR}.", ""]
+    lines += ["## Gain by layer and scale (choosing prompts)", "",
+              "The probe's gain toward each scale's pole; a rejected pair shows why.", ""]
+    lines += _grid(s, table, lambda c: _fmt(c["gain"]) if c["ok"] else f"~~{_fmt(c['gain'])}~~ ({c['why']})")
+    if held:
+        lines += ["", "## Held-out prompts", "",
+                  "Each pair's gain, perplexity ratio and damaged prompts (looping / ppl over) on the prompts it was "
+                  "not chosen on.", ""]
+        lines += _grid(s, table, lambda c: "-" if not c["report"] else
+                       f"{_fmt(c['report']['gain'])} (x{_fmt(c['report']['ppl_ratio'], '.2f')}, "
+                       f"{c['report']['prompts_looping']}/{c['report']['prompts_ppl_over']})")
+    lines += ["", "## Every pair", "",
+              "gain: the probe's; gain (own layer): read along the pair's own layer's direction, a ruler per layer "
+              "(not comparable across layers, not used to rank). loop / ppl over: damaged prompts, choosing"
+              + (" / held-out" if held else "") + ".", "",
+              "| layer | scale | pole | gain | gain (own layer) | ppl x | loop | ppl over |"
+              + (" held-out gain | held-out ppl x | held-out loop | held-out ppl over |" if held else "")
+              + " distinct-2 steered / base | kl | kept | dir |",
+              "|" + " ---: |" * (8 + 4 * held + 2) + " --- | --- |"]
     for c in table:
-        lines.append(f"| {c['layer']} | {c['scale']:g} | " + " | ".join(
-            _fmt(c.get(k)) for k in ("concept_baseline", "concept_steered", "ppl_baseline", "ppl_steered",
-                                     "distinct2_baseline", "distinct2_steered", "rep_steered", "sentiment_baseline",
-                                     "sentiment_steered", "kl_mean")) + f" | {c['dir']} |")
+        ch, rp = c["choose"] or {}, c["report"] or {}
+        cols = [str(c["layer"]), f"{c['scale']:g}", c["pole"], _fmt(c["gain"]), _fmt(c["gain_layer"]),
+                _fmt(c["ppl_ratio"], ".2f"), str(ch.get("prompts_looping", "-")), str(ch.get("prompts_ppl_over", "-"))]
+        if held:
+            cols += [_fmt(rp.get("gain")), _fmt(rp.get("ppl_ratio"), ".2f"), str(rp.get("prompts_looping", "-")),
+                     str(rp.get("prompts_ppl_over", "-"))]
+        cols += [f"{_fmt(ch.get('distinct2_steered'), '.2f')} / {_fmt(ch.get('distinct2_baseline'), '.2f')}",
+                 _fmt(ch.get("kl")), "yes" if c["ok"] else "no", c["dir"]]
+        lines.append("| " + " | ".join(cols) + " |")
+    damaged = [(c, d) for c in table for d in c["damaged"]]
+    if damaged:
+        lines += ["", "## Damaged prompts", "", "Each pair's prompts whose text loops or whose perplexity exceeds the "
+                  "cap, and why.", "", "| pair | prompt | half | damage |", "| --- | --- | --- | --- |"]
+        for c, d in damaged:
+            lines.append(f"| {c['dir']} | {d['index'] + 1}: {texts.cell(d['prompt'])} | {d['half']} | "
+                         f"{texts.cell('; '.join(d['damage']))} |")
+    if best and rows:
+        halves = {i: "choose" for i in summary["split"]["choose"]} | {i: "held out" for i in summary["split"]["report"]}
+        judged = [{**r, **damage.judge(r, damage.Rules.from_conf(s))} for r in rows]
+        lines += ["", f"## Texts of the chosen pair ({best['dir']})", ""]
+        lines += texts.table(judged, halves if held else None)
     return "\n".join(lines) + "\n"
+
+
+class _Shown:
+    """A probe as selection.json records it, for `_probe_line`."""
+
+    def __init__(self, rec: Dict):
+        self.layer, self.auc, self.source = rec["layer"], rec["heldout_auc"], rec["source"]
+        self.aucs = {int(k): v for k, v in rec["heldout_auc_by_layer"].items()}
 
 
 REJECTED_FACE, REJECTED_HATCH = "#bdbdbd", "white"  # a rejected pair: hatched grey, outside the colour map
@@ -249,7 +443,7 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad=REJECTED_FACE)
     fig, ax = plt.subplots(figsize=(1.2 * len(s.scales) + 2.5, 0.6 * len(s.layers) + 1.8))
     im = ax.imshow(gain, cmap=cmap, aspect="auto")
-    fig.colorbar(im, ax=ax, label="concept gain (kept pairs)")
+    fig.colorbar(im, ax=ax, label="gain toward the scale's pole (kept pairs)")
     for i, row in enumerate(cells):
         for j, c in enumerate(row):
             if c["ok"]:
@@ -259,7 +453,7 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
                 face = matplotlib.colors.to_rgba(REJECTED_FACE)
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=REJECTED_FACE, hatch="//",
                                            edgecolor=REJECTED_HATCH, lw=0))
-                label = f"{_fmt(c['gain'], '.2g')}\n{c['why'] or 'rejected'}"
+                label = f"{_fmt(c['gain'], '.2g')}\n{c.get('why_short') or c['why'] or 'rejected'}"
             ax.text(j, i, label, ha="center", va="center", fontsize=7, color=label_colour(face))
             if best is c:
                 ax.add_patch(plt.Rectangle((j - 0.45, i - 0.45), 0.9, 0.9, fill=False, edgecolor="orange", lw=3))
@@ -267,25 +461,17 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
     ax.set_yticks(range(len(s.layers)), [str(x) for x in s.layers])
     ax.set_xlabel("scale")
     ax.set_ylabel("layer")
-    ax.set_title(f"{cfg.edit.kind.value}: concept gain, ppl cap x{s.max_ppl_ratio:g} (hatched grey: rejected)",
-                 fontsize=9)
+    ax.set_title(f"{cfg.edit.kind.value}: probe gain toward each scale's pole, ppl cap x{s.max_ppl_ratio:g}\n"
+                 "(hatched grey: rejected)", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def label_colour(face) -> str:
-    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
-    def lum(rgb):
-        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
-        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-    y = lum(face)
-    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"
-
-
-def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], command: Optional[str],
+def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], summary: Dict,
            out_dir: Path) -> None:
-    t = Table(title="select: concept gain (ppl ratio)")
+    held = bool(summary["split"]["report"])
+    t = Table(title="select: gain toward each scale's pole (ppl ratio) [prompts looping / ppl over]"
+                    + (", on the choosing prompts" if held else ""))
     t.add_column("layer")
     for x in cfg.select.scales:
         t.add_column(f"scale {x:g}", justify="right")
@@ -293,12 +479,18 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
     for layer in cfg.select.layers:
         cells = [by[(layer, float(x))] for x in cfg.select.scales]
         t.add_row(str(layer), *[(f"{_fmt(c['gain'])} (x{_fmt(c['ppl_ratio'], '.2f')})" if c["ok"]
-                                 else f"[red]{c['why']}[/]") for c in cells])
+                                 else f"[red]{escape(c['why'])}[/]")
+                                + (f" [{c['choose']['prompts_looping']}/{c['choose']['prompts_ppl_over']}]"
+                                   if c["choose"] else "") for c in cells])
     console.print(t)
     console.print(_scale_note(cfg))
+    console.print(_half_line(summary, cfg.prompts.steer), highlight=False, soft_wrap=True)
     if best:
-        console.print(f"best: layer {best['layer']}, scale {best['scale']:g} (gain {best['gain']:.3g}, ppl "
-                      f"x{best['ppl_ratio']:.2f})\n  {command}")
+        console.print(f"best: layer {best['layer']}, scale {best['scale']:g}; choosing prompts: {_half(best['choose'])}"
+                      + (f"\n  held out: {_half(best['report'])}" if held else "")
+                      + f"\n  {summary['command']}", highlight=False, soft_wrap=True)
     else:
-        console.print("[bold red]no pair passed[/] (the perplexity cap, the repetition check and a positive gain)")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
+        console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
+        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
+        if (out_dir / "report.html").is_file() else ""))

@@ -124,9 +124,10 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         engine = engines.make("hf", spec, conf.device, hf_conf=conf.hf)
         compiled = compile_presets(conf, spec, confs, engine)
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
-                          conf.serve.chat_max_tokens, inline)
+                          conf.serve.chat_max_tokens, inline, conf.serve.playground,
+                          Recipe.from_conf(conf.extract, conf.prompts.chat))
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
-            f"{base_url(conf.serve)}")
+            f"{base_url(conf.serve)}{playground_line(conf.serve)}")
         serve(server, conf.serve.host, conf.serve.port, conf.serve.log_level, conf.serve.keep_alive_s)
         return
     # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
@@ -141,7 +142,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
     from steer.serve import vllm_server
 
     say(f"steer serve: {model_name} on engine=vllm ({mode_name(conf)}), presets {escape(str(sorted(compiled)))}, "
-        f"{base_url(conf.serve)}")
+        f"{base_url(conf.serve)}{playground_line(conf.serve)}")
     vllm_server.serve(conf, spec, compiled, inline, out_dir, model_name)
 
 
@@ -149,6 +150,11 @@ def base_url(s: ServeOptions) -> str:
     """The API's address as a client writes it (an empty host listens on every interface)."""
     host = s.host or "0.0.0.0"
     return f"http://{f'[{host}]' if ':' in host else host}:{s.port}/v1"
+
+
+def playground_line(s: ServeOptions) -> str:
+    """Where the start line says the playground is (serve.playground)."""
+    return f"; playground at {base_url(s).removesuffix('/v1')}/" if s.playground else ""
 
 
 def _free_cuda() -> None:

@@ -218,6 +218,19 @@ def test_a_config_dir_of_ones_own_adds_groups_as_config_dir_does(cache_dir, tmp_
     assert e.value.field == "config_dir"
 
 
+def test_a_group_that_names_only_files_is_read_as_the_cli_reads_it(cache_dir, tmp_path, loads):
+    """A prompts group of files alone (steer_file, pairs_file): the Lab's own checks once refused its empty lists."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "steer.txt").write_text("Dear Sir or Madam,\nKind regards,\n")
+    (tmp_path / "pairs.jsonl").write_text('{"positive": "I would be grateful", "negative": "gimme"}\n'
+                                          '{"positive": "Yours faithfully", "negative": "cya"}\n')
+    (tmp_path / "prompts" / "formal.yaml").write_text(f"steer_file: {tmp_path / 'steer.txt'}\n"
+                                                      f"pairs_file: {tmp_path / 'pairs.jsonl'}\n")
+    with steer.Lab(model="tiny", overrides=["prompts=formal", *SETTINGS], config_dir=tmp_path, quiet=True) as lab:
+        v = lab.extract(layer=1)
+    assert v.metadata["positive"] == "2" and v.metadata["negative"] == "2"
+
+
 def test_a_vllm_lab_refuses_a_tap_its_engine_did_not_start_with(lab, loads, monkeypatch):
     """vLLM fixes its taps as it starts (its graphs are recorded with them): a later call elsewhere is refused by
     name before it reaches the engine, not left to fail inside it. A stand-in for a started vLLM engine holds layer

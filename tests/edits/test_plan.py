@@ -63,3 +63,12 @@ def test_a_vector_used_at_another_tap_or_model_than_it_was_made_at_is_warned_of_
         build(compose("tap.layer=2", f"edit.vector.path={other}"), tiny_spec)
     assert [r.getMessage() for r in caplog.records] == [
         f"edit.vector.path: {other} was extracted at model llama and is used at {tiny_spec.name}"]
+
+
+def test_a_multi_layer_file_used_at_one_of_its_layers_is_not_warned_of(tiny_spec, tmp_path, caplog):
+    dirs = {k: torch.randn(tiny_spec.hidden) for k in (1, 2, 3)}
+    p = vector.save_layers(tmp_path / "m.safetensors", dirs, model=tiny_spec.name, tap="layer1,layer2,layer3",
+                           method="m")
+    with caplog.at_level("WARNING", logger="steer.edits.plan"):
+        build(compose("tap.layer=2", f"edit.vector.path={p}"), tiny_spec)  # direction.2 runs: where it was made
+    assert [r.getMessage() for r in caplog.records] == []

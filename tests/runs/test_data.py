@@ -179,3 +179,17 @@ def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_pa
                        (["model=smollm2", "task=eval"], ("last", "all"))):  # eval renders its pairs itself
         job = run.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
         assert (job.cfg.extract.position, job.cfg.extract.span) == want, args
+
+
+def test_a_malformed_jsonl_line_is_named_with_the_parsers_reason_and_nothing_else_is_printed(tmp_path, capfd):
+    f = write(tmp_path / "pairs.jsonl", '{"positive": "a", "negative": "b"}\n\n{"positive": "c", "negative": "d"}\n'
+                                        '{"positive": "e" "negative": "f"}\n')
+    with pytest.raises(ConfigError) as e:
+        data.load_pairs(f)
+    assert e.value.field == "prompts.pairs_file" and "line 4 is not JSON: Expecting ',' delimiter at column 17" \
+        in str(e.value), e.value
+    out, err = capfd.readouterr()
+    assert out + err == ""  # no log lines of the library that reads the file
+    f = write(tmp_path / "list.jsonl", '["positive", "negative"]\n')
+    with pytest.raises(ConfigError, match="line 1 is a JSON list; each line of a .jsonl file must be an object"):
+        data.load_pairs(f)

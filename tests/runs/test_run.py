@@ -240,3 +240,19 @@ def test_a_sweep_over_layers_reads_its_pairs_once_and_each_baseline_once(tmp_pat
         assert "error" not in solo
         assert (tmp_path / f"pack{k}" / "results.jsonl").read_text() == \
             (tmp_path / f"solo{k}" / "results.jsonl").read_text()
+
+
+def test_an_extract_out_the_kernel_refuses_is_said_before_any_engine(tmp_path, cache_dir, monkeypatch):
+    """/proc takes no new directory, though os.access tells root it may: the run stops before an engine starts,
+    naming extract.out, rather than after the whole extraction with a traceback."""
+    import pytest
+
+    from steer.errors import ConfigError
+    from steer.runs import job
+
+    for where in (job, run):
+        monkeypatch.setattr(where, "engine_for", lambda jobs: pytest.fail("an engine started"))
+    with pytest.raises(ConfigError) as e:
+        run.main(compose(*QUICK, "task=extract", "extract.out=/proc/nope/x.safetensors"), tmp_path, None)
+    assert e.value.field == "extract.out" and "cannot be written" in str(e.value), e.value
+    assert not list(tmp_path.glob("*.safetensors"))

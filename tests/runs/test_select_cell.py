@@ -1,55 +1,38 @@
-"""task=select's choice from its cells' metrics, with no model: the grid's steer runs are replaced by metrics given
-here, and the gain, the cap's verdict and the chosen pair are checked against docs/sweeps.md's rule computed directly
-(gain = concept_steered - concept_baseline; kept where ppl_steered <= max_ppl_ratio x ppl_baseline; best: the kept
-pair of largest gain)."""
+"""task=select's choice from its cells' rows, with no model: the grid's steer runs are replaced by rows given here
+(tests/select_fake.py), and the gain, the cap's verdict and the chosen pair are checked against docs/sweeps.md's
+rule computed directly (gain = probe_steered - probe_baseline toward the scale's pole; kept where every prompt's
+ppl_steered <= max_ppl_ratio x its ppl_baseline; best: the kept pair of largest gain)."""
 
 import json
-from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 
 from helpers import compose
+from select_fake import row, run_grid
 from steer.runs import select
 
 CAP = 2.0
-# (layer, scale) -> the metrics its steer run wrote: gain 2 at ppl x1.25; gain 5 at x2 exactly (values exactly
-# representable, so the ratio is exactly the cap); gain -1.5 (steered away: a flipped sign would make it the best);
-# gain 9 a hair past the cap.
+# (layer, scale) -> the metrics its steer run wrote for each of its prompts: gain 2 at ppl x1.25; gain 5 at x2
+# exactly (values exactly representable, so the ratio is exactly the cap); gain -1.5 (steered away: a flipped sign
+# would make it the best); gain 9 a hair past the cap.
 METRICS = {
-    (1, 2.0): {"concept_baseline": 1.0, "concept_steered": 3.0, "ppl_baseline": 2.0, "ppl_steered": 2.5},
-    (1, 4.0): {"concept_baseline": 1.0, "concept_steered": 6.0, "ppl_baseline": 1.25, "ppl_steered": 2.5},
-    (2, 2.0): {"concept_baseline": 2.0, "concept_steered": 0.5, "ppl_baseline": 1.0, "ppl_steered": 1.0},
-    (2, 4.0): {"concept_baseline": 0.0, "concept_steered": 9.0, "ppl_baseline": 1.0, "ppl_steered": 2.0000001},
+    (1, 2.0): {"probe_baseline": 1.0, "probe_steered": 3.0, "ppl_baseline": 2.0, "ppl_steered": 2.5},
+    (1, 4.0): {"probe_baseline": 1.0, "probe_steered": 6.0, "ppl_baseline": 1.25, "ppl_steered": 2.5},
+    (2, 2.0): {"probe_baseline": 2.0, "probe_steered": 0.5, "ppl_baseline": 1.0, "ppl_steered": 1.0},
+    (2, 4.0): {"probe_baseline": 0.0, "probe_steered": 9.0, "ppl_baseline": 1.0, "ppl_steered": 2.0000001},
 }
 
 
 def direct(m):
-    gain = m["concept_steered"] - m["concept_baseline"]
+    gain = m["probe_steered"] - m["probe_baseline"]
     return gain, m["ppl_steered"] / m["ppl_baseline"] <= CAP
 
 
 @pytest.fixture
-def selected(tmp_path, monkeypatch, console):
-    """select.run over a 2 x 2 grid whose cells 'ran' into METRICS; its summary."""
-    from steer.runs import grid
-    from steer.runs import job as jobs_mod
-
-    cfg = compose("task=select", "select.layers=[1,2]", "select.scales=[2,4]", f"select.max_ppl_ratio={CAP}",
-                  "progress=false")
-    cells = [SimpleNamespace(cfg=c, out_dir=tmp_path / grid.cell_name(c), result=None) for c in grid.cells(cfg)]
-
-    @contextmanager
-    def no_engine(jobs):
-        yield None
-
-    def execute(jobs, console, summary=None, engine=None):
-        for j in jobs:
-            j.result = {**METRICS[(j.cfg.tap.layer, j.cfg.edit.scale)], "kl_mean": 0.1, "prompts": 2}
-        return [j.result for j in jobs]
-
-    monkeypatch.setattr(jobs_mod, "engine_for", no_engine)
-    return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells), console, execute)
+def selected(tmp_path, console):
+    """select.run over a 2 x 2 grid whose cells 'ran' into METRICS (two prompts each); its summary."""
+    return run_grid(tmp_path, console, {k: [row(**m), row(**m)] for k, m in METRICS.items()},
+                    f"select.max_ppl_ratio={CAP}")
 
 
 def test_each_cell_has_its_gain_and_the_caps_verdict(selected):
@@ -61,7 +44,9 @@ def test_each_cell_has_its_gain_and_the_caps_verdict(selected):
         assert got[key]["ok"] is ok, f"cell {key}: ppl x{got[key]['ppl_ratio']!r} against cap {CAP}: ok should be {ok}"
     # The rule's edges, said outright: a pair exactly at the cap is kept, one a hair past it is not.
     assert got[(1, 4.0)]["ppl_ratio"] == CAP and got[(1, 4.0)]["ok"], got[(1, 4.0)]
-    assert not got[(2, 4.0)]["ok"] and got[(2, 4.0)]["why"] == "ppl x2.0000001 > 2", got[(2, 4.0)]
+    over = got[(2, 4.0)]
+    assert not over["ok"] and "2 of 2 prompts damaged (2 ppl over; max 0)" in over["why"], over
+    assert over["why"].endswith("ppl x2.0000001 > 2") and over["damaged"][0]["damage"] == ["ppl x2.0000001 > 2"]
 
 
 def test_the_best_pair_is_the_kept_one_of_largest_gain(selected, tmp_path):
@@ -74,7 +59,7 @@ def test_the_best_pair_is_the_kept_one_of_largest_gain(selected, tmp_path):
     assert best["gain"] == pytest.approx(5.0)
     assert selected["command"].endswith("tap.layer=1 edit.scale=4")
     assert json.loads((tmp_path / "selection.json").read_text())["best"] == best
-    assert "**Best: layer 1, scale 4** (gain 5" in (tmp_path / "selection.md").read_text()
+    assert "**Best: layer 1, scale 4** (toward the positive set)" in (tmp_path / "selection.md").read_text()
 
 
 def _contrast(a, b):
@@ -124,7 +109,7 @@ def test_the_heat_map_draws_rejected_pairs_apart_from_the_colour_map(selected):
             np.array(matplotlib.colors.to_rgb(select.REJECTED_FACE))
         assert _contrast(matplotlib.colors.to_rgb(t.get_color()), back) >= 4.5, (t.get_text(), t.get_color(), back)
     texts = {t.get_text() for t in ax.texts}
-    assert "9\nppl x2.0000001 > 2" in texts, texts  # a rejected pair says why
+    assert "9\n2 of 2 damaged; ppl x2.0000001 > 2" in texts, texts  # a rejected pair says why
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -276,3 +276,34 @@ def test_a_file_is_held_by_one_job_where_the_file_system_has_no_hard_links(tmp_p
         held = [j for j in pool.map(take, range(64)) if j is not None]
     assert len(held) == 1
     claim(tmp_path, held[0], "extract.out", tmp_path / "v.safetensors")
+
+
+def test_a_steered_metric_is_drawn_against_its_baseline_and_the_baseline_gets_no_plot_of_its_own(tmp_path,
+                                                                                                   monkeypatch):
+    import matplotlib.pyplot as plt
+
+    for n, scale in enumerate((2, 4, 8)):
+        job(tmp_path, n, [f"edit.scale={scale}"], {"concept_baseline": 0.5, "concept_steered": 1.0 + scale,
+                                                   "distinct2_baseline": 0.9, "distinct2_steered": 0.75})
+    drawn = {}
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update({fig.axes[0].get_ylabel(): [
+        (ln.get_linestyle(), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()]}), close(fig)))
+    out = build(tmp_path)["plots"]
+    # distinct2_steered is the same everywhere: no plot; concept_baseline is concept_steered's reference line
+    assert [p.name for p in out] == ["concept_steered.png"]
+    assert drawn["concept_steered"] == [("-", [3.0, 5.0, 9.0]), ("--", [0.5, 0.5, 0.5])]
+
+
+def test_texts_md_puts_each_jobs_texts_side_by_side_with_their_damage(tmp_path):
+    rows = [{"prompt": "The weather | today", "baseline": "is fine.", "steered": "💡💡💡\nis", "damage": [
+        "distinct-2 0.10 < 0.7 x 0.90"], "looping": True, "ppl_over": False},
+        {"prompt": "Hi", "baseline": "there", "steered": "friend", "damage": [], "looping": False, "ppl_over": False}]
+    for n, scale in enumerate((2, 4)):
+        job(tmp_path, n, [f"edit.scale={scale}", "progress=false"], {"kl_mean": float(n)})
+        (tmp_path / str(n) / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = build(tmp_path)
+    text = out["texts"].read_text()
+    assert "## job 0: `edit.scale=2`" in text and "## job 1: `edit.scale=4`" in text
+    assert "| 1 | The weather \\| today | is fine. | 💡💡💡<br>is | distinct-2 0.10 < 0.7 x 0.90 |" in text
+    assert "| 2 | Hi | there | friend | ok |" in text
