@@ -94,7 +94,7 @@ def sweep_dir(tmp_path_factory, cache_dir, tiny_spec):
 
 
 def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
-    jobs = {r["job"]: r for r in sweep_report.job_rows(sweep_dir)}
+    jobs = {r["job"]: r for r in sweep_report.build(sweep_dir)["rows"]}
     p = opened(chromium, sweep_dir / "report.html")
     try:
         for i, prompt in [(1, "When I opened the letter, I felt"), (2, "My friend said"), (0, "The weather today is")]:
@@ -121,7 +121,7 @@ def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
 
 
 def test_sweep_table_sorts_by_a_column(chromium, sweep_dir):
-    jobs = sweep_report.job_rows(sweep_dir)
+    jobs = sweep_report.build(sweep_dir)["rows"]
     p = opened(chromium, sweep_dir / "report.html")
     try:
         heads = p.page.locator("#jobs thead th").all_text_contents()
