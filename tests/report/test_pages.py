@@ -9,6 +9,11 @@ import pytest
 from browser import Page, axe_violations, boxes_overlap, browser, keyboard_reach
 from steer.runs import report as sweep_report
 
+
+def job_rows(d: Path):
+    """The sweep's rows as its summary.csv has them (steer.runs.report reads them from the jobs)."""
+    return sweep_report._rows(sweep_report._jobs(d)[0])
+
 HTML_PROMPTS = ['Tell me about <b>bold</b> & "quoted" text', "The weather today is"]
 CONTROLS = "button, select, a[href], summary, input, textarea, [tabindex='0']"
 
@@ -94,7 +99,7 @@ def sweep_dir(tmp_path_factory, cache_dir, tiny_spec):
 
 
 def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
-    jobs = {r["job"]: r for r in sweep_report.build(sweep_dir)["rows"]}
+    jobs = {r["job"]: r for r in job_rows(sweep_dir)}
     p = opened(chromium, sweep_dir / "report.html")
     try:
         for i, prompt in [(1, "When I opened the letter, I felt"), (2, "My friend said"), (0, "The weather today is")]:
@@ -121,7 +126,7 @@ def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
 
 
 def test_sweep_table_sorts_by_a_column(chromium, sweep_dir):
-    jobs = sweep_report.build(sweep_dir)["rows"]
+    jobs = job_rows(sweep_dir)
     p = opened(chromium, sweep_dir / "report.html")
     try:
         heads = p.page.locator("#jobs thead th").all_text_contents()
