@@ -38,7 +38,8 @@ def _load_anyio() -> None:
             pass
         except TypeError as e:  # nnsight came first, by a path that does not pass here: say so, do not fail
             warnings.warn(f"interleaver: anyio's {mod.name} did not load after nnsight's `.save` mount ({e}); a web "
-                          "server in this process may refuse streamed responses. Import interleaver before nnsight.")
+                          "server in this process may refuse streamed responses. Import interleaver before nnsight.",
+                          stacklevel=2)
 
 
 _load_anyio()

@@ -91,7 +91,8 @@ class _CudaCapture:
                 finally:
                     graph.capture_end()
             except RuntimeError as e:
-                warnings.warn(f"interleaver: a tap program could not be captured as a CUDA graph, it stays eager: {e}")
+                warnings.warn(f"interleaver: a tap program could not be captured as a CUDA graph, it stays eager: {e}",
+                              stacklevel=2)
                 graph = None
         main.wait_stream(side)
         return graph.replay if graph is not None else None

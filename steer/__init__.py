@@ -8,7 +8,17 @@
 Names load on first use, so `import steer` stays cheap (no torch until a Lab or Vector is needed).
 """
 
+import builtins
 from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what a type checker sees; at run time each name loads on first use (below)
+    from steer.api.edits import EditSpec as EditSpec, ablate as ablate, add as add, clamp as clamp
+    from steer.api.edits import scale as scale, set as set
+    from steer.api.outputs import Generation as Generation, Selection as Selection
+    from steer.api.vector import Vector as Vector
+    from steer.errors import ConfigError as ConfigError
+    from steer.lab import Lab as Lab
 
 # name -> the module that defines it
 _LAZY = {
@@ -37,4 +47,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(builtins.set(globals()) | builtins.set(_LAZY))  # `set` here may be steer.set

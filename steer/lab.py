@@ -7,7 +7,7 @@ loads) and `run.execute` / `select.run` run it into a run directory, which the c
 the command with the same config write the same files, token for token.
 
 The engine starts on the first call that needs it (one load per Lab) and is closed by `close()` or on leaving a
-`with` block. Settings that choose the engine (model, engine, device, vllm.*) are the Lab's own.
+`with` block. Settings that choose the engine (model, engine, device, vllm.*, hf.*) are the Lab's own.
 """
 
 import copy
@@ -17,7 +17,7 @@ import shlex
 import weakref
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -52,7 +52,7 @@ class Lab:
         self._defaults: Dict[str, Dict] = {}
         self._stack = ExitStack()
         weakref.finalize(self, self._stack.close)  # at the latest as the interpreter exits, while torch is still there
-        self._engine = None
+        self._engine: Optional[object] = None
         self._engine_key: Optional[str] = None
         self._model_files = None
         self._hidden_size: Optional[int] = None
@@ -65,7 +65,7 @@ class Lab:
         """The direction at a tap (`layer`, or module `path`; else the config's tap) from two contrastive prompt
         sets (else prompts.positive / prompts.negative), as `task=extract` makes it (extract.* settings by
         `overrides`, e.g. `extract.method=pca`)."""
-        values = {"task": "extract"}
+        values: Dict[str, object] = {"task": "extract"}
         if layer is not None or path is not None:
             values["tap"] = {"layer": layer, "path": path}
         if positive is not None:
@@ -79,13 +79,14 @@ class Lab:
         job = run.prepare(conf, out.path)
         self._write_config(out.path, cfg)
         self._execute(job)
+        assert job.result is not None  # _execute raised where the job wrote nothing
         return Vector.load(job.result["vector"], conf.extract.key)
 
     def generate(self, prompts: Union[str, Sequence[str]], edits: Union[EditSpec, Iterable[EditSpec]] = (),
                  *, overrides: Sequence[str] = ()) -> Generation:
         """Baseline and steered continuations of `prompts` with `edits` (steer.add, steer.ablate, ...; in order,
         the first is the run's `edit`, the others its `extra_edits`), with the run's metrics: a steer run."""
-        values = {"task": "steer", "prompts.steer": _texts("prompts.steer", prompts)}
+        values: Dict[str, object] = {"task": "steer", "prompts.steer": _texts("prompts.steer", prompts)}
         values.update(self._edit_values(_edits(edits)))
         from steer.runs import run
 
@@ -94,7 +95,7 @@ class Lab:
         job = run.prepare(conf, out.path)
         self._write_config(out.path, cfg)
         self._execute(job)
-        return Generation.read(out, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+        return Generation.read(out, _dict(cfg, resolve=True))
 
     def select(self, edit: Union[EditSpec, Vector, str, None] = None, layers: Optional[Sequence[int]] = None,
                scales: Optional[Sequence[float]] = None, *, prompts: Optional[Sequence[str]] = None,
@@ -103,7 +104,7 @@ class Lab:
         at every pair of `layers` x `scales` (else select.layers / select.scales), the best pair by concept gain
         among those that pass select's rules. The edit's own layer and scale are the grid's."""
         spec = edit if isinstance(edit, EditSpec) else add(edit)
-        values = {"task": "select"}
+        values: Dict[str, object] = {"task": "select"}
         if layers is not None:
             values["select.layers"] = list(layers)
         if scales is not None:
@@ -112,7 +113,7 @@ class Lab:
             values["select.max_ppl_ratio"] = max_ppl_ratio
         if prompts is not None:
             values["prompts.steer"] = _texts("prompts.steer", prompts)
-        first = (list(layers) or [None])[0] if layers is not None else None
+        first = layers[0] if layers else None
         values.update(self._edit_values([EditSpec(spec.kind, spec.vector, first, None, spec.fields)]))
         if first is None:
             del values["tap"]  # the grid sets each pair's tap; the config's own stands until then
@@ -126,8 +127,9 @@ class Lab:
 
         def rerun(best: Dict) -> str:  # the command a shell reruns the best pair with: the Lab's overrides, the call's
             kept = {k: v for k, v in values.items() if not k.startswith("select.")}
-            kept.update(task="steer", tap={"layer": best["layer"], "path": None},
-                        edit={**values["edit"], "scale": best["scale"]})
+            edit = values["edit"]
+            assert isinstance(edit, dict)
+            kept.update(task="steer", tap={"layer": best["layer"], "path": None}, edit={**edit, "scale": best["scale"]})
             return self.command(kept, overrides)
 
         select.run(job, self.console, run.execute, engine=engine, command=rerun)
@@ -136,7 +138,7 @@ class Lab:
             got.command = rerun(got.best)
         return got
 
-    def command(self, values: Dict[str, object], overrides: Sequence[str] = ()) -> str:
+    def command(self, values: Mapping[str, object], overrides: Sequence[str] = ()) -> str:
         """`python -m steer` with the Lab's overrides, a call's, and `values` as overrides (dicts by their keys)."""
         args = [*self._overrides, *overrides]
         if self._config_dir:
@@ -169,16 +171,16 @@ class Lab:
 
     def _engine_for(self, jobs: List) -> object:
         """The Lab's engine, started for these jobs if none is yet (steer.runs.job.engine_for)."""
-        from steer.runs.job import engine_for, engine_key
+        from steer.runs.job import ENGINE_FIELDS, engine_for, engine_key
 
         key = engine_key(jobs[0])
         if self._engine is None:
             self._engine = self._stack.enter_context(engine_for(jobs))
             self._engine_key, self._model_files = key, jobs[0].model_files
             self.engine_loads += 1
-        elif key != self._engine_key:
-            raise ConfigError("overrides", "the engine's settings (model, engine, device or vllm.*) are the Lab's own: "
-                                           "make another Lab for them")
+        elif key != self._engine_key:  # _config refuses such a call first, naming the settings it changes
+            raise ConfigError("overrides", f"the engine's settings ({ENGINE_FIELDS}) are the Lab's own: make another "
+                                           "Lab for them")
         elif getattr(self._engine, "name", "hf") == "vllm":
             # vLLM records its graphs with the taps it starts with; the HF engine serves any tap it is given
             held = set(getattr(self._engine, "taps", {}))  # tap paths
@@ -216,7 +218,7 @@ class Lab:
         checks.run(conf, engines.resolve(conf.engine))
         return conf
 
-    def _config(self, overrides: Sequence[str], values: Dict[str, object]):
+    def _config(self, overrides: Sequence[str], values: Mapping[str, object]):
         """The Lab's composition (with a call's own `overrides`), `values` set on it by dotted key: the DictConfig
         and its dataclasses. A value of the wrong type is a ConfigError naming its key."""
         if isinstance(overrides, str):
@@ -228,10 +230,13 @@ class Lab:
                 OmegaConf.update(cfg, key, value, merge=isinstance(value, (dict, list)))
             except OmegaConfBaseException as e:
                 raise ConfigError(getattr(e, "full_key", None) or key, str(e).splitlines()[0]) from e
+        from steer.runs.job import ENGINE_FIELDS, engine_changes
+
         conf = schema.to_object(cfg)
-        if _engine_settings(conf) != _engine_settings(self.config):
-            raise ConfigError("overrides", f"{list(overrides)} change the engine's settings (model, engine, device or "
-                                           "vllm.*), which are the Lab's own: make another Lab for them")
+        changed = engine_changes(_engine_settings(self.config), _engine_settings(conf))
+        if changed:
+            raise ConfigError("overrides", f"{list(overrides)} change {', '.join(changed)}: the engine's settings "
+                                           f"({ENGINE_FIELDS}) are the Lab's own, make another Lab for them")
         return cfg, conf
 
     def _edit_values(self, edits: List[EditSpec]) -> Dict[str, object]:
@@ -255,14 +260,14 @@ class Lab:
             vector["key"] = edit.pop("key")
         edit.pop("key", None)
         edit["vector"] = vector
-        tap = e.tap() if e.layer is not None or e.path is not None else OmegaConf.to_container(self._base.tap)
+        tap = e.tap() if e.layer is not None or e.path is not None else _dict(self._base.tap)
         return {"tap": tap, "edit": edit}
 
     def _kind_defaults(self, kind: str) -> Dict:
         """conf/edit/<kind>.yaml, as `edit=<kind>` composes it."""
         if kind not in self._defaults:
             cfg = self._compose(self._overrides + [f"edit={kind}"])
-            self._defaults[kind] = OmegaConf.to_container(cfg.edit, enum_to_str=True)
+            self._defaults[kind] = _dict(cfg.edit)
         return self._defaults[kind]
 
     def _vector_path(self, v, field: str) -> Optional[str]:
@@ -302,7 +307,7 @@ class Lab:
         results.write_text(out_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(cfg))
 
 
-def _flat(values: Dict[str, object], prefix: str = ""):
+def _flat(values: Mapping[str, object], prefix: str = ""):
     """(dotted key, value) for each leaf of `values`; an empty list of extra edits is the default, left out."""
     for key, value in values.items():
         name = f"{prefix}{key}"
@@ -329,6 +334,13 @@ def _literal(value) -> str:
     return str(getattr(value, "value", value))
 
 
+def _dict(node: DictConfig, resolve: bool = False) -> Dict:
+    """A config node as a plain dict (enums as their names)."""
+    out = OmegaConf.to_container(node, resolve=resolve, enum_to_str=True)
+    assert isinstance(out, dict)
+    return out
+
+
 def _plain(value):
     """A config value as plain data (containers as lists and dicts, enums as their names), to compare."""
     if isinstance(value, (DictConfig, ListConfig)):
@@ -336,10 +348,12 @@ def _plain(value):
     return getattr(value, "value", value)
 
 
-def _engine_settings(conf) -> list:
-    from dataclasses import asdict
+def _engine_settings(conf) -> Dict[str, object]:
+    """The engine a config runs on, as the jobs of a run key it (steer.runs.job.engine_settings)."""
+    from steer import engine as engines
+    from steer.runs.job import engine_settings
 
-    return [asdict(conf.model), conf.engine, conf.device, asdict(conf.vllm)]
+    return engine_settings(conf, engines.resolve(conf.engine))
 
 
 def _texts(field: str, texts) -> List[str]:

@@ -95,7 +95,7 @@ def check_against(c, expected: Expected, expected_chat: Optional[Expected] = Non
             assert complete(c, p, steer, scale) == expected(p, steer, scale), (p, steer, scale)
             assert chat(c, p, steer, scale) == expected_chat(p, steer, scale), (p, steer, scale)
     for name in PRESETS:
-        p, s = moved_text(lambda p, s: expected(p, name, s), lambda p: expected(p, None, None), name)
+        p, s = moved_text(lambda p, s, name=name: expected(p, name, s), lambda p: expected(p, None, None), name)
         assert complete(c, p, name, s) == expected(p, name, s), (p, name, s)
         if steers is not None:
             scales = [scale for steer, scale in CASES if steer == name and scale != 0.0]

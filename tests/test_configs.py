@@ -36,7 +36,7 @@ def test_experiment_extra_edits():
     assert cfg.extra_edits[0].tap.layer == 2 and cfg.extra_edits[0].edit.kind == EditKind.clamp
 
 
-def test_issue_commands_compose():
+def test_a_group_option_and_a_field_override_compose_together():
     assert compose("model=tiny", "tap=layer1", "edit=ablate").edit.kind == EditKind.ablate
     assert compose("edit=add", "edit.scale=4").edit.scale == 4.0
     assert compose("tap.layer=2").tap.layer == 2

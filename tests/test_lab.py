@@ -113,6 +113,21 @@ def test_one_engine_serves_every_call_and_select_agrees_with_a_single_run(lab, l
     assert loads == ["hf", "hf"]
 
 
+def test_the_hf_engines_settings_are_the_labs_own(lab, loads):
+    """hf.* chooses how the HF engine batches, as model, engine, device and vllm.* choose the engine: a Lab takes
+    them as it is made, and a call that changes them is refused naming them. Batching changes no token: the rows
+    of a Lab batching 4 requests are those of one batching 32."""
+    edits = [steer.add(None, layer=1, scale=4)]
+    with steer.Lab(model="tiny", overrides=[*SETTINGS, "hf.batch_size=4"], quiet=True) as four:
+        got = four.generate(PROMPTS, edits)
+        assert four._engine.bound.rows == 4
+        with pytest.raises(ConfigError) as e:
+            four.generate(PROMPTS, edits, overrides=["hf.batch_size=2"])
+    assert e.value.field == "overrides" and "hf.batch_size" in str(e.value), e.value
+    assert [r["steered"] for r in got.rows] == [r["steered"] for r in lab.generate(PROMPTS, edits).rows]
+    assert loads == ["hf", "hf"]
+
+
 def test_a_vector_saves_and_loads_with_its_metadata(lab, tmp_path):
     v = lab.extract(layer=1, positive=["I love this, what a joy"], negative=["I hate this, what a misery"])
     path = v.save(tmp_path / "joy.safetensors")

@@ -1,5 +1,6 @@
 """The layout shows the data flow: no module imports one that imports it back (through any chain, counting imports
-inside functions too), and the tap layer imports nothing of the application."""
+inside functions too), the tap layer imports nothing of the application, and CONTRIBUTING's module map names every
+module there is."""
 
 import ast
 import graphlib
@@ -65,3 +66,36 @@ def test_an_import_inside_a_function_is_an_edge(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("def f():\n    from steer.runs import run\n    import steer.edits.plan as p\n")
     assert _imports("steer.m", path, _modules()) == {"steer.runs.run", "steer.edits.plan"}
+
+
+def _module_map() -> dict:
+    """CONTRIBUTING.md's module map as {folder: the .py names its entries give there} (a folder's entry that names
+    no file stands for the folder whole: an empty set). An entry starts at a line's first column with a path (a
+    folder, or a file whose folder it is); its indented lines go on with it."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    entries, folder = {}, None
+    for line in block.splitlines()[1:]:
+        if line and not line[0].isspace():
+            first = line.split()[0]
+            folder = first if first.endswith("/") else first.rpartition("/")[0] + "/"
+            entries.setdefault(folder, set())
+            line = line[len(first):] if first.endswith("/") else line
+        for name in __import__("re").findall(r"[\w/]+\.py\b", line):
+            entries[folder].add(name if "/" in name else folder + name)
+    return entries
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+    entries = _module_map()
+    named = set().union(*entries.values())
+    assert sorted(p for p in named if not (ROOT / p).is_file()) == [], "CONTRIBUTING's module map names files " \
+                                                                     "that are not in the tree"
+    missing = []
+    for path in sorted(p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")):
+        folder = path.rpartition("/")[0] + "/"
+        whole = any(folder.startswith(f) and not entries[f] for f in entries)  # a folder described whole
+        if path.endswith("__init__.py") and path != "steer/__init__.py" or path in named or whole:
+            continue
+        missing.append(path)
+    assert missing == [], "CONTRIBUTING's module map does not name these modules"

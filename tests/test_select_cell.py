@@ -107,7 +107,7 @@ def test_the_heat_map_draws_rejected_pairs_apart_from_the_colour_map(selected):
     kept = {k: direct(m)[0] for k, m in METRICS.items() if direct(m)[1]}
     lo, hi = min(kept.values()), max(kept.values())  # the colour map spans the kept pairs' gains alone
     layers, scales = [1, 2], [2.0, 4.0]
-    for (layer, scale), m in METRICS.items():
+    for layer, scale in METRICS:
         i, j = layers.index(layer), scales.index(scale)
         got = patch(j, i)
         if (layer, scale) in kept:

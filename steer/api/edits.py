@@ -3,9 +3,13 @@ scale: 4, vector: ...}}`. A field left out keeps its default from conf/edit/<kin
 command line does; everything is checked where the CLI checks it (steer.runs.job.prepare)."""
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
-KINDS = ("add", "ablate", "clamp", "set", "scale")
+if TYPE_CHECKING:  # names for annotations alone: `import steer` loads no torch
+    import torch
+
+    from steer.api.vector import Vector
+
 TOKENS = {"both": "both", "all": "both", "prompt": "prompt", "generated": "generated"}  # "all": every row, as "both"
 
 
@@ -39,7 +43,7 @@ class _Default:
 
 
 _DEFAULT = _Default()  # a field left out: conf/edit/<kind>.yaml's value (None is a value: an unbounded clamp side)
-Vec = Union["Vector", "torch.Tensor", str, None]  # noqa: F821
+Vec = Union["Vector", "torch.Tensor", str, None]
 
 
 def add(vector: Vec = None, layer: Optional[int] = None, scale=_DEFAULT, *, path: Optional[str] = None,

@@ -4,7 +4,10 @@ it. On disk it is the file `task=extract` writes (steer/edits/vector.py reads, c
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
+
+if TYPE_CHECKING:  # torch loads with the first Vector, not with `import steer`
+    import torch
 
 DIAG = "diag."  # metadata keys extraction stores its diagnostics under (steer/runs/extract.py)
 
@@ -14,7 +17,7 @@ class Vector:
     """`tensor`: float32 `[hidden]` (one direction) or `[k, hidden]` (a subspace). `metadata`: what its file says
     (model, tap, method, prompt counts, ...). `key`: the tensor's key in the file."""
 
-    tensor: "torch.Tensor"  # noqa: F821  (torch loads with the first Vector, not with `import steer`)
+    tensor: "torch.Tensor"
     metadata: Dict[str, str] = field(default_factory=dict)
     key: str = "direction"
 

@@ -184,7 +184,7 @@ class VllmConf:
     # GPUs per engine; every rank holds the whole residual stream and runs the same edits on the same rows
     tensor_parallel_size: int = 1
     # Capture the edits into the graphs themselves (no eager break at the taps): the engine serves only the edits
-    # declared when it starts, and keeps no tap values. Used by the bench (configuration f) and the API.
+    # declared when it starts, and keeps no tap values. For the server and benchmarks of declared edits.
     edits_in_graph: bool = False
     # edits_in_graph under vLLM's own torch.compile pipeline and CUDA graphs instead of breakable graphs: each tap is
     # one custom op inside the compiled graph (interleaver/compiled.py), so an unsteered step runs the stock, fused
@@ -195,8 +195,8 @@ class VllmConf:
     tap_graphs: bool = False
     # With edits_in_graph (breakable graphs): each residual tap's edits run inside the next layer's residual add and
     # RMSNorm, one kernel for both, where that norm is vLLM's RMSNorm (Llama-family layers); other taps as before.
-    # Off by default: it saves about 1.5 us a tap, under 1% of an 8B step, and runs no faster than f end to end
-    # (docs/benchmark.md).
+    # Off by default: it saves about 1.5 us a tap, under 1% of an 8B step, and runs no faster end to end than
+    # edits_in_graph without it (docs/benchmark.md).
     fold_norm: bool = False
 
     def in_graph_field(self) -> Optional[str]:

@@ -92,8 +92,9 @@ class HFEngine(Engine):
         return list(self.generate_iter(prompt_ids, plan, gen, seed))
 
     def generate_iter(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> Iterator[int]:
-        """`generate`, token by token as each is picked (steer.serve streams them). The plan's hooks stay on the
-        model until the iterator ends or is closed: close it (contextlib.closing) when stopping early."""
+        """`generate`, token by token as each is picked. The plan's hooks stay on the model until the iterator ends
+        or is closed: close it (contextlib.closing) when stopping early. (The server streams from the engine's
+        continuous batch instead: steer/serve/worker.py.)"""
         rng = torch.Generator(device="cpu").manual_seed(seed)
         n = 0
         with self._hooks(plan):

@@ -252,7 +252,7 @@ class VLLMEngine(Engine):
         """Teacher-force each (prompt, continuation, plan, capture paths) job: per-row log-probs `[T, vocab]`
         (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits."""
         params, keys = [], []
-        for prompt_ids, cont_ids, plan, capture in jobs:
+        for prompt_ids, _cont_ids, plan, capture in jobs:
             self._keys += 1
             key = f"score-{self._keys}"
             keys.append(key)
@@ -271,7 +271,7 @@ class VLLMEngine(Engine):
                 for loc, by_key in rank_zero(self.llm.collective_rpc("steer_take_kept")).items()}
         vocab = self.vocab_size
         results = []
-        for (prompt_ids, cont_ids, _, capture), key, o in zip(jobs, keys, outs):
+        for (_, _, _, capture), key, o in zip(jobs, keys, outs):
             # Row t predicts token t + 1: prompt positions 1.. then the one sampled position.
             logprobs = torch.cat([_dense(o.prompt_logprobs, 1, vocab), _dense(o.outputs[0].logprobs, 0, vocab)])
             caps = {p: torch.cat(kept.get(tap_location(p), {}).get(key, []), 0) for p in capture}

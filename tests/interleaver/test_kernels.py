@@ -97,7 +97,7 @@ def test_after_its_first_launch_a_table_launches_its_compiled_kernel_directly(fa
     fake, table = fake_triton(), direction_table()
     g = torch.Generator().manual_seed(0)
     w = torch.rand(4, 2, generator=g)
-    for i in range(3):
+    for _ in range(3):
         h = torch.randn(4, 16, generator=g)
         r = torch.randn(4, 16, generator=g) if residual else None
         want = h.clone()

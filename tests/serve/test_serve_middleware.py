@@ -175,7 +175,7 @@ def test_engine_config_is_plain_data(compiled, table):
     assert extra[TAPS_KEY] == [["model.layers.1", True], ["model.layers.2", True]]
     stages = extra[STAGES_KEY]
     assert [s[0] for s in stages] == list(range(len(stages)))
-    for (sid, loc, index, d), s in zip(stages, table.bank.stages):
+    for (_, loc, index, d), s in zip(stages, table.bank.stages):
         e = StageEdit.from_dict(d)
         assert (loc, index, e.kind, e.lo, e.hi) == (s.location, s.index, s.edit.kind, s.edit.lo, s.edit.hi)
         assert torch.equal(e.basis, s.edit.basis)
