@@ -74,7 +74,7 @@ def easysteer(cfg: BenchConf, m, where: Path, group):
 
     kwargs = engines.llm_kwargs(cfg, m, where)
     # One slot per distinct edit in flight: every request of the largest batch may carry its own
-    llm = LLM(model=str(where), **kwargs, enable_steer_vector=True, steer_algorithms=sorted(ALGORITHMS.values()),
+    llm = LLM(model=str(where), **kwargs, enable_steer_vector=True, steer_algorithms=declared(cfg, where, m, group),
               max_steer_vectors=kwargs["max_num_seqs"])
     specs: Dict[tuple, object] = {}  # (id(edit), layers) -> (edit, spec): holding the edit keeps its id unique
 
@@ -95,6 +95,17 @@ def easysteer(cfg: BenchConf, m, where: Path, group):
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     return run
+
+
+def declared(cfg: BenchConf, where: Path, m, group) -> List[str]:
+    """The algorithms the group's cells use, EasySteer's declaration of its workload: its graph kernel is built
+    with the families of these alone, as a user declares what their requests use (an undeclared family would cost
+    every step)."""
+    from steer.bench import workload
+
+    spec = workload.spec(m, group.model, where)
+    return sorted({algorithm(e) for c in group.cells for e in workload.scenario(
+        c["scenario"], spec.hidden, spec.layers, c["requests"], cfg.seed, cfg.epsilon, cfg.k_kinds).edits})
 
 
 def algorithm(edit) -> str:

@@ -136,7 +136,7 @@ print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": 
     log = got["log"]
     assert log["pythonpath"].split(":")[0] == str(site)  # vLLM's own subprocesses import the fork too
     kw = log["kwargs"]
-    assert kw["enable_steer_vector"] and kw["steer_algorithms"] == ["direct", "erase"]
+    assert kw["enable_steer_vector"] and kw["steer_algorithms"] == ["direct"]  # what its cells use, no more
     assert kw["max_steer_vectors"] == kw["max_num_seqs"] == 16 and kw["enable_prefix_caching"] is False
     first, second = log["passes"]
     assert first["params"] == {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "detokenize": False}
@@ -151,3 +151,17 @@ print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": 
     payloads = [json.dumps(v["data"], sort_keys=True) for v in vectors]
     assert len(set(payloads)) == 8 and payloads[8:] == payloads[:8]
     assert all(sorted(v["data"]) == ["0", "1", "2", "3"] for v in vectors)
+
+
+def test_easysteer_declares_the_algorithms_its_cells_use(cache_dir, bench_model):
+    from steer.bench import runs
+
+    def algorithms(*overrides):
+        cfg = bench_conf("run=[tiny]", "configs=[a,easysteer]", "batches=[[16,4]]", *overrides, cache_dir=cache_dir)
+        m = cfg.models["tiny"]
+        group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "easysteer")
+        return peers.declared(cfg, workload.model_dir(m, cfg.cache_dir), m, group)
+
+    assert algorithms("scenarios=[add,k8_all]", "k_kinds=[add]") == ["direct"]
+    assert algorithms("scenarios=[add,ablate_all@eps]") == ["direct", "erase"]
+    assert algorithms("scenarios=[k8]", "k_kinds=[ablate]") == ["erase"]
