@@ -68,6 +68,9 @@ def easysteer(cfg: BenchConf, m, where: Path, group):
     # vLLM's own subprocesses (its engine core, compile workers) import from the environment's path
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
     engines.plain_env(breakable=False)  # vLLM's default pipeline, as a (EasySteer's own benchmark runs it so)
+    # The fork's steering modules reach the CUDA driver when imported, so an engine core forked from this process
+    # would fail to initialise CUDA: vLLM starts it fresh instead
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm import LLM, SamplingParams
     from vllm.steer_vectors import ApplySpec, SteeringSpec, VectorSpec
     from vllm.steer_vectors.payloads import DirectionVector

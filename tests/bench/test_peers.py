@@ -35,7 +35,8 @@ def fork(tmp_path) -> Path:
         "    def __init__(self, model, **kw):\n"
         "        ENGINES.append(self)\n"
         "        self.log = {'kwargs': {k: v for k, v in kw.items() if k != 'compilation_config'},\n"
-        "                    'pythonpath': os.environ['PYTHONPATH'], 'passes': []}\n"
+        "                    'pythonpath': os.environ['PYTHONPATH'], 'passes': [],\n"
+        "                    'start': os.environ.get('VLLM_WORKER_MULTIPROC_METHOD')}\n"
         "    def generate(self, prompts, params, steering=None, use_tqdm=True):\n"
         "        self.log['passes'].append({'prompts': prompts, 'params': params.kw, 'steering': steering})\n"
         "        return [_Out(params.kw['max_tokens']) for _ in prompts]\n")
@@ -135,6 +136,7 @@ print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": 
     assert got["file"].startswith(str(site))  # the fork, not another vLLM
     log = got["log"]
     assert log["pythonpath"].split(":")[0] == str(site)  # vLLM's own subprocesses import the fork too
+    assert log["start"] == "spawn"  # the fork's imports reach the CUDA driver: a forked engine core would fail
     kw = log["kwargs"]
     assert kw["enable_steer_vector"] and kw["steer_algorithms"] == ["direct"]  # what its cells use, no more
     assert kw["max_steer_vectors"] == kw["max_num_seqs"] == 16 and kw["enable_prefix_caching"] is False
