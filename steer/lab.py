@@ -135,7 +135,7 @@ class Lab:
             kept.update(task="steer", tap={"layer": best["layer"], "path": None}, edit={**edit, "scale": best["scale"]})
             return self.command(kept, overrides)
 
-        select.run(job, self.console, run.execute, engine=engine, command=rerun)
+        select.run(job, self.console, run.execute_packs, engine=engine, command=rerun)
         report.write_quietly(job.out_dir)  # the selection's page, as the CLI writes it
         got = Selection.read(out)
         if got.best:

@@ -20,14 +20,14 @@ from rich.table import Table
 
 from steer import report, results
 from steer.config import checks
-from steer.config.schema import SteerConf, Task
+from steer.config.schema import PACK, SteerConf, Task
 from steer.edits import formats
 from steer.engine.base import Scores
 from steer.edits.plan import Plan
 from steer.errors import ConfigError
 from steer.progress import bar as progress_bar
 from steer.runs import damage, diagnostics, export, inputs, metrics, rundir
-from steer.runs.extract import Recipe, cache_defaults, cached_default, extract, write, write_layers
+from steer.runs.extract import cache_defaults, cached_default, extract, write, write_layers
 from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     if cfg.task == Task.select:
         from steer.runs import select
 
-        out = select.run(job, console, execute)
+        out = select.run(job, console, execute_packs)
         if report.write_quietly(out_dir):  # here, not in select: the page reads selection.json's pairs back
             console.print(f"report: [bold]{out_dir / report.FILE}[/] (the heat map, each pair's texts)")
         return out
@@ -82,8 +82,7 @@ def _extract(job: Job, engine, console: Console) -> Dict:
     ending in .gguf is a llama.cpp control vector (direction.<layer> for each layer)."""
     cfg = job.cfg
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
-    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    pos, neg, recipe = list(cfg.prompts.positive), list(cfg.prompts.negative), job.recipe
     found = extract(engine, job.taps, pos, neg, recipe, cfg.extract.folds)
     diags = [ex.diagnostics for ex in found]
     chosen = diagnostics.best(diags)
@@ -118,7 +117,7 @@ def _record_extraction(job: Job) -> None:
     it wrote: a sweep resumed after that file was changed or removed extracts it again), then metrics.json (where it
     wrote what), whose presence marks the job complete."""
     out = job.result["vector"]
-    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data)
+    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data, job.settings)
     results.write_json(job.out_dir / "metrics.json", job.result)
     report.write_quietly(job.out_dir)
 
@@ -174,7 +173,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
 
                 judge.rate(w.job.cfg.eval.judge, rows)
                 agg.update(judge.counts(rows))
-            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data)
+            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data, w.job.settings)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:
@@ -191,6 +190,24 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     for job in jobs:  # a sweep of thousands of jobs in one process must not hold a file open for each
         close_log(job.out_dir)
     return [job.result for job in jobs]
+
+
+def execute_packs(jobs: Sequence[Job], console: Console, engine, pack_size: int = PACK,
+                  on_done: Optional[Callable[[Job], None]] = None,
+                  on_pack_error: Optional[Callable[[Job, Exception], Dict]] = None) -> List[Dict]:
+    """`execute` on one engine, `pack_size` jobs at a time (each pack's files are written when it finishes), without
+    printing each job's summary. A pack that raises as a whole raises, or with `on_pack_error` gives each of its jobs
+    what that returns, and the next pack runs."""
+    out: List[Dict] = []
+    for start in range(0, len(jobs), pack_size):
+        pack = jobs[start : start + pack_size]
+        try:
+            out += execute(pack, console, on_done=on_done, summary=False, engine=engine)
+        except Exception as e:
+            if on_pack_error is None:
+                raise
+            out += [on_pack_error(job, e) for job in pack]
+    return out
 
 
 def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool, summary: bool) -> List[_Work]:
@@ -223,7 +240,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
         cfg = job.cfg
         if cfg.task == Task.extract or not job.plan.pending:
             continue
-        recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+        recipe = job.recipe
         pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
         key = json.dumps([cfg.cache_dir, pos, neg, asdict(recipe)], sort_keys=True)
         taps = groups.setdefault(key, (cfg.cache_dir, pos, neg, recipe, {}))[4]
@@ -240,8 +257,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
 def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     """A job's compiled plan and encoded prompts, checked against the model's positions."""
     cfg = job.cfg
-    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    pos, neg, recipe = list(cfg.prompts.positive), list(cfg.prompts.negative), job.recipe
     read: Dict[str, Dict[str, str]] = {}  # tap name: the default direction's metadata
 
     def default(tap):

@@ -38,7 +38,6 @@ from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
 
 log = logging.getLogger(__name__)
-PACK = 16  # jobs per batch, as the packed launcher's default
 MIN_SPLIT = 4  # prompts a split needs: two on either side
 
 
@@ -98,7 +97,7 @@ def split(n: int, share: float, seed: int) -> Tuple[List[int], List[int]]:
 
 
 def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
-    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
+    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute_packs),
     write the selection report and return the best pair (or none). `engine`: one already started for the job's
     model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where the
     run is not a command line's (steer.Lab's), else read from Hydra's."""
@@ -126,8 +125,7 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
         log.info(say)  # the run's steer.log (each pair's own says how it ran)
         console.print(f"select: {_probe_line(probe)}", highlight=False, soft_wrap=True)
         try:
-            for start in range(0, len(todo), PACK):
-                execute(todo[start : start + PACK], console, summary=False, engine=engine)
+            execute(todo, console, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
@@ -220,7 +218,7 @@ def _cell(cfg: SteerConf, m: Dict, rows: List[Dict], choose: List[int], report: 
     if cell["error"]:
         cell["why"] = cell["why_short"] = "failed"
         return cell
-    if len(rows) != len(choose) + len(report) or any(r.get("probe_steered") is None for r in rows):
+    if len(rows) != len(choose) + len(report) or all(r.get("probe_steered") is None for r in rows):
         cell["why"] = cell["why_short"] = "no continuation to score"
         return cell
     rules = damage.Rules.from_conf(s)
