@@ -147,9 +147,6 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     _heatmap(out_dir / "selection.png", cfg, table, best)
     # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
     results.write_json(out_dir / "metrics.json", _metrics(table, best, probe))
-    from steer import report
-
-    report.write_quietly(out_dir)
     _print(console, cfg, table, best, summary, out_dir)
     return summary
 
@@ -483,6 +480,4 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
                       + f"\n  {summary['command']}", highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
-        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
-        if (out_dir / "report.html").is_file() else ""))
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
