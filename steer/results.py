@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 def umask() -> int:
@@ -100,3 +100,12 @@ def read_json(path: str | Path) -> Optional[Dict]:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def read_rows(d: str | Path) -> Optional[List[Dict]]:
+    """A run directory's results.jsonl (a steer job's, a selection pair's), or None where it has none (or a damaged
+    one)."""
+    try:
+        return [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None

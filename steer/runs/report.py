@@ -224,7 +224,7 @@ def _texts_of(job: Path):
     """(the pair a select job chose, or None; the rows of results.jsonl to show), or None where there are none."""
     import json
 
-    from steer.runs.select import read_rows
+    from steer.results import read_rows
 
     chosen = (results.read_json(job / "selection.json") or {}).get("best") if (job / "selection.json").is_file() \
         else None

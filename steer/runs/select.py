@@ -19,7 +19,6 @@ selection.png (a layers x scales heat map of the gain, rejected cells marked).
 """
 
 import io
-import json
 import logging
 import random
 import shlex
@@ -31,6 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from steer import results
+from steer.results import read_rows
 
 from steer.report.heatmap import label_colour
 from steer.runs import damage, rundir
@@ -56,14 +56,6 @@ def _settings(cfg: SteerConf, probe=None) -> Dict:
     if probe is not None:
         out["probe"] = probe.identity()
     return out
-
-
-def read_rows(d: Path) -> Optional[List[Dict]]:
-    """A pair's results.jsonl, or None where it has none (or a damaged one)."""
-    try:
-        return [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return None
 
 
 def _done(cell) -> bool:

@@ -112,7 +112,8 @@ def test_eval_run_writes_its_files_scoring_only_held_out_items(tmp_path, cache_d
         assert metrics[f"shift_scale{key}"] == pytest.approx(sum(per_item) / 30)
         assert s["shift_ci95"][0] <= s["shift"] <= s["shift_ci95"][1]
     assert "p(matching) on 30 items" in res.stdout + res.stderr and "items scored" not in res.stderr
-    assert f"letter mass {out['baseline']['letter_mass']:.3f}" in res.stdout, res.stdout[-2000:]
+    said = res.stdout + res.stderr
+    assert f"letter mass {out['baseline']['letter_mass']:.3f}" in said, said[-2000:]
 
 
 def test_an_eval_over_few_items_says_its_intervals_mean_little(tmp_path, cache_dir):

@@ -61,9 +61,10 @@ def test_a_judge_without_its_model_or_concept_is_refused_before_any_engine(tmp_p
     from steer.errors import ConfigError
 
     for over, field in ((["eval.judge.base_url=http://127.0.0.1:9/v1", "eval.judge.concept=joy"], "eval.judge.model"),
-                        (["eval.judge.base_url=http://127.0.0.1:9/v1", "eval.judge.model=m"], "eval.judge.concept"),
+                        (["eval.judge.base_url=http://127.0.0.1:9/v1", "eval.judge.model=m", "eval.judge.concept=null"],
+                         "eval.judge.concept"),
                         (["eval.judge.base_url=localhost:8000"], "eval.judge.base_url"),
-                        (["task=select", "select.rank_by=judge"], "select.rank_by")):
+                        (["task=select", "select.layers=[1,2]", "select.rank_by=judge"], "select.rank_by")):
         with pytest.raises(ConfigError) as e:
             run.prepare(compose(*RUN, *over), tmp_path)
         assert e.value.field == field, (over, e.value)
