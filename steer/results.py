@@ -6,7 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 def umask() -> int:
@@ -100,3 +100,13 @@ def read_json(path: str | Path) -> Optional[Dict]:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def read_jsonl(path: str | Path) -> Optional[List[Dict]]:
+    """The JSON objects of a .jsonl file, a line each (blank lines skipped), or None where it is missing or a line
+    holds no JSON object."""
+    try:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return rows if all(isinstance(r, dict) for r in rows) else None

@@ -19,7 +19,6 @@ selection.png (a layers x scales heat map of the gain, rejected cells marked).
 """
 
 import io
-import json
 import logging
 import random
 import shlex
@@ -60,10 +59,7 @@ def _settings(cfg: SteerConf, probe=None) -> Dict:
 
 def read_rows(d: Path) -> Optional[List[Dict]]:
     """A pair's results.jsonl, or None where it has none (or a damaged one)."""
-    try:
-        return [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return None
+    return results.read_jsonl(Path(d) / "results.jsonl")
 
 
 def _done(cell) -> bool:
