@@ -119,6 +119,7 @@ class Lab:
         values.update(self._edit_values([EditSpec(spec.kind, spec.vector, first, None, spec.fields)]))
         if first is None:
             del values["tap"]  # the grid sets each pair's tap; the config's own stands until then
+        from steer import report
         from steer.runs import run, select
 
         cfg, conf = self._config(overrides, values)
@@ -135,6 +136,7 @@ class Lab:
             return self.command(kept, overrides)
 
         select.run(job, self.console, run.execute_packs, engine=engine, command=rerun)
+        report.write_quietly(job.out_dir)  # the selection's page, as the CLI writes it
         got = Selection.read(out)
         if got.best:
             got.command = rerun(got.best)

@@ -102,11 +102,10 @@ def read_json(path: str | Path) -> Optional[Dict]:
     return obj if isinstance(obj, dict) else None
 
 
-def read_jsonl(path: str | Path) -> Optional[List[Dict]]:
-    """The JSON objects of a .jsonl file, a line each (blank lines skipped), or None where it is missing or a line
-    holds no JSON object."""
+def read_rows(d: str | Path) -> Optional[List[Dict]]:
+    """A run directory's results.jsonl (a steer job's, a selection pair's), or None where it has none (or a damaged
+    one)."""
     try:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in (Path(d) / "results.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return None
-    return rows if all(isinstance(r, dict) for r in rows) else None

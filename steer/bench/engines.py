@@ -155,6 +155,20 @@ def _nnsight(cfg, m, where, group, taps: bool):
     return run
 
 
+def peer_algorithms(cfg, spec, group) -> list:
+    """The EasySteer algorithms the group's cells use, its declaration of its workload: its graph kernel is built with
+    the families of these alone, as a user declares what their requests use (an undeclared one would cost every
+    step)."""
+    return sorted({peers.algorithm(e) for cell in group.cells for e in workload.scenario(
+        cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed, cfg.epsilon, cfg.k_kinds).edits})
+
+
+def _easysteer(cfg, m, where, group):
+    plain_env(breakable=False)  # vLLM's default pipeline, as a (EasySteer's own benchmark runs it so)
+    algorithms = peer_algorithms(cfg, workload.spec(m, group.model, where), group)
+    return peers.easysteer(cfg, lambda: llm_kwargs(cfg, m, where), str(where), algorithms)
+
+
 RUNNERS = {
     "a": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=False),
     "b": lambda cfg, m, w, group: _plain(cfg, m, w, group, breakable=True),
@@ -167,5 +181,5 @@ RUNNERS = {
     "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
     "h": lambda cfg, m, w, group: _steer(cfg, m, w, group, compiled=True),
     "j": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True, fold=True),
-    "easysteer": lambda cfg, m, w, group: peers.easysteer(cfg, m, w, group),
+    "easysteer": _easysteer,
 }

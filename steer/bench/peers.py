@@ -16,7 +16,7 @@ run's (erase then removes eps^2 / (eps^2 + 1e-8) of the projection), as EasyStee
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from steer.bench.schema import PEERS, BenchConf
 from steer.config.schema import EditKind, Tokens
@@ -56,18 +56,16 @@ def check(cfg: BenchConf, k_scenarios: bool) -> None:
                                              f"{[k.value for k in ALGORITHMS]}")
 
 
-def easysteer(cfg: BenchConf, m, where: Path, group):
-    """Configuration `easysteer`'s runner (steer/bench/engines.py): its engine, and a pass of a cell's batch with
-    each request's edit as its own SteeringSpec."""
-    from steer.bench import engines
-
+def easysteer(cfg: BenchConf, settings: Callable[[], Dict], model: str, algorithms: List[str]):
+    """Configuration `easysteer`'s runner (steer/bench/engines.py starts it): its engine on `model`, with vLLM's
+    `settings()` (read once the fork's vLLM is the one imported) and `algorithms` declared, and a pass of a cell's
+    batch with each request's edit as its own SteeringSpec."""
     if "vllm" in sys.modules:  # the vLLM steer runs on would stay the one this process uses
         raise RuntimeError("vLLM was imported in this engine process before EasySteer's path was set")
     paths = entries(cfg.peers.easysteer.pythonpath)
     sys.path[:0] = paths
     # vLLM's own subprocesses (its engine core, compile workers) import from the environment's path
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    engines.plain_env(breakable=False)  # vLLM's default pipeline, as a (EasySteer's own benchmark runs it so)
     # The fork's steering modules reach the CUDA driver when imported, so an engine core forked from this process
     # would fail to initialise CUDA: vLLM starts it fresh instead
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -75,9 +73,9 @@ def easysteer(cfg: BenchConf, m, where: Path, group):
     from vllm.steer_vectors import ApplySpec, SteeringSpec, VectorSpec
     from vllm.steer_vectors.payloads import DirectionVector
 
-    kwargs = engines.llm_kwargs(cfg, m, where)
+    kwargs = settings()
     # One slot per distinct edit in flight: every request of the largest batch may carry its own
-    llm = LLM(model=str(where), **kwargs, enable_steer_vector=True, steer_algorithms=declared(cfg, where, m, group),
+    llm = LLM(model=model, **kwargs, enable_steer_vector=True, steer_algorithms=algorithms,
               max_steer_vectors=kwargs["max_num_seqs"])
     specs: Dict[tuple, object] = {}  # (id(edit), layers) -> (edit, spec): holding the edit keeps its id unique
 
@@ -98,17 +96,6 @@ def easysteer(cfg: BenchConf, m, where: Path, group):
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     return run
-
-
-def declared(cfg: BenchConf, where: Path, m, group) -> List[str]:
-    """The algorithms the group's cells use, EasySteer's declaration of its workload: its graph kernel is built
-    with the families of these alone, as a user declares what their requests use (an undeclared family would cost
-    every step)."""
-    from steer.bench import workload
-
-    spec = workload.spec(m, group.model, where)
-    return sorted({algorithm(e) for c in group.cells for e in workload.scenario(
-        c["scenario"], spec.hidden, spec.layers, c["requests"], cfg.seed, cfg.epsilon, cfg.k_kinds).edits})
 
 
 def algorithm(edit) -> str:

@@ -189,9 +189,6 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
     results.write_json(d / "eval.json", out)
     results.write_bytes(d / "eval.png", plot(out))
     results.write_json(d / "metrics.json", metrics)  # last: its presence marks the job complete
-    from steer import report
-
-    report.write_quietly(d)
     _table(console, out)
     console.print(f"results in [bold]{d}[/]")
     return metrics

@@ -222,13 +222,20 @@ def write_texts(sweep_dir: Path, jobs, params: List[str]) -> Optional[Path]:
 
 def _texts_of(job: Path):
     """(the pair a select job chose, or None; the rows of results.jsonl to show), or None where there are none."""
+    import json
+
+    from steer.results import read_rows
+
     chosen = (results.read_json(job / "selection.json") or {}).get("best") if (job / "selection.json").is_file() \
         else None
     where = job / chosen["dir"] if chosen else job
     if not (where / "results.jsonl").is_file():
         return None
-    rows = results.read_jsonl(where / "results.jsonl")
-    return None if rows is None else ((chosen["dir"] if chosen else None), rows)
+    try:
+        rows = read_rows(where)
+    except json.JSONDecodeError:
+        return None
+    return (chosen["dir"] if chosen else None), rows or []
 
 
 def build(sweep_dir: Path) -> Dict[str, Any]:

@@ -46,13 +46,18 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     if cfg.task == Task.select:
         from steer.runs import select
 
-        return select.run(job, console, execute_packs)
+        out = select.run(job, console, execute_packs)
+        if report.write_quietly(out_dir):  # here, not in select: the page reads selection.json's pairs back
+            console.print(f"report: [bold]{out_dir / report.FILE}[/] (the heat map, each pair's texts)")
+        return out
     if cfg.task == Task.export:
         return _export(job, console)
     if cfg.task == Task.eval:
         from steer.runs import evaluate
 
-        return evaluate.run(job, console, engine_for)
+        out = evaluate.run(job, console, engine_for)
+        report.write_quietly(out_dir)  # here, not in evaluate: the page reads eval.json and eval.png back
+        return out
     if defer:
         return job
     out = execute([job], console)[0]

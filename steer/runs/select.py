@@ -30,6 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from steer import results
+from steer.results import read_rows
 
 from steer.report.heatmap import label_colour
 from steer.runs import damage, rundir
@@ -55,11 +56,6 @@ def _settings(cfg: SteerConf, probe=None) -> Dict:
     if probe is not None:
         out["probe"] = probe.identity()
     return out
-
-
-def read_rows(d: Path) -> Optional[List[Dict]]:
-    """A pair's results.jsonl, or None where it has none (or a damaged one)."""
-    return results.read_jsonl(Path(d) / "results.jsonl")
 
 
 def _done(cell) -> bool:
@@ -151,9 +147,6 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     _heatmap(out_dir / "selection.png", cfg, table, best)
     # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
     results.write_json(out_dir / "metrics.json", _metrics(table, best, probe))
-    from steer import report
-
-    report.write_quietly(out_dir)
     _print(console, cfg, table, best, summary, out_dir)
     return summary
 
@@ -487,6 +480,4 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
                       + f"\n  {summary['command']}", highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
-        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
-        if (out_dir / "report.html").is_file() else ""))
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")

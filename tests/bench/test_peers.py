@@ -116,13 +116,13 @@ def test_the_engine_process_imports_the_fork_and_sends_each_request_its_edit(tmp
 import json, sys
 sys.path.insert(0, {str(ROOT / 'tests')!r}); sys.path.insert(0, {str(ROOT / 'tests' / 'bench')!r})
 from bench_common import bench_conf
-from steer.bench import peers, runs, workload
+from steer.bench import engines, runs, workload
 cfg = bench_conf("run=[tiny]", "configs=[a,easysteer]", "batches=[[16,4]]", "scenarios=[k8_all]", "k_kinds=[add]",
                  "peers.easysteer.pythonpath={site}", cache_dir={str(cache_dir)!r})
 m = cfg.models["tiny"]
 where = workload.model_dir(m, cfg.cache_dir)
 group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "easysteer")
-run = peers.easysteer(cfg, m, where, group)
+run = engines.RUNNERS["easysteer"](cfg, m, where, group)
 scen = workload.scenario("k8_all", 64, 4, 16, cfg.seed, cfg.epsilon, cfg.k_kinds)
 assert run(workload.prompts(16, 5, 0), scen, 4) == 16 * 4
 assert run(workload.prompts(16, 5, 0), scen, 4) == 16 * 4
@@ -156,13 +156,13 @@ print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": 
 
 
 def test_easysteer_declares_the_algorithms_its_cells_use(cache_dir, bench_model):
-    from steer.bench import runs
+    from steer.bench import engines, runs
 
     def algorithms(*overrides):
         cfg = bench_conf("run=[tiny]", "configs=[a,easysteer]", "batches=[[16,4]]", *overrides, cache_dir=cache_dir)
         m = cfg.models["tiny"]
         group = next(g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "easysteer")
-        return peers.declared(cfg, workload.model_dir(m, cfg.cache_dir), m, group)
+        return engines.peer_algorithms(cfg, workload.spec(m, "tiny", workload.model_dir(m, cfg.cache_dir)), group)
 
     assert algorithms("scenarios=[add,k8_all]", "k_kinds=[add]") == ["direct"]
     assert algorithms("scenarios=[add,ablate_all@eps]") == ["direct", "erase"]
