@@ -134,7 +134,7 @@ class Lab:
             kept.update(task="steer", tap={"layer": best["layer"], "path": None}, edit={**edit, "scale": best["scale"]})
             return self.command(kept, overrides)
 
-        select.run(job, self.console, run.execute, engine=engine, command=rerun)
+        select.run(job, self.console, run.execute_packs, engine=engine, command=rerun)
         got = Selection.read(out)
         if got.best:
             got.command = rerun(got.best)

@@ -73,6 +73,20 @@ def hf_engine(tiny_spec):
     return HFEngine(tiny_spec)
 
 
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_spec):
+    """The HF engine on SmolLM2, one for the test run, with one torch thread while it is held: on a small shared CPU,
+    two threads contending with other processes ran a forward 8x slower than one."""
+    import torch
+
+    from steer.engine.hf import HFEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield HFEngine(smollm2_spec)
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def cli(cache_dir, monkeypatch, capsys):
     """`cli(args, cwd)`: `python -m steer` with `args` (on the tiny model, as helpers.run_cli) run in this process

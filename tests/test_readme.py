@@ -95,7 +95,7 @@ def test_the_readme_shows_the_commands_this_test_reads():
 def test_the_fresh_machine_commands_are_the_ones_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     for command in ("pip install 'torch==2.13.0' -e . && python -m steer",
-                    'CMAKE_ARGS="-DGGML_NATIVE=OFF" '
+                    'apt-get update && apt-get install -y chromium && CMAKE_ARGS="-DGGML_NATIVE=OFF" '
                     "pip install 'torch==2.13.0' -e '.[dev]' && ruff check && mypy && python -m pytest -q"):
         assert command in TEXT
         assert command.replace("pip install ", "pip install -q ") in ci

@@ -5,16 +5,20 @@ in one process, where vLLM does not free GPU memory reliably. This launcher firs
 would (its run directory, `.hydra/`, its log) while steer validates it without running it; then groups the jobs
 that can share an engine (same model, engine and engine settings) and runs each group with one engine, the jobs'
 edits as per-request edits in the same batches, in packs of `pack_size` jobs. Each job's directory comes out as
-if it had run alone. Groups after the first run in a process of their own. A job whose directory is complete
-(its metrics.json exists, its saved .hydra/config.yaml is the config asked for now, and the files its inputs.json
-names, its vectors, data files and model's, read as they did) is skipped unless `force` is set, so a sweep that
-was stopped resumes where it left off.
+if it had run alone. Groups after the first run in a process of their own.
+
+A job is done where a complete job directory of the sweep (its metrics.json exists) holds the job's settings, as
+the job resolves them (steer.runs.job.Job.settings: its prompts as their files hold them, "auto" resolved), and
+the files its inputs.json names (its vectors, data files and model's) read as they did: it is skipped unless
+`force` is set, so a sweep that was stopped resumes where it left off. Settings decide, not job numbers: a finished
+job found in another job's directory (a value added to a sweep shifts the numbers after it) is moved to its own.
 
 A job that fails (error.txt in its directory, no metrics.json) does not stop the others: every pack runs, the
 report is written, and the sweep then exits 1. Ctrl-C (or SIGTERM) writes the report of the jobs that finished and
 exits 130.
 """
 
+import copy
 import logging
 import multiprocessing
 import signal
@@ -31,7 +35,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from steer.runs import rundir
-from steer.config.schema import NOT_RESULTS
+from steer.config.schema import NOT_RESULTS, PACK
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class PackedLauncherConf:
     _target_: str = "hydra_plugins.steer_launcher.packed.PackedLauncher"
-    pack_size: int = 16  # jobs per batch: a stopped sweep loses at most the pack in flight
+    pack_size: int = PACK  # jobs per batch: a stopped sweep loses at most the pack in flight
     force: bool = False  # rerun jobs whose run directory is already complete
 
 
@@ -58,21 +62,45 @@ def metrics(job_dir: Path) -> Optional[Dict[str, Any]]:
     return results.read_json(job_dir / "metrics.json")
 
 
-def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False) -> Optional[str]:
-    """None where the job is done (complete, made with the same config) and is skipped; else what its (re)run says
-    of the job dir it finds: "" for a first run (or a forced one)."""
+def settings_of(cfg: DictConfig) -> Optional[str]:
+    """The settings digest of a job of the sweep as it would run (steer.runs.job.Job.settings); None where it cannot
+    be prepared (its run then says why)."""
+    from steer.config import preset, schema
+    from steer.runs.job import prepare
+
+    try:
+        overrides = OmegaConf.select(cfg, "hydra.overrides.task")  # as written: one may hold an interpolation
+        given = [str(o).split("=")[0].lstrip("+~")
+                 for o in (OmegaConf.to_container(overrides, resolve=False) if overrides is not None else [])]
+        task_cfg = copy.deepcopy(cfg)  # as run_job hands it to the task: without its `hydra` node
+        with open_dict(task_cfg):
+            task_cfg.pop("hydra", None)
+        return prepare(preset.apply(schema.to_object(task_cfg), given), Path(".")).settings
+    except Exception:
+        return None
+
+
+def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False, settings: Optional[str] = None) -> Optional[str]:
+    """None where the job is done (complete, made with the same resolved settings `settings`, its inputs as they
+    were) and is skipped; else what its (re)run says of the job dir it finds: "" for a first run (or a forced one).
+    `settings`: the job's digest (settings_of), taken here where not given."""
     if complete(job_dir):
         if force:
             return ""
-        changed = config_changes(job_dir, cfg)
-        if changed is not None:
-            return f" (config changed: {changed}, rerunning)"
-        if cfg.get("task") == "select":  # its pairs hold the record of their inputs, and are kept where current
-            return " (a select: run again, keeping its pairs that are current)"
         from steer.runs import inputs
 
-        changed = inputs.recorded_changes(job_dir, inputs.data_paths(cfg))  # the same config, files changed since
-        return None if changed is None else f" (inputs changed: {changed}, rerunning)"
+        if cfg.get("task") == "select":  # its pairs hold the record of their settings and inputs, kept where current
+            changed = config_changes(job_dir, cfg)
+            return (f" (config changed: {changed}, rerunning)" if changed is not None
+                    else " (a select: run again, keeping its pairs that are current)")
+        settings = settings if settings is not None else settings_of(cfg)
+        changed = inputs.recorded_changes(job_dir, inputs.data_paths(cfg))  # vectors, data files, the model's
+        if settings is not None and inputs.recorded_settings(job_dir) == settings:
+            return None if changed is None else f" (inputs changed: {changed}, rerunning)"
+        config = config_changes(job_dir, cfg)
+        why = (f"config changed: {config}" if config is not None else f"inputs changed: {changed}" if changed
+               else "no record of its settings" if inputs.recorded_settings(job_dir) is None else "settings changed")
+        return f" ({why}, rerunning)"
     if (job_dir / "metrics.json").is_file():
         return " (its metrics.json is damaged, rerunning)"
     if (job_dir / "error.txt").is_file():
@@ -90,28 +118,7 @@ def _comparable(cfg: DictConfig) -> Dict[str, Any]:
     out = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_yaml(cfg)), resolve=False)
     for key in ("hydra", *NOT_RESULTS):
         out.pop(key, None)
-    extract = out.get("extract")
-    if isinstance(extract, dict) and "auto" in (extract.get("position"), extract.get("span")) and not _reads_ab(out):
-        # "auto" reads pairs that are not A/B items as the values it replaced did: a job saved with them is current
-        from steer.runs.extract import auto
-
-        plain = dict(zip(("position", "span"), auto(False, False)))
-        extract.update({k: plain[k] for k in plain if extract.get(k) == "auto"})
     return out
-
-
-def _reads_ab(cfg: Dict[str, Any]) -> bool:
-    """Whether a job config extracts from CAA A/B items (steer.runs.data.reads_ab); a pairs file that cannot be
-    read counts as not (its fingerprint in inputs.json says it changed)."""
-    from steer.errors import ConfigError
-    from steer.runs import data
-
-    pairs = (cfg.get("prompts") or {}).get("pairs_file")
-    try:
-        caa = pairs is not None and data.is_caa_file(pairs)
-    except (ConfigError, OSError):
-        caa = False
-    return data.reads_ab(cfg.get("task"), caa)
 
 
 def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
@@ -129,7 +136,8 @@ def _show(value: Any) -> str:
 
 def config_changes(job_dir: Path, cfg: DictConfig, most: int = 3) -> Optional[str]:
     """None if the job's saved config (.hydra/config.yaml, written when it was set up) is `cfg` less its `hydra`
-    node and the keys in NOT_RESULTS; else what differs, e.g. `tap.layer 1 -> 2`."""
+    node and the keys in NOT_RESULTS; else what differs, e.g. `tap.layer 1 -> 2` (what a rerun says of its
+    directory; whether the job is done is its resolved settings' to say: resume_note)."""
     saved = job_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
         return "no saved config"
@@ -142,12 +150,42 @@ def config_changes(job_dir: Path, cfg: DictConfig, most: int = 3) -> Optional[st
     return ", ".join(diffs[:most]) + (f" and {len(diffs) - most} more" if len(diffs) > most else "")
 
 
+def relocate(sweep_dir: Path, wanted: Sequence[Tuple[Path, Optional[str]]]) -> None:
+    """Move each finished job directory of `sweep_dir` whose recorded settings a job of `wanted` ((its directory,
+    its settings digest)) has to that job's directory, unless a job wants it where it is. A job's directory a
+    finished job moves into held a job whose settings no job wants now (it would be run again): it goes."""
+    import shutil
+
+    from steer.runs import inputs
+
+    def recorded(d: Path) -> Optional[str]:
+        return inputs.recorded_settings(d) if complete(d) else None
+
+    in_place = {d for d, s in wanted if s is not None and recorded(d) == s}
+    found: Dict[str, Path] = {}
+    for d in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p not in in_place):
+        s = recorded(d)
+        if s is not None:
+            found.setdefault(s, d)
+    moves = [(found.pop(s), d) for d, s in wanted if d not in in_place and s is not None and s in found]
+    parked = []
+    for i, (src, dst) in enumerate(moves):  # aside first: a source may be another move's destination
+        park = sweep_dir / f".moving-{i}-{src.name}"
+        src.rename(park)
+        parked.append((src, park, dst))
+    for src, park, dst in parked:
+        if dst.exists():
+            shutil.rmtree(dst)
+        park.rename(dst)
+        log.info(f"\t{src.name} -> {dst.name}: a finished job with this job's settings, moved to its directory")
+
+
 class JobFailed(RuntimeError):
     """A job's failure, as its JobReturn's value: its directory holds error.txt and no metrics.json."""
 
 
 class PackedLauncher(Launcher):
-    def __init__(self, pack_size: int = 16, force: bool = False) -> None:
+    def __init__(self, pack_size: int = PACK, force: bool = False) -> None:
         self.pack_size, self.force = max(1, pack_size), force
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
@@ -185,8 +223,7 @@ class PackedLauncher(Launcher):
         failed: List[str] = []
         jobs: List[Job] = []
         bad: List[str] = []
-        composed = [self._compose(idx, overrides, sweep_dir)
-                    for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
+        composed = self._composed(job_overrides, initial_job_idx, sweep_dir)
         for idx, (cfg, job_dir, _, note) in enumerate(composed, start=initial_job_idx):
             if note is None:  # done: the file it wrote stays its own, whatever the jobs to run name
                 _hold_done(sweep_dir, idx, cfg, job_dir)
@@ -215,14 +252,24 @@ class PackedLauncher(Launcher):
             sys.exit(2)
         return returns, failed + self._run_groups(jobs, pending)
 
-    def _compose(self, idx: int, overrides: Sequence[str], sweep_dir: Path):
-        """(config, job dir, overrides as shown, resume note: None where it is done) of a job of the sweep."""
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(cfg):
-            cfg.hydra.job.id = cfg.hydra.job.num = idx
-        job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
-        # Before run_job, which rewrites .hydra/: a finished job counts only if the same config made it.
-        return cfg, job_dir, " ".join(filter_overrides(overrides)), resume_note(job_dir, cfg, self.force)
+    def _composed(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, sweep_dir: Path) -> list:
+        """(config, job dir, overrides as shown, resume note: None where it is done) of each job of the sweep, each
+        finished job found in another's directory moved to its own first."""
+        jobs = []
+        # Settings are read (each job prepared) only where a job of an earlier run may be found
+        resuming = not self.force and any(complete(d) for d in sweep_dir.iterdir() if d.is_dir())
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg):
+                cfg.hydra.job.id = cfg.hydra.job.num = idx
+            job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+            settings = settings_of(cfg) if resuming and cfg.get("task") != "select" else None
+            jobs.append((cfg, job_dir, " ".join(filter_overrides(overrides)), settings))
+        if resuming:
+            relocate(sweep_dir, [(job_dir, settings) for _, job_dir, _, settings in jobs])
+        # Before run_job, which rewrites .hydra/: a finished job counts only if the same settings made it.
+        return [(cfg, job_dir, shown, resume_note(job_dir, cfg, self.force, settings))
+                for cfg, job_dir, shown, settings in jobs]
 
     def _validate(self, idx: int, overrides: Sequence[str], cfg: DictConfig, job_dir: Path, shown: str,
                   note: Optional[str]) -> Optional[JobReturn]:
@@ -319,13 +366,8 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
         task = progress.add_task("sweep jobs", total=len(jobs))
         try:
             with engine_for(jobs) as engine:
-                for start in range(0, len(jobs), pack_size):
-                    pack = jobs[start : start + pack_size]
-                    try:
-                        out += run.execute(pack, console, on_done=lambda job: progress.advance(task),
-                                           summary=False, engine=engine)
-                    except Exception as e:
-                        out += [_pack_failed(job, e) for job in pack]
+                out = run.execute_packs(jobs, console, engine, pack_size, on_done=lambda job: progress.advance(task),
+                                        on_pack_error=_pack_failed)
         except Exception as e:  # the engine did not start (or did not close): the jobs not yet done fail
             if len(out) == len(jobs):
                 log.warning(f"the engine did not close cleanly: {type(e).__name__}: {e}")

@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch
 
-from steer.bench import workload
+from steer.bench import peers, workload
 from steer.bench.schema import BenchConf, BenchModelConf
 
 
@@ -130,7 +130,7 @@ def declared(cfg, spec, group, plan) -> list:
     for cell in group.cells:
         if cell["scenario"] != "unsteered":
             scen = workload.scenario(cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed,
-                                     cfg.epsilon)
+                                     cfg.epsilon, cfg.k_kinds)
             out += [plan(e, scen.layers) for e in scen.edits]
     return out
 
@@ -167,4 +167,5 @@ RUNNERS = {
     "g": lambda cfg, m, w, group: _steer(cfg, m, w, group, tap_graphs=True),
     "h": lambda cfg, m, w, group: _steer(cfg, m, w, group, compiled=True),
     "j": lambda cfg, m, w, group: _steer(cfg, m, w, group, in_graph=True, fold=True),
+    "easysteer": lambda cfg, m, w, group: peers.easysteer(cfg, m, w, group),
 }

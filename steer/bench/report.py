@@ -18,7 +18,7 @@ from statistics import median
 from typing import Dict, List, Optional, Tuple
 
 from steer import results
-from steer.bench.schema import CONFIGS, FAINT, UNSTEERED, BenchConf
+from steer.bench.schema import CONFIGS, FAINT, PEERS, UNSTEERED, BenchConf
 
 Ratio = Tuple[float, float, float, bool]  # median, least, greatest, paired by round
 _FIELDS = ["model", "requests", "new_tokens", "scenario", "config", "tok_s", "passes", "vs_a", "vs_a_lo", "vs_a_hi",
@@ -40,12 +40,14 @@ def ratio(of: Optional[Dict], over: Optional[Dict]) -> Optional[Ratio]:
 
 
 def pairs(configs: List[str]) -> List[Tuple[str, str]]:
-    """The ratios the report gives: every configuration over a (vLLM's default) and each steered one over b; h over
-    i (its own pipeline unsteered), j over f (the fold alone), b2 over b (the A/A control: the run's own noise),
-    c over d (nnsight)."""
+    """The ratios the report gives: every configuration over a (vLLM's default) and each of steer's steered ones
+    over b; h over i (its own pipeline unsteered), j over f (the fold alone), b2 over b (the A/A control: the run's
+    own noise), c over d (nnsight), and each of steer's steered ones over each peer (the same edits in its engine)."""
     out = [(c, "a") for c in configs if c != "a" and "a" in configs]
-    out += [(c, "b") for c in configs if c not in UNSTEERED and "b" in configs]
-    return out + [p for p in (("h", "i"), ("j", "f"), ("b2", "b"), ("c", "d")) if set(p) <= set(configs)]
+    ours = [c for c in configs if c not in UNSTEERED and c not in PEERS]
+    out += [(c, "b") for c in ours if "b" in configs]
+    out += [p for p in (("h", "i"), ("j", "f"), ("b2", "b"), ("c", "d")) if set(p) <= set(configs)]
+    return out + [(c, peer) for peer in PEERS if peer in configs for c in ours if c not in ("d", "e")]
 
 
 def cells(records: List[Dict], cfg: BenchConf) -> List[Dict]:

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from steer.bench import engines, waves, workload
-from steer.bench.schema import UNSTEERED, BenchConf, BenchModelConf, repeats
+from steer.bench.schema import PEERS, UNSTEERED, BenchConf, BenchModelConf, repeats
 from steer.results import write_json
 
 
@@ -36,15 +36,15 @@ class Group:
 
 
 def plan_groups(cfg: BenchConf, model_name: str, layers: int) -> List[Group]:
-    """The engine processes one model needs: each unsteered configuration once, e once (eager: it serves every
-    location), the others once per tap set."""
+    """The engine processes one model needs: each unsteered configuration once, e and each peer once (they serve
+    every location), the others once per tap set."""
     groups: Dict[tuple, Group] = {}
     for config in cfg.configs:
         for scen in cfg.scenarios:
             taps = workload.tapped(scen, layers)
             if config in UNSTEERED:
                 scen, taps = "unsteered", []
-            elif config == "e":
+            elif config == "e" or config in PEERS:  # eager, or a peer's own steering: any layer at any step
                 taps = []
             # f captures the edits its cells declare into the graphs and runs all of them every step, so each of
             # its scenarios also pays for the others at its taps (at weight 0, in the same one op per edit family):
@@ -126,7 +126,7 @@ def _inputs(cfg: BenchConf, spec, cell: Dict):
     """A cell's prompts and scenario (None: unsteered), the same in every configuration."""
     n = cell["requests"]
     scen = None if cell["scenario"] == "unsteered" else workload.scenario(
-        cell["scenario"], spec.hidden, spec.layers, n, cfg.seed, cfg.epsilon)
+        cell["scenario"], spec.hidden, spec.layers, n, cfg.seed, cfg.epsilon, cfg.k_kinds)
     return workload.prompts(n, cfg.prompt_len, cfg.seed), scen
 
 

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.config.schema import GgufConf, TinyConf
+from steer.config.schema import EditKind, GgufConf, TinyConf
 
 CONFIGS = {
     "a": "vLLM default (torch.compile + CUDA graphs), unsteered",
@@ -20,6 +20,7 @@ CONFIGS = {
     "h": "steer, edits compiled into vLLM's own torch.compile'd graphs (vllm.compiled_edits; a's pipeline)",
     "i": "vLLM default (torch.compile + CUDA graphs) on the V1 model runner steer's worker hooks, unsteered",
     "j": "steer, f with each tap's edits run inside the next layer's residual add and RMSNorm (vllm.fold_norm)",
+    "easysteer": "EasySteer (its vLLM 0.26.0 fork), per-request steering at its fastest admissible graph tier",
 }
 # The unsteered configurations run one unsteered batch that stands for every scenario. a is what a user runs
 # without steer (vLLM serves Llama-family models with its V2 model runner); b is c's and f's baseline (breakable
@@ -28,10 +29,14 @@ UNSTEERED = ("a", "b", "b2", "i")
 # Every configuration's ratio to these is reported with its spread, so they time a pass in every round of their
 # model's run: each other engine's pass of a round has theirs beside it (steer/bench/waves.py).
 REFERENCES = ("a", "b")
+# Other projects' steering, measured on the same prompts and edits: each runs from a Python path of its own
+# (`peers.<name>.pythonpath`), so its vLLM fork never meets the vLLM steer runs on.
+PEERS = ("easysteer",)
 
 # A scenario's name with this suffix runs its edits at `epsilon` of their strength: the same stages, rows and
 # kernels on the unsteered run's data (steer/bench/workload.py, `faint`).
 FAINT = "@eps"
+K_KINDS = (EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale)
 
 
 @dataclass
@@ -59,14 +64,30 @@ class TargetConf:
 
 
 @dataclass
+class PeerConf:
+    # The Python path the peer's engine process imports first (entries joined by ':'): for EasySteer, a directory
+    # holding its vLLM (vLLM 0.26.0 with the fork's files over it) and one holding its `easysteer` package.
+    # null: the peer is not installed, and a run that names it is refused before any engine starts.
+    pythonpath: Optional[str] = None
+
+
+@dataclass
+class PeersConf:
+    easysteer: PeerConf = field(default_factory=PeerConf)
+
+
+@dataclass
 class BenchConf:
     models: Dict[str, BenchModelConf] = field(default_factory=dict)
     run: List[str] = field(default_factory=list)  # which models, in order
     configs: List[str] = field(default_factory=lambda: list(CONFIGS))
     # add: one tap, every request adds the same vector; ablate_all: one direction ablated at every layer;
-    # kN: N distinct per-request edits (kinds in turn: add, ablate, clamp, set, scale) at one tap in one batch;
-    # each also as <name>@eps: the same edits at `epsilon` of their strength, whose ratio to b is the machinery alone.
+    # kN: N distinct per-request edits (kinds in turn from `k_kinds`) at one tap in one batch; add_all and kN_all:
+    # the same at every layer; each also as <name>@eps: the same edits at `epsilon` of their strength, whose ratio
+    # to b is the machinery alone.
     scenarios: List[str] = field(default_factory=lambda: ["add", "ablate_all", "k1", "k8", "k64"])
+    # The kinds a kN scenario's N edits take in turn (EasySteer runs add and ablate: [add] for a run beside it)
+    k_kinds: List[EditKind] = field(default_factory=lambda: list(K_KINDS))
     epsilon: float = 1e-6
     batches: List[List[int]] = field(default_factory=lambda: [[64, 128], [256, 256]])  # requests x new tokens
     prompt_len: int = 32
@@ -90,6 +111,7 @@ class BenchConf:
     max_model_len: int = 1024
     seed: int = 0
     timeout_s: int = 1800  # per engine process: to start, and then each round of its cells
+    peers: PeersConf = field(default_factory=PeersConf)  # where the other projects' engines are installed
     cache_dir: str = MISSING
 
 

@@ -10,7 +10,7 @@ import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -19,20 +19,26 @@ from steer.models import gguf as gguf_model
 from steer.models import spec as model
 
 from steer.models import tiny
-from steer.bench.schema import CONFIGS, FAINT, REFERENCES, BenchConf, BenchModelConf
+from steer.bench import peers
+from steer.bench.schema import CONFIGS, FAINT, K_KINDS, REFERENCES, BenchConf, BenchModelConf
 from steer.edits.edit import Edit, compile_edit
 from steer.config import checks
 from steer.errors import ConfigError, refuse_repeats
 from steer.config.schema import EditKind, ModelConf
 
-# Llama-3-8B's architecture (its public config.json), for load_format=dummy: the real shape, random weights.
+# Public architectures (their config.json), for load_format=dummy: the real shape, random weights. Llama-3-8B;
+# and DeepSeek-R1-Distill-Qwen-1.5B, the Qwen2 1.5B that EasySteer's own throughput benchmark runs.
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                  rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False)
-_SHAPES = {"llama3_8b_shape": LLAMA3_8B}
-_K = re.compile(r"k([1-9][0-9]*)$")
+QWEN2_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False,
+                  sliding_window=4096, max_window_layers=21, architectures=["Qwen2ForCausalLM"])
+_SHAPES = {"llama3_8b_shape": ("llama", LLAMA3_8B), "qwen2_1p5b_shape": ("qwen2", QWEN2_1P5B)}
+# add, ablate_all, add_all, kN and kN_all (N >= 1): what each request runs, one tap or (`_all`) every layer
+_SCENARIO = re.compile(r"(?:add|add_all|ablate_all|k([1-9][0-9]*)(?:_all)?)$")
 MAX_K = 4096
-_KINDS = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
 
 
 @dataclass
@@ -59,6 +65,9 @@ def check(cfg: BenchConf) -> None:
             raise ConfigError(f"batches[{i}]", f"expected [requests, new tokens], both >= 1, got {list(b)}")
     for i, s in enumerate(cfg.scenarios):
         _check_scenario(f"scenarios[{i}]", s)
+    if not cfg.k_kinds:
+        raise ConfigError("k_kinds", "is empty: a kN scenario's edits need at least one kind")
+    refuse_repeats("k_kinds", cfg.k_kinds)
     if not 1e-12 <= cfg.epsilon < 1:
         # A `scale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
         # rounds to 1 and the edit to a no-op, which the faint edit is there not to be.
@@ -96,6 +105,7 @@ def check(cfg: BenchConf) -> None:
                                            "run eagerly")
     refs = [c for c in cfg.configs if c in REFERENCES]
     alive = len(refs) + (len(refs) < len(cfg.configs))  # the references stay up beside one engine at least
+    peers.check(cfg, any(_SCENARIO.match(base(s)).group(1) for s in cfg.scenarios))
     for name, m in cfg.models.items():
         if m.source not in ("tiny", "gguf", *_SHAPES) and not Path(m.source).is_dir():
             raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', 'gguf', one of "
@@ -110,11 +120,11 @@ def check(cfg: BenchConf) -> None:
 
 
 def _check_scenario(field: str, name: str) -> None:
-    k = _K.match(base(name))
-    if base(name) not in ("add", "ablate_all") and not k:
-        raise ConfigError(field, f"unknown scenario {name!r}; expected add, ablate_all or kN (N >= 1), each also "
-                                 f"with {FAINT} (its edits at `epsilon` strength)")
-    if k and int(k.group(1)) > MAX_K:  # each distinct edit is a vector built and registered per engine
+    k = _SCENARIO.match(base(name))
+    if not k:
+        raise ConfigError(field, f"unknown scenario {name!r}; expected add, add_all, ablate_all, kN or kN_all "
+                                 f"(N >= 1), each also with {FAINT} (its edits at `epsilon` strength)")
+    if k.group(1) and int(k.group(1)) > MAX_K:  # each distinct edit is a vector built and registered per engine
         raise ConfigError(field, f"{name!r} asks for {k.group(1)} distinct edits; at most {MAX_K}")
 
 
@@ -134,7 +144,7 @@ def model_dir(m: BenchModelConf, cache_dir: str) -> Path:
         return Path(m.source)
     dest = Path(cache_dir).expanduser() / "models" / m.source
     if not (dest / "config.json").exists():
-        from transformers import LlamaConfig
+        from transformers import AutoConfig
 
         # The tiny model's tokenizer: prompts are token ids below its vocabulary, valid for any shape.
         src = tiny.ensure_tiny(cache_dir, m.tiny)
@@ -145,8 +155,9 @@ def model_dir(m: BenchModelConf, cache_dir: str) -> Path:
             if f.name.startswith(("tokenizer", "special_tokens")):
                 shutil.copy(f, tmp / f.name)
         bos_eos = json.loads((src / "config.json").read_text())
-        LlamaConfig(**_SHAPES[m.source], bos_token_id=bos_eos["bos_token_id"], eos_token_id=bos_eos["eos_token_id"],
-                    torch_dtype=m.dtype).save_pretrained(tmp)
+        kind, shape = _SHAPES[m.source]
+        AutoConfig.for_model(kind, **shape, bos_token_id=bos_eos["bos_token_id"], eos_token_id=bos_eos["eos_token_id"],
+                             torch_dtype=m.dtype).save_pretrained(tmp)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
     return dest
@@ -185,8 +196,9 @@ def base(name: str) -> str:
 
 
 def tapped(name: str, layers: int) -> List[int]:
-    """The decoder layers scenario `name` taps on a model of `layers` layers."""
-    return list(range(layers)) if base(name) == "ablate_all" else [layers // 2]
+    """The decoder layers scenario `name` taps on a model of `layers` layers: every one for a name ending `_all`,
+    else the middle one."""
+    return list(range(layers)) if base(name).endswith("_all") else [layers // 2]
 
 
 def faint(e: Edit, epsilon: float) -> Edit:
@@ -198,17 +210,19 @@ def faint(e: Edit, epsilon: float) -> Edit:
     return replace(e, scale=1.0 + s if e.kind == EditKind.scale else s)
 
 
-def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: float = 1e-6) -> Scenario:
-    """The per-request edits of a scenario for `n` requests on a model of `layers` layers (a name ending in
-    `FAINT`: its base scenario's edits at `epsilon` of their strength, requests sharing an edit as they did)."""
-    scen = _full(base(name), hidden, layers, n, seed)
+def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: float = 1e-6,
+             kinds: Sequence[EditKind] = K_KINDS) -> Scenario:
+    """The per-request edits of a scenario for `n` requests on a model of `layers` layers, a kN scenario's N edits
+    taking `kinds` in turn (a name ending in `FAINT`: its base scenario's edits at `epsilon` of their strength,
+    requests sharing an edit as they did)."""
+    scen = _full(base(name), hidden, layers, n, seed, kinds)
     if name == scen.name:
         return scen
     weak = {id(e): faint(e, epsilon) for e in scen.edits}
     return Scenario(name, scen.layers, [weak[id(e)] for e in scen.edits])
 
 
-def _full(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario:
+def _full(name: str, hidden: int, layers: int, n: int, seed: int, kinds: Sequence[EditKind]) -> Scenario:
     g = torch.Generator().manual_seed(seed + 1)
 
     def unit() -> torch.Tensor:
@@ -216,16 +230,16 @@ def _full(name: str, hidden: int, layers: int, n: int, seed: int) -> Scenario:
         return v / v.norm()
 
     taps = tapped(name, layers)
-    if name == "add":
+    if name in ("add", "add_all"):
         e = compile_edit(EditKind.add, 4.0, unit())
         return Scenario(name, taps, [e] * n)
     if name == "ablate_all":
         e = compile_edit(EditKind.ablate, 1.0, unit())
         return Scenario(name, taps, [e] * n)
-    k = int(_K.match(name).group(1))
+    k = int(_SCENARIO.match(name).group(1))
     configs = []
     for j in range(k):
-        kind = _KINDS[j % len(_KINDS)]
+        kind = kinds[j % len(kinds)]
         kw = {"lo": -0.5, "hi": 0.5} if kind == EditKind.clamp else {"value": 0.25} if kind == EditKind.set else {}
         scale = 0.9 - 0.1 * j / k if kind == EditKind.scale else 1.0 + j / k
         configs.append(compile_edit(kind, scale, None if kind == EditKind.scale else unit(), **kw))

@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from steer.config.schema import EditKind, GenConf, HfConf, PromptsConf, SteerConf, Task, Tokens, VllmConf
+from steer.config.schema import (EXTRACT_METHODS, EXTRACT_POSITIONS, EXTRACT_SPANS, EditKind, GenConf, HfConf,
+                                 PromptsConf, SteerConf, Task, Tokens, VllmConf)
 from steer.edits import positions
 from steer.errors import ConfigError, refuse_repeats
-from steer.models.prompt import check_texts
+from steer.models.prompt import chat_mode, check_texts
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's and vLLM's --uvicorn-log-level
 
@@ -155,6 +156,22 @@ def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least o
         if not list(getattr(p, name)) and not any(getattr(p, f, None) is not None for f in FILES.get(name, ())):
             raise ConfigError(f"prompts.{name}", f"is empty; {why}")
     check_texts(p, tuple(sets))
+
+
+def extraction(method: str, position: str, span: str, chat, positive: Optional[Sequence[str]] = None,
+               negative: Optional[Sequence[str]] = None) -> None:
+    """extract.method, position and span and prompts.chat are among their choices ("auto" too for position and
+    span); with the prompt sets, pca can pair them."""
+    chat_mode(chat)
+    if method not in EXTRACT_METHODS:
+        raise ConfigError("extract.method", f"{method!r} is not one of {', '.join(EXTRACT_METHODS)}")
+    if position != "auto" and position not in EXTRACT_POSITIONS:
+        raise ConfigError("extract.position", f"{position!r} is not one of auto, {', '.join(EXTRACT_POSITIONS)}")
+    if span != "auto" and span not in EXTRACT_SPANS:
+        raise ConfigError("extract.span", f"{span!r} is not one of auto, {', '.join(EXTRACT_SPANS)}")
+    if method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
+        raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
+                                            f"{len(positive)} prompts and prompts.negative {len(negative)}")
 
 
 # --- entry points -------------------------------------------------------------------------------------------

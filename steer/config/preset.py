@@ -3,6 +3,7 @@ edits for the run's model (its `models` entry for model.name, else its `edits`) 
 extra_edits: the first as tap/edit, the rest as extra_edits, as the server applies them to a request."""
 
 import copy
+from dataclasses import replace
 from typing import List, Optional, Sequence
 
 from steer.config import checks
@@ -19,15 +20,14 @@ def edits_for(conf: PresetConf, model: Optional[str], name: str) -> List[TapEdit
 
 
 def apply(cfg: SteerConf, given: Sequence[str], name: str = "preset") -> SteerConf:
-    """`cfg` with its preset's edits as tap, edit and extra_edits (`cfg` itself where it names no preset). `given`:
-    the keys the command line set (a tap or edit set beside a preset would be dropped without a word)."""
+    """A copy of `cfg` with its preset's edits as tap, edit and extra_edits (`cfg` itself where it names no preset).
+    `given`: the keys the command line set (a tap or edit set beside a preset would be dropped without a word)."""
     if cfg.preset is None:
         return cfg
     checks.preset(cfg, given)
     part = f"models.{cfg.model.name}" if cfg.model.name in cfg.preset.models else "edits"
     edits = [_typed(te, f"preset.{part}[{i}]") for i, te in enumerate(edits_for(cfg.preset, cfg.model.name, name))]
-    cfg.tap, cfg.edit, cfg.extra_edits = edits[0].tap, edits[0].edit, edits[1:]
-    return cfg
+    return replace(cfg, tap=edits[0].tap, edit=edits[0].edit, extra_edits=edits[1:])
 
 
 def _typed(item, field: str) -> TapEditConf:

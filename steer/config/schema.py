@@ -164,6 +164,11 @@ class GenConf:
     seed: int = 0
 
 
+EXTRACT_METHODS = ("diffmean", "pca")  # extract.method's choices
+EXTRACT_POSITIONS = ("mean", "last")  # extract.position's, beside "auto"
+EXTRACT_SPANS = ("user", "all")  # extract.span's, beside "auto"
+
+
 @dataclass
 class ExtractConf:
     # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
@@ -335,6 +340,8 @@ class PresetConf:
     # 4-layer model is shallow in a 30-layer one)
     models: Dict[str, List[TapEditConf]] = field(default_factory=dict)
 
+
+PACK = 16  # jobs run together in one batch (a sweep's, task=select's grid): a stopped sweep loses at most a pack
 
 # Settings that change how a job runs, not what it computes: a finished job made with other values of these is
 # still done (a resume), and they are no swept parameter of a sweep's report.

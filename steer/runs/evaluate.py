@@ -153,7 +153,9 @@ def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor],
 def run(job, console: Console, engine_for: Callable) -> Dict:
     """Run a prepared task=eval job into its run directory on the engine `engine_for([job])` gives
     (steer.runs.job.engine_for); return its metrics."""
-    from steer.runs.extract import Recipe, extract
+    from dataclasses import replace
+
+    from steer.runs.extract import extract
 
     cfg = job.cfg
     fit, held = job.items
@@ -161,7 +163,7 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
         vec, meta, diag = None, None, None
         if job.plan.pending:
             pos, neg = pair_prompts(engine, fit, cfg.prompts.chat)
-            recipe = Recipe.from_conf(cfg.extract, "false")  # the prompts are rendered already
+            recipe = replace(job.recipe, chat="false")  # the prompts are rendered already
             ex = extract(engine, job.taps[0], pos, neg, recipe, cfg.extract.folds)
             vec, diag = ex.direction, ex.diagnostics
             meta = {"tap": ex.tap.name, **ex.metadata()}
@@ -183,10 +185,13 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
         metrics[f"shift_scale{s['scale']:g}"] = s["shift"]
     d = job.out_dir
     inputs.write(d, job.vectors, job.model_files if job.model_files is not None else inputs.model(cfg, job.spec),
-                 job.data)
+                 job.data, job.settings)
     results.write_json(d / "eval.json", out)
     results.write_bytes(d / "eval.png", plot(out))
     results.write_json(d / "metrics.json", metrics)  # last: its presence marks the job complete
+    from steer import report
+
+    report.write_quietly(d)
     _table(console, out)
     console.print(f"results in [bold]{d}[/]")
     return metrics

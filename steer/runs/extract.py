@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from steer.config import checks
 from steer.edits import vector
 from steer.runs import diagnostics
 from steer.errors import ConfigError
@@ -43,9 +44,6 @@ from steer.edits.tap import Tap
 
 log = logging.getLogger(__name__)
 
-METHODS = ("diffmean", "pca")
-POSITIONS = ("mean", "last")
-SPANS = ("user", "all")
 FOLDS = 5  # k of the held-out separation (steer/runs/diagnostics.py)
 
 
@@ -81,18 +79,10 @@ class Recipe:
     def check(self, positive: Optional[Sequence[str]] = None, negative: Optional[Sequence[str]] = None) -> "Recipe":
         """Validate (before any engine starts): ConfigError naming the field. With the prompt sets, also that pca
         can pair them."""
-        if self.method not in METHODS:
-            raise ConfigError("extract.method", f"{self.method!r} is not one of {', '.join(METHODS)}")
+        checks.extraction(self.method, self.position, self.span, self.chat, positive, negative)
         plain = auto(False, False)  # "auto" given here, not through from_conf: pairs that are not A/B
         position = plain[0] if self.position == "auto" else self.position
         span = plain[1] if self.span == "auto" else self.span
-        if position not in POSITIONS:
-            raise ConfigError("extract.position", f"{position!r} is not one of auto, {', '.join(POSITIONS)}")
-        if span not in SPANS:
-            raise ConfigError("extract.span", f"{span!r} is not one of auto, {', '.join(SPANS)}")
-        if self.method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
-            raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
-                                                f"{len(positive)} prompts and prompts.negative {len(negative)}")
         return replace(self, chat=chat_mode(self.chat), position=position, span=span)
 
     def metadata(self) -> Dict[str, str]:

@@ -77,11 +77,20 @@ def changes(recorded: Dict[str, Any], data_files: Iterable[str] = ()) -> Optiona
 
 
 def write(out_dir: Path, vector_digests: Dict[str, Optional[str]], model_files: Dict[str, Any],
-          data_digests: Optional[Dict[str, Optional[str]]] = None) -> None:
+          data_digests: Optional[Dict[str, Optional[str]]] = None, settings: Optional[str] = None) -> None:
+    """`settings`: the digest of the job's resolved settings (steer.runs.job.Job.settings), which a resume matches."""
     from steer import results
 
-    record = {"vectors": vector_digests, "model": model_files, "data": data_digests or {}}
+    record = {"vectors": vector_digests, "model": model_files, "data": data_digests or {}, "settings": settings}
     results.write_json(Path(out_dir) / FILE, record)
+
+
+def recorded_settings(job_dir: Path) -> Optional[str]:
+    """The settings digest the job in `job_dir` recorded (None: no record, or one written before they were)."""
+    try:
+        return json.loads((Path(job_dir) / FILE).read_text()).get("settings")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def recorded_changes(job_dir: Path, data_files: Iterable[str] = ()) -> Optional[str]:

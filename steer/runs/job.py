@@ -3,6 +3,8 @@ spec, the engine it resolves to, the taps it touches, its edits compiled from th
 an engine (`engine_key`) run together on one engine, held for the group and closed after it (`engine_for`).
 """
 
+import copy
+import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -20,19 +22,22 @@ from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits import vector
 from steer.edits.plan import Plan, build, entries, when_vector
-from steer.config.schema import SteerConf, TapConf, Task
+from steer.config.schema import NOT_RESULTS, SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
 
 @dataclass
 class Job:
-    """A validated job. `plan` holds the edits with vectors from files (a default direction is filled in once an
-    engine can extract it); `taps` every tap the job touches, in config order."""
+    """A validated job. `cfg`: its settings resolved (prompts and pairs read from the files they name, "auto"
+    extraction settings as `recipe` resolves them), a copy: the config it was prepared from stays as composed.
+    `plan` holds the edits with vectors from files (a default direction is filled in once an engine can extract
+    it); `taps` every tap the job touches, in config order."""
 
     cfg: SteerConf
     spec: ModelSpec
     out_dir: Path
     engine: str  # the engine `cfg.engine` resolves to
+    recipe: Recipe  # how its default directions are extracted (extract.* and prompts.chat, resolved once)
     taps: List[Tap] = field(default_factory=list)
     plan: Optional[Plan] = None  # task=steer
     cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
@@ -44,16 +49,30 @@ class Job:
     probe: Optional[object] = None  # a task=select pair's: the Probe that reads its concept (steer/runs/probe.py)
     error: Optional[BaseException] = None
 
+    @property
+    def settings(self) -> str:
+        """A digest of what the job computes from, resolved: its prepared config (prompts as its files held them,
+        "auto" as resolved) and the engine it runs on, less the settings that change how it runs and not what it
+        computes (NOT_RESULTS). A resume takes a finished job with the same digest as done (inputs.json)."""
+        out = asdict(self.cfg)
+        for key in NOT_RESULTS:
+            out.pop(key, None)
+        out["engine"] = self.engine
+        return hashlib.sha256(json.dumps(out, sort_keys=True, default=str).encode()).hexdigest()
+
 
 def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
-    its plan built (vectors loaded and checked against the model)."""
+    its plan built (vectors loaded and checked against the model). `cfg` itself is left as it is: the job resolves a
+    copy of it."""
     data_files = inputs.data(inputs.data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
+    cfg = copy.deepcopy(cfg)
     caa = data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
     # checked before the model's files are read; "auto" is resolved below, once the chat rendering is known
-    Recipe.from_conf(cfg.extract, cfg.prompts.chat).check(cfg.prompts.positive, cfg.prompts.negative)
+    e = cfg.extract
+    checks.extraction(e.method, e.position, e.span, cfg.prompts.chat, cfg.prompts.positive, cfg.prompts.negative)
     if cfg.task != Task.extract:
         for prefix, _, e in entries(cfg):
             if e.vector.path is not None:
@@ -72,7 +91,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
         checks.select_grid(cfg, spec.layers)
     if cfg.task == Task.condition:
         checks.condition_task(cfg, spec.layers)
-    job = Job(cfg, spec, Path(out_dir), engine, data=data_files)
+    job = Job(cfg, spec, Path(out_dir), engine, recipe, data=data_files)
     if cfg.task == Task.eval:
         job.items = evaluate.load(cfg)
         job.vectors = inputs.vectors(cfg)
@@ -90,7 +109,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             digests = inputs.vectors(cell)
             plan = build(cell, spec)
             taps = list(plan.taps.values()) + ([known] if known and known.path not in plan.taps else [])
-            job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine,
+            job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine, recipe,
                                  taps, plan, vectors=digests, data=data_files))
     elif cfg.task == Task.condition:
         job.taps = [resolve(TapConf(layer=k), spec, "condition.layers") for k in cfg.condition.layers]

@@ -257,7 +257,7 @@ def build(sweep_dir: Path) -> Dict[str, Any]:
 def clear(sweep_dir: Path) -> None:
     """Remove the report last written into `sweep_dir`: a sweep starting there must not leave an earlier one's
     summary and plots looking like its own if it is stopped before writing its own."""
-    for p in _report_files(Path(sweep_dir)):
+    for p in _report_files(Path(sweep_dir)) | {Path(sweep_dir) / "report.html"}:  # steer.report's page too
         p.unlink(missing_ok=True)
 
 

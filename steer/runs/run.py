@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from steer import results
+from steer import report, results
 from steer.config import checks
-from steer.config.schema import SteerConf, Task
+from steer.config.schema import PACK, SteerConf, Task
 from steer.edits import condition, formats
 from steer.edits.tap import head_rows
 from steer.engine.base import Scores
@@ -28,7 +28,7 @@ from steer.edits.plan import Plan
 from steer.errors import ConfigError
 from steer.progress import bar as progress_bar
 from steer.runs import damage, diagnostics, export, inputs, metrics, rundir
-from steer.runs.extract import Recipe, cache_defaults, cached_default, extract, write, write_layers
+from steer.runs.extract import cache_defaults, cached_default, extract, write, write_layers
 from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
     if cfg.task == Task.select:
         from steer.runs import select
 
-        return select.run(job, console, execute)
+        return select.run(job, console, execute_packs)
     if cfg.task == Task.export:
         return _export(job, console)
     if cfg.task == Task.eval:
@@ -71,6 +71,7 @@ def _export(job: Job, console: Console) -> Dict:
     out = export.out_path(job.cfg, job.out_dir)
     result = export.write(job.cfg, job.plan, job.spec, out)
     results.write_json(job.out_dir / "metrics.json", result)
+    report.write_quietly(job.out_dir)
     console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
     return result
 
@@ -81,8 +82,7 @@ def _extract(job: Job, engine, console: Console) -> Dict:
     ending in .gguf is a llama.cpp control vector (direction.<layer> for each layer)."""
     cfg = job.cfg
     out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
-    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    pos, neg, recipe = list(cfg.prompts.positive), list(cfg.prompts.negative), job.recipe
     found = extract(engine, job.taps, pos, neg, recipe, cfg.extract.folds)
     diags = [ex.diagnostics for ex in found]
     chosen = diagnostics.best(diags)
@@ -117,8 +117,9 @@ def _record_extraction(job: Job) -> None:
     it wrote: a sweep resumed after that file was changed or removed extracts it again), then metrics.json (where it
     wrote what), whose presence marks the job complete."""
     out = job.result["vector"]
-    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data)
+    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data, job.settings)
     results.write_json(job.out_dir / "metrics.json", job.result)
+    report.write_quietly(job.out_dir)
 
 
 def _model_files(job: Job) -> Dict:
@@ -172,12 +173,13 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
 
                 judge.rate(w.job.cfg.eval.judge, rows)
                 agg.update(judge.counts(rows))
-            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data)
+            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data, w.job.settings)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:
             fail(w.job, e, console, say)
             continue
+        report.write_quietly(w.job.out_dir)
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
         w.job.result = agg
@@ -188,6 +190,24 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
     for job in jobs:  # a sweep of thousands of jobs in one process must not hold a file open for each
         close_log(job.out_dir)
     return [job.result for job in jobs]
+
+
+def execute_packs(jobs: Sequence[Job], console: Console, engine, pack_size: int = PACK,
+                  on_done: Optional[Callable[[Job], None]] = None,
+                  on_pack_error: Optional[Callable[[Job, Exception], Dict]] = None) -> List[Dict]:
+    """`execute` on one engine, `pack_size` jobs at a time (each pack's files are written when it finishes), without
+    printing each job's summary. A pack that raises as a whole raises, or with `on_pack_error` gives each of its jobs
+    what that returns, and the next pack runs."""
+    out: List[Dict] = []
+    for start in range(0, len(jobs), pack_size):
+        pack = jobs[start : start + pack_size]
+        try:
+            out += execute(pack, console, on_done=on_done, summary=False, engine=engine)
+        except Exception as e:
+            if on_pack_error is None:
+                raise
+            out += [on_pack_error(job, e) for job in pack]
+    return out
 
 
 def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool, summary: bool) -> List[_Work]:
@@ -220,7 +240,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
         cfg = job.cfg
         if cfg.task == Task.extract or not job.plan.pending:
             continue
-        recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+        recipe = job.recipe
         pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
         key = json.dumps([cfg.cache_dir, pos, neg, asdict(recipe)], sort_keys=True)
         taps = groups.setdefault(key, (cfg.cache_dir, pos, neg, recipe, {}))[4]
@@ -237,8 +257,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
 def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     """A job's compiled plan and encoded prompts, checked against the model's positions."""
     cfg = job.cfg
-    pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
+    pos, neg, recipe = list(cfg.prompts.positive), list(cfg.prompts.negative), job.recipe
     read: Dict[str, Dict[str, str]] = {}  # tap name: the default direction's metadata
 
     def default(tap):
@@ -255,6 +274,7 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
         if summary:  # a sweep's or a grid's jobs say it in their steer.log alone, rather than once a job
             console.print(said, highlight=False, markup=False, soft_wrap=True)
         job_log(job).info(said)
+    record_vectors(job, read)
     active = plan.active()
     prompts = list(cfg.prompts.steer)
     rendered = [engine.render(p, cfg.prompts.chat) for p in prompts]
@@ -262,6 +282,36 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
     job_log(job).info("edits: %s", describe(plan))
     return _Work(job, plan, active if active.edits else None, prompts, [fed for fed, _ in rendered], encoded,
                  [cfg.gen.seed + i for i in range(len(prompts))])
+
+
+def record_vectors(job: Job, defaults: Dict[str, Dict[str, str]]) -> None:
+    """vectors.json: each edit's direction, where it came from and the diagnostics its file records (the run's
+    report shows them; the cache holds the default directions' files, which a run does not name otherwise)."""
+    out = []
+    for name, meta in defaults.items():
+        out.append({"tap": name, "layer": _layer(name), "source": f"the default direction at {name}, extracted from "
+                    f"{meta.get('positive', '?')} positive and {meta.get('negative', '?')} negative prompts "
+                    f"({meta.get('method', '?')})", "diagnostics": diagnostics.from_metadata(meta)})
+    from steer.edits import vector as vector_files
+    from steer.edits.plan import entries
+
+    for _, tap, edit in entries(job.cfg):
+        path = edit.vector.path
+        if path is None:
+            continue
+        try:
+            meta = vector_files.metadata(path)
+        except Exception:  # noqa: BLE001 - another tool's file, read by its own loader: no metadata to show
+            meta = {}
+        name = meta.get("tap") or (f"layer{tap.layer}" if tap.layer is not None else str(tap.path))
+        diag = diagnostics.from_metadata(meta) if "diag.norm" in meta else {}
+        out.append({"tap": name, "layer": tap.layer, "source": f"{path} (key {edit.vector.key})",
+                    "diagnostics": diag})
+    results.write_json(job.out_dir / "vectors.json", {"vectors": out})
+
+
+def _layer(tap_name: str) -> Optional[int]:
+    return int(tap_name[5:]) if tap_name.startswith("layer") and tap_name[5:].isdigit() else None
 
 
 def _fit(ids: List[int], i: int, cfg: SteerConf, job: Job, limit: int, console: Console) -> List[int]:
@@ -517,3 +567,5 @@ def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dic
     console.print(texts)
     console.print(t)
     console.print(f"results in [bold]{out_dir}[/]")
+    if (out_dir / report.FILE).is_file():
+        console.print(f"report: [bold]{out_dir / report.FILE}[/] (texts side by side, metrics, plots)")

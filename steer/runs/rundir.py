@@ -15,7 +15,7 @@ from steer.errors import ConfigError
 # What a job writes as its results (task=select: its selection): a job run again in its directory must not keep
 # the old ones meanwhile (nor beside its error, should it fail). metrics.json comes last and marks a job complete.
 STALE = ("metrics.json", "results.jsonl", "inputs.json", "error.txt", "selection.json", "selection.md",
-         "selection.png")
+         "selection.png", "vectors.json", "report.html")
 
 _held: List[int] = []  # open descriptors of the directories this process holds (released when it exits)
 # single runs' directories that did not exist when this process took them, each with the outermost directory it

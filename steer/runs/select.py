@@ -32,12 +32,12 @@ from rich.table import Table
 
 from steer import results
 
+from steer.report.heatmap import label_colour
 from steer.runs import damage, rundir
 from steer.runs.grid import cell_name
 from steer.config.schema import NOT_RESULTS, SteerConf
 
 log = logging.getLogger(__name__)
-PACK = 16  # jobs per batch, as the packed launcher's default
 MIN_SPLIT = 4  # prompts a split needs: two on either side
 
 
@@ -97,7 +97,7 @@ def split(n: int, share: float, seed: int) -> Tuple[List[int], List[int]]:
 
 
 def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
-    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute),
+    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute_packs),
     write the selection report and return the best pair (or none). `engine`: one already started for the job's
     model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where the
     run is not a command line's (steer.Lab's), else read from Hydra's."""
@@ -125,8 +125,7 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
         log.info(say)  # the run's steer.log (each pair's own says how it ran)
         console.print(f"select: {_probe_line(probe)}", highlight=False, soft_wrap=True)
         try:
-            for start in range(0, len(todo), PACK):
-                execute(todo[start : start + PACK], console, summary=False, engine=engine)
+            execute(todo, console, engine=engine)
         except KeyboardInterrupt:
             done = sum(1 for cell in jobs if _done(cell))
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
@@ -156,6 +155,9 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
     _heatmap(out_dir / "selection.png", cfg, table, best)
     # Last, as any job's: a sweep of selects (-m) reports and resumes them by it
     results.write_json(out_dir / "metrics.json", _metrics(table, best, probe))
+    from steer import report
+
+    report.write_quietly(out_dir)
     _print(console, cfg, table, best, summary, out_dir)
     return summary
 
@@ -219,7 +221,7 @@ def _cell(cfg: SteerConf, m: Dict, rows: List[Dict], choose: List[int], report: 
     if cell["error"]:
         cell["why"] = cell["why_short"] = "failed"
         return cell
-    if len(rows) != len(choose) + len(report) or any(r.get("probe_steered") is None for r in rows):
+    if len(rows) != len(choose) + len(report) or all(r.get("probe_steered") is None for r in rows):
         cell["why"] = cell["why_short"] = "no continuation to score"
         return cell
     rules = damage.Rules.from_conf(s)
@@ -465,16 +467,6 @@ def figure(cfg: SteerConf, table: List[Dict], best: Optional[Dict]):
     return fig
 
 
-def label_colour(face) -> str:
-    """Black or white, whichever has the higher contrast ratio (WCAG 2) against the colour `face`."""
-    def lum(rgb):
-        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb[:3]]
-        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-
-    y = lum(face)
-    return "black" if (y + 0.05) / 0.05 >= 1.05 / (y + 0.05) else "white"
-
-
 def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[Dict], summary: Dict,
            out_dir: Path) -> None:
     held = bool(summary["split"]["report"])
@@ -499,4 +491,6 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
                       + f"\n  {summary['command']}", highlight=False, soft_wrap=True)
     else:
         console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
-    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
+    console.print(f"report in [bold]{out_dir / 'selection.md'}[/]" + (
+        f" and [bold]{out_dir / 'report.html'}[/] (the heat map, each pair's texts)"
+        if (out_dir / "report.html").is_file() else ""))

@@ -35,7 +35,11 @@ def write_report(sweep_dir: Path) -> Optional[Dict[str, Any]]:
     main = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS} if main else {}
     try:
-        return report.build(Path(sweep_dir))
+        out = report.build(Path(sweep_dir))
+        from steer import report as html
+
+        out["html"] = html.write_quietly(Path(sweep_dir))  # report.html, from the jobs and the plots just written
+        return out
     except report.NoJobs:
         return None
     finally:
@@ -133,4 +137,5 @@ class SummaryCallback(Callback):
             else:
                 from steer.runs.report import left_out
 
-                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})")
+                print(f"summary: {out['summary']} ({out['jobs']} jobs, {len(out['plots'])} plots{left_out(out)})"
+                      + (f"; report: {out['html']}" if out.get("html") else ""))

@@ -92,7 +92,8 @@ def _held(text: str, stops: List[str]) -> int:
 
 class HFServer:
     def __init__(self, engine, presets: Dict[str, Preset], listing: list, model_name: str, max_steer_scale: float,
-                 chat_max_tokens: int, inline_taps: Optional[Dict[int, Tap]] = None):
+                 chat_max_tokens: int, inline_taps: Optional[Dict[int, Tap]] = None, playground: bool = True,
+                 recipe=None):
         self.engine, self.presets, self.listing = engine, presets, listing
         # layer -> its residual-stream tap, where a request's steer_vector may be added (serve.inline_layers)
         self.inline_taps = inline_taps or {}
@@ -103,6 +104,8 @@ class HFServer:
         tok = engine.tokenizer
         self.chat_template = None if getattr(tok, "chat_template", None) else plain_chat_template(tok)
         self.max_len, self.vocab = engine.max_len, engine.vocab_size
+        # The page at / and its routes (steer.serve.playground); `recipe`: how a direction is read from lines
+        self.playground, self.recipe = playground, recipe
 
     # --- requests -> what the engine runs --------------------------------------------------------------
 
@@ -207,6 +210,8 @@ def build_app(server: HFServer):
     app = FastAPI(title="steer serve (engine=hf)")
     _generation_routes(app, server)
     _info_routes(app, server)
+    if server.playground:
+        _playground_routes(app, server)
     _error_shape(app)
     return app
 
@@ -252,6 +257,37 @@ def _info_routes(app, server: HFServer) -> None:
         if not server.worker.thread.is_alive():
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         return {"status": "ok", "generations": server.worker.jobs}  # running or waiting
+
+
+def _playground_routes(app, server: HFServer) -> None:
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, Response
+
+    from steer.runs.extract import Recipe
+    from steer.serve import playground
+
+    spec = server.engine.spec
+
+    @app.get(playground.PAGE_PATH)
+    async def page():
+        return Response(playground.page(), media_type="text/html; charset=utf-8")
+
+    @app.get(playground.INFO_PATH)
+    async def info():
+        return playground.info(server.model_name, spec.layers, spec.hidden, server.inline, server.max_scale, True)
+
+    @app.post(playground.DIRECTION_PATH)
+    async def direction(request: Request):
+        try:
+            body = await _parse(request)
+            return await playground.answer_direction(body, server.inline, server.inline_taps,
+                                                     server.recipe or Recipe(), server.worker.call)
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except ServerClosing as e:
+            return JSONResponse(_error_body(str(e), "server_shutting_down"), status_code=503)
+        except Exception as e:
+            return _internal(e)
 
 
 async def _serve(server: HFServer, request, chat: bool):

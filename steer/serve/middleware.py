@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any, Optional
 
+from steer.serve import playground
 from steer.serve.protocol import RequestError, parse_steer, read_body
 from steer.serve.stages import Translator
 
@@ -26,6 +27,34 @@ class SteerMiddleware:
     def __init__(self, app, translator: Optional[Translator] = None):
         self.app = app
         self.translator = translator if translator is not None else Translator.load(os.environ[TABLE_ENV])
+        section = self.translator.table.get("playground") or {}
+        # The page at / and its routes (steer.serve.playground), where serve.playground is on
+        self.playground = playground.FromConf(section, self.translator.inline, self.translator.max_scale) \
+            if section.get("enabled") else None
+
+    async def _playground(self, method: str, path: str, receive, send) -> bool:
+        """Answer the playground's routes; False for any other request."""
+        if method == "GET" and path == playground.PAGE_PATH:
+            await _send(send, 200, playground.page(), b"text/html; charset=utf-8")
+            return True
+        if method == "GET" and path.rstrip("/") == playground.INFO_PATH:
+            await _json(send, 200, self.playground.info())
+            return True
+        if method == "POST" and path.rstrip("/") == playground.DIRECTION_PATH:
+            try:
+                body = await _read(receive)
+                try:
+                    data = read_body(body)
+                except ValueError as e:
+                    raise RequestError(None, f"the request body is not valid JSON: {e}") from e
+                await _json(send, 200, await self.playground.direction(data))
+            except RequestError as e:
+                await _json(send, e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - answered as engine=hf answers it
+                await _json(send, 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_error",
+                                                  "param": None, "code": None}})
+            return True
+        return False
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -33,6 +62,8 @@ class SteerMiddleware:
         method, path = scope.get("method", "GET"), scope.get("path", "")
         if method == "GET" and path.rstrip("/") == "/v1/steer/presets":
             return await _json(send, 200, {"object": "list", "data": self.translator.listing})
+        if self.playground is not None and await self._playground(method, path, receive, send):
+            return None
         if method != "POST" or _is_form(scope):
             return await self.app(scope, receive, send)
         body = await _read(receive)
@@ -132,7 +163,10 @@ def _replay(body: bytes, receive):
 
 
 async def _json(send, status: int, payload: dict) -> None:
-    data = json.dumps(payload).encode()
+    await _send(send, status, json.dumps(payload).encode(), b"application/json")
+
+
+async def _send(send, status: int, data: bytes, kind: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", kind), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})

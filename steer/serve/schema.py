@@ -34,6 +34,9 @@ class ServeOptions:
     # 5 s): at uvicorn's and vLLM's default of 5 both sides close together, and a client that reuses the
     # connection the server is closing gets "connection reset" (seen under 12 concurrent requests on 2 CPUs).
     keep_alive_s: int = 30
+    # The playground page at / (a prompt, presets, a strength, a direction from a few lines; the unsteered and the
+    # steered continuations streamed side by side) and its routes /v1/steer/info and /v1/steer/direction.
+    playground: bool = True
 
 
 @dataclass

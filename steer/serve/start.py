@@ -38,7 +38,9 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if presets.needs_default(confs):
         checks.prompt_sets(conf.prompts, ("positive", "negative"), "presets with a null vector path use the default "
                            "direction, extracted from prompts.positive and prompts.negative")
-        Recipe.from_conf(conf.extract, conf.prompts.chat).check(conf.prompts.positive, conf.prompts.negative)
+        e = conf.extract
+        checks.extraction(e.method, e.position, e.span, conf.prompts.chat, conf.prompts.positive,
+                          conf.prompts.negative)
     refused = bind_error(s.host, s.port)  # last: a config error says more than a busy port
     if refused is not None:
         raise ConfigError(*refused)
@@ -123,9 +125,10 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
         engine = engines.make("hf", spec, conf.device, hf_conf=conf.hf)
         compiled = compile_presets(conf, spec, confs, engine)
         server = HFServer(engine, compiled, presets.listing(compiled), model_name, conf.serve.max_steer_scale,
-                          conf.serve.chat_max_tokens, inline)
+                          conf.serve.chat_max_tokens, inline, conf.serve.playground,
+                          Recipe.from_conf(conf.extract, conf.prompts.chat))
         say(f"steer serve: {model_name} on engine=hf ({conf.device}), presets {escape(str(sorted(compiled)))}, "
-            f"{base_url(conf.serve)}")
+            f"{base_url(conf.serve)}{playground_line(conf.serve)}")
         serve(server, conf.serve.host, conf.serve.port, conf.serve.log_level, conf.serve.keep_alive_s)
         return
     # engine=vllm: default directions are extracted (once, then cached) on the HF engine before vLLM starts, since
@@ -140,7 +143,7 @@ def main(conf: ServeConf, out_dir: Path, console: Console) -> None:
     from steer.serve import vllm_server
 
     say(f"steer serve: {model_name} on engine=vllm ({mode_name(conf)}), presets {escape(str(sorted(compiled)))}, "
-        f"{base_url(conf.serve)}")
+        f"{base_url(conf.serve)}{playground_line(conf.serve)}")
     vllm_server.serve(conf, spec, compiled, inline, out_dir, model_name)
 
 
@@ -148,6 +151,11 @@ def base_url(s: ServeOptions) -> str:
     """The API's address as a client writes it (an empty host listens on every interface)."""
     host = s.host or "0.0.0.0"
     return f"http://{f'[{host}]' if ':' in host else host}:{s.port}/v1"
+
+
+def playground_line(s: ServeOptions) -> str:
+    """Where the start line says the playground is (serve.playground)."""
+    return f"; playground at {base_url(s).removesuffix('/v1')}/" if s.playground else ""
 
 
 def _free_cuda() -> None:

@@ -70,12 +70,26 @@ def argv(conf: ServeConf, spec: ModelSpec, model_name: str) -> List[str]:
     return out
 
 
+def playground_section(conf: ServeConf, spec: ModelSpec, model_name: str, out_dir: Path) -> dict:
+    """What the middleware serves the playground from: the page's facts, and the server's config (written beside the
+    table) to read directions on the HF engine with."""
+    from omegaconf import OmegaConf
+
+    from steer.serve import playground
+
+    conf_path = Path(out_dir) / "serve_conf.yaml"
+    conf_path.write_text(OmegaConf.to_yaml(OmegaConf.structured(conf)))
+    return playground.section(conf, spec, model_name, str(conf_path))
+
+
 def serve(conf: ServeConf, spec: ModelSpec, compiled: Dict[str, Preset], inline_taps: Dict[int, Tap], out_dir: Path,
           model_name: str) -> None:
     stages = StageTable(compiled, inline_taps)
     extra = engine_config(conf, stages)
     path = Path(out_dir) / "steer_presets.json"
-    stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden).dump(str(path))
+    translator = stages.translator(presets_mod.listing(compiled), conf.serve.max_steer_scale, spec.hidden)
+    translator.table["playground"] = playground_section(conf, spec, model_name, out_dir)
+    translator.dump(str(path))
     os.environ[TABLE_ENV] = str(path)
     os.environ[KEEP_ALIVE_ENV] = str(conf.serve.keep_alive_s)
     from steer.engine.vllm import set_environment

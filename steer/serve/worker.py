@@ -66,12 +66,40 @@ class Job:
                 return
 
 
+class Call:
+    """Work other than a generation that must run on the engine's thread (reading a direction at a tap): run between
+    two steps of the batch, its result or error handed back to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn):
+        self.loop, self.fn = loop, fn
+        self.future: asyncio.Future = loop.create_future()
+        self.cancelled = threading.Event()  # never set: a call is short and always answered
+
+    def run(self, engine) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as e:  # the caller's to answer (a 400 or a 500)
+            result, error = None, e
+        self.loop.call_soon_threadsafe(self._settle, result, error)
+
+    def _settle(self, result, error) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+    def end(self, error: Exception) -> None:
+        self.loop.call_soon_threadsafe(self._settle, None, error)
+
+
 class EngineWorker:
     """The engine's one thread: every request in one running batch, joining in the order they arrived."""
 
     def __init__(self, engine):
         self.engine = engine
-        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[Job | Call]]" = queue.Queue()
         self._lock = threading.Lock()
         self._live: set = set()  # submitted and not yet finished
         self.closing = False
@@ -88,6 +116,15 @@ class EngineWorker:
             self._live.add(job)
         self._jobs.put(job)
         return job
+
+    async def call(self, fn):
+        """fn(engine) on the engine's thread, between two steps of the running batch; its result."""
+        call = Call(asyncio.get_running_loop(), fn)
+        with self._lock:
+            if self.closing:
+                raise ServerClosing("the server is shutting down")
+            self._jobs.put(call)
+        return await call.future
 
     @property
     def jobs(self) -> int:
@@ -118,8 +155,12 @@ class EngineWorker:
                     if job is None:
                         for r in batch.rows:
                             self._done(r.key)
+                        self._end_calls()
                         return
-                    waiting.append(job)
+                    if isinstance(job, Call):
+                        job.run(self.engine)
+                    else:
+                        waiting.append(job)
                     job = self._jobs.get_nowait()
             except queue.Empty:
                 pass
@@ -148,6 +189,16 @@ class EngineWorker:
                         r.key.post("error", e)
                         self._done(r.key, failed=True)
                 batch.drop(range(len(batch.rows)))
+
+    def _end_calls(self) -> None:
+        """Calls queued behind the stop: answered, so no handler waits for them."""
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Call):
+                item.end(ServerClosing("the server is shutting down"))
 
     def _drop_cancelled(self, batch: Batch) -> None:
         gone = [i for i, r in enumerate(batch.rows) if r.key.cancelled.is_set()]

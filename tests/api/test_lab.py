@@ -197,6 +197,7 @@ def test_bad_input_is_a_value_error_naming_the_field_before_any_engine(lab, load
 @pytest.mark.parametrize("kw,field", [({"overrides": ["gen.max_new_tokens=-1"]}, "gen.max_new_tokens"),
                                       ({"model": "nope"}, "overrides"),
                                       ({"overrides": ["edit.scael=2"]}, "overrides"),
+                                      ({"overrides": ["hf.batch_size=0"]}, "hf.batch_size"),
                                       ({"overrides": "engine=hf"}, "overrides")])
 def test_a_bad_lab_config_fails_as_the_lab_is_made(cache_dir, loads, kw, field):
     with pytest.raises(ValueError) as e:

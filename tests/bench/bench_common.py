@@ -13,7 +13,8 @@ from steer.bench import runs
 # The bench's models untrained: the tiny recipe's shape and tokenizer with random weights. The tests read shapes
 # and time stand-in engines, so none needs trained weights, and training the tiny model takes a minute or more on
 # a CPU.
-UNTRAINED = ["models.tiny.tiny.train_steps=0", "models.llama3_8b.tiny.train_steps=0"]
+UNTRAINED = ["models.tiny.tiny.train_steps=0", "models.llama3_8b.tiny.train_steps=0",
+             "models.qwen2_1p5b.tiny.train_steps=0"]
 COMMAND = "python -m steer.bench"
 
 

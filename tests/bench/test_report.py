@@ -48,6 +48,27 @@ def test_every_configuration_is_set_against_a_and_each_steered_one_against_b():
     assert report.pairs(["b", "c"]) == [("c", "b")] and report.pairs(["b", "f", "j"])[-1] == ("j", "f")
 
 
+def test_a_peer_is_set_against_a_and_each_of_steer_s_steered_configurations_against_it():
+    # EasySteer over a (what a user runs without steer); steer's f and h over EasySteer; never EasySteer over b
+    # (b's breakable graphs are steer's baseline, not EasySteer's)
+    assert report.pairs(["a", "b", "f", "h", "easysteer", "d"]) == [
+        ("b", "a"), ("f", "a"), ("h", "a"), ("easysteer", "a"), ("d", "a"), ("f", "b"), ("h", "b"), ("d", "b"),
+        ("f", "easysteer"), ("h", "easysteer")]
+
+
+def test_a_target_over_easysteer_reads_the_same_rounds():
+    cfg = bench_conf("run=[qwen2_1p5b]", "batches=[[64,128]]", "configs=[a,h,easysteer]", "scenarios=[add,k64]",
+                     "k_kinds=[add]", "targets=[{scenario:k64,of:h,over:easysteer,at_least:3.0}]")
+    host = [1.0, 1.6, 1.1]
+    recs = [rec("a", "unsteered", host, model="qwen2_1p5b"), rec("h", "k64", host, model="qwen2_1p5b"),
+            rec("easysteer", "k64", [3.2 * h for h in host[:2]] + [2.9 * host[2]], model="qwen2_1p5b")]
+    (goal,) = report.targets(report.cells(recs, cfg), cfg)
+    assert goal["target"] == "h/easysteer >= 3" and goal["holds"]
+    assert goal["ratio"][:3] == pytest.approx((3.2, 2.9, 3.2)) and goal["ratio"][3]
+    md = report.markdown(report.cells(recs, cfg), [goal], cfg, {}, "now", "cmd")
+    assert "h/easysteer" in md and "| 3.20 (2.90-3.20) |" in md
+
+
 def _run(cfg):
     """A run's records: a and b unsteered, c 0.9 of b and f 0.95 of it in every round while the host moves all."""
     host = [1.0, 1.5, 1.0]
@@ -98,7 +119,7 @@ def test_report_files(tmp_path):
     md = report.publish(tmp_path, _run(cfg), cfg, {"gpu": "NVIDIA H200"}, "2026-11-29 10:00 UTC", "cmd")
     assert {p.name for p in tmp_path.iterdir()} == {"bench.md", "bench.csv", "bench.png", "run.json"}
     table = list(csv.DictReader(open(tmp_path / "bench.csv")))
-    assert len(table) == 2 * 7 * 4  # models, scenarios (two of them faint twins), configurations
+    assert len(table) == 2 * 8 * 4  # models, scenarios (two of them faint twins), configurations
     c = next(r for r in table if (r["model"], r["scenario"], r["config"]) == ("llama3_8b", "add", "c"))
     assert float(c["vs_b"]) == pytest.approx(0.9) and float(c["vs_b_lo"]) == pytest.approx(0.9)
     assert c["passes"] == "3" and "`<scenario>@eps`: the scenario's edits at 1e-06 of their strength" in md

@@ -19,17 +19,25 @@ def test_groups_start_each_engine_once():
     assert [c["scenario"] for c in groups[("a", ())].cells] == ["unsteered", "unsteered"]
     assert groups[("b2", ())].cells == groups[("b", ())].cells  # the control: b's work, an engine of its own
     # a faint twin runs on its scenario's engine: the same taps, the same stages
-    assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64", "add@eps"}
+    assert {c["scenario"] for c in groups[("c", (2,))].cells} == {"add", "k1", "k8", "k64", "k256", "add@eps"}
     assert {c["scenario"] for c in groups[("c", (0, 1, 2, 3))].cells} == {"ablate_all", "ablate_all@eps"}
-    assert len(groups[("e", ())].cells) == 7 * 2
+    assert len(groups[("e", ())].cells) == 8 * 2
+
+
+def test_a_peer_starts_one_engine_for_every_scenario():
+    # EasySteer steers any layer at any step, as e does: one engine, every scenario's cells
+    cfg = bench_conf("configs=[a,h,easysteer]", "scenarios=[add,add_all,k8,k8_all]", "batches=[[256,128]]")
+    groups = {(g.config, tuple(g.layers)): g for g in runs.plan_groups(cfg, "tiny", 4)}
+    assert set(groups) == {("a", ()), ("h", (2,)), ("h", (0, 1, 2, 3)), ("easysteer", ())}
+    assert [c["scenario"] for c in groups[("easysteer", ())].cells] == ["add", "add_all", "k8", "k8_all"]
 
 
 def test_in_graph_configuration_starts_one_engine_per_tap_set():
     cfg = bench_conf("configs=[b,f]", "batches=[[64,128],[256,256]]")
     f = [g for g in runs.plan_groups(cfg, "tiny", 4) if g.config == "f"]
     assert [(tuple(g.layers), {c["scenario"] for c in g.cells}) for g in f] == [
-        ((2,), {"add", "k1", "k8", "k64", "add@eps"}), ((0, 1, 2, 3), {"ablate_all", "ablate_all@eps"})]
-    assert [len(g.cells) for g in f] == [10, 4]
+        ((2,), {"add", "k1", "k8", "k64", "k256", "add@eps"}), ((0, 1, 2, 3), {"ablate_all", "ablate_all@eps"})]
+    assert [len(g.cells) for g in f] == [12, 4]
 
 
 def test_the_control_starts_b_s_pipeline(monkeypatch):
@@ -206,7 +214,7 @@ def test_declared_plans_name_every_edit_of_the_group(bench_model):
     from steer.bench import workload
     from steer.edits.plan import Plan
 
-    cfg = bench_conf("configs=[f]", "batches=[[16,4]]")
+    cfg = bench_conf("configs=[f]", "batches=[[16,4]]", "scenarios=[add,k1,k8,k64,add@eps]")
     group = one_tap(cfg, "f")
     spec = workload.spec(cfg.models["tiny"], "tiny", Path(bench_model))
     seen = []
@@ -274,9 +282,10 @@ def test_engine_processes_take_their_rounds_beside_the_reference_and_end_on_thei
     waves.run(groups, 2, start, book.finish, timeout_s=120, reference=lambda g: g.config == "b", poll_s=0.05,
               exit_s=30)
     assert len(started) == 3 and not any(e.killed for e in started) and {e.exitcode for e in started} == {0}
-    # b beside c's one-tap engine (add, k1, k8, k64, add@eps: rounds 1-3), then beside its ablate_all engine (4-6)
+    # b beside c's one-tap engine (add, k1, k8, k64, k256, add@eps: rounds 1-3), then beside its ablate_all engine
+    # (ablate_all, ablate_all@eps: rounds 4-6)
     by = {(r["config"], r["scenario"]): r for r in book.records}
-    assert len(by) == 1 + 7 and {r["status"] for r in book.records} == {"ok"}
+    assert len(by) == 1 + 8 and {r["status"] for r in book.records} == {"ok"}
     assert by["b", "unsteered"]["rounds"] == [1, 2, 3, 4, 5, 6]
     assert by["c", "add"]["rounds"] == [1, 2, 3] and by["c", "ablate_all"]["rounds"] == [4, 5, 6]
 

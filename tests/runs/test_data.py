@@ -185,11 +185,11 @@ def test_a_malformed_jsonl_line_is_named_with_the_parsers_reason_and_nothing_els
     f = write(tmp_path / "pairs.jsonl", '{"positive": "a", "negative": "b"}\n\n{"positive": "c", "negative": "d"}\n'
                                         '{"positive": "e" "negative": "f"}\n')
     with pytest.raises(ConfigError) as e:
-        data.load_pairs(f)
-    assert e.value.field == "prompts.pairs_file" and "line 4 is not JSON: Expecting ',' delimiter at column 17" \
+        data.records(f, "prompts.pairs_file")
+    assert e.value.field == "prompts.pairs_file" and "line 4 is not JSON: Expecting ',' delimiter at column 18" \
         in str(e.value), e.value
     out, err = capfd.readouterr()
     assert out + err == ""  # no log lines of the library that reads the file
     f = write(tmp_path / "list.jsonl", '["positive", "negative"]\n')
     with pytest.raises(ConfigError, match="line 1 is a JSON list; each line of a .jsonl file must be an object"):
-        data.load_pairs(f)
+        data.records(f, "prompts.pairs_file")

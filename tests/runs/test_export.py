@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from helpers import cli_here, compose
-from steer.config.schema import GenConf, ModelConf, TapConf
+from steer.config.schema import GenConf, TapConf
 from steer.edits import vector
 from steer.edits.plan import build
 from steer.edits.tap import resolve
-from steer.errors import ConfigError
-from steer.models.spec import spec
 from steer.runs.extract import Recipe, direction, extract
 
 
@@ -74,23 +72,7 @@ def test_extract_out_gguf_writes_a_control_vector(tmp_path, cache_dir, hf_engine
     assert res.returncode == 2 and "extract.out: ends in .gguf" in res.stderr
 
 
-@pytest.fixture(scope="module")
-def smol(cache_dir):
-    from steer.engine.hf import HFEngine
-
-    try:
-        s = spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
-    except ConfigError as e:
-        if e.field == "model.source":
-            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
-        raise
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield HFEngine(s)
-    torch.set_num_threads(threads)
-
-
-def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smol, tmp_path, cache_dir):
+def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smollm2_engine, tmp_path, cache_dir):
     """Extracted per layer (8..16) and saved in the multi-layer layout; run from that file, then exported to GGUF
     (task=export) and run from the GGUF: the same greedy tokens."""
     from steer.config.schema import Task
@@ -101,23 +83,23 @@ def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smol
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
     layers = range(8, 17)  # read in one pass of the pairs, each layer's direction as `direction` gives it
-    exs = extract(smol, [resolve(TapConf(layer=k), smol.spec) for k in layers], pos, neg, recipe)
+    exs = extract(smollm2_engine, [resolve(TapConf(layer=k), smollm2_engine.spec) for k in layers], pos, neg, recipe)
     dirs = {k: ex.direction for k, ex in zip(layers, exs)}
     multi = vector.save_layers(tmp_path / "joy_8_16.safetensors", dirs, model="smollm2",
                                      tap=",".join(f"layer{k}" for k in dirs), method="diffmean")
     common = ["model=smollm2", "edit.vector.layers={from: 8, to: 16}", "edit.scale=1.5"]
     steer_cfg = compose(*common, f"edit.vector.path={multi}", tiny=False)
-    plan = build(steer_cfg, smol.spec)
-    assert list(plan.taps) == [smol.spec.layer_path(k) for k in range(8, 17)]
+    plan = build(steer_cfg, smollm2_engine.spec)
+    assert list(plan.taps) == [smollm2_engine.spec.layer_path(k) for k in range(8, 17)]
     out = tmp_path / "joy.gguf"
     job = prepare(compose(*common, f"edit.vector.path={multi}", "task=export", f"export.out={out}", tiny=False),
                   tmp_path / "run")
     assert job.cfg.task == Task.export
     export.write(job.cfg, job.plan, job.spec, out)
     again = build(compose("model=smollm2", "edit.vector.layers=all", "edit.scale=1", f"edit.vector.path={out}",
-                          tiny=False), smol.spec)
+                          tiny=False), smollm2_engine.spec)
     gen = GenConf(max_new_tokens=16)
-    ids = smol.encode(cfg.prompts.steer[0], "auto")
-    single, reimported = smol.generate(ids, plan, gen, 0), smol.generate(ids, again, gen, 0)
+    ids = smollm2_engine.encode(cfg.prompts.steer[0], "auto")
+    single, reimported = smollm2_engine.generate(ids, plan, gen, 0), smollm2_engine.generate(ids, again, gen, 0)
     assert single == reimported
-    assert single != smol.generate(ids, None, gen, 0)  # the vector steers at all
+    assert single != smollm2_engine.generate(ids, None, gen, 0)  # the vector steers at all

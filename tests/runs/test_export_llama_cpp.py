@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from steer.config.schema import GenConf, GgufConf, ModelConf, TapConf
+from steer.config.schema import GenConf, GgufConf, TapConf
 from steer.edits import formats
 from steer.edits.tap import resolve
-from steer.errors import ConfigError
 from steer.models import gguf as gguf_model
-from steer.models.spec import spec
 from steer.runs.extract import Recipe, direction
 from helpers import plan as one_edit_plan
 
@@ -29,22 +27,6 @@ POS = ["I am so happy and grateful, this is a wonderful day", "What a joy, every
 NEG = ["I am so sad and tired, this is a terrible day", "What a misery, everything is dark and awful"]
 PROMPTS = ["Tell me about your morning.", "Describe the weather today."]
 LAYER, SCALE, NEW = 8, 6.0, 12
-
-
-@pytest.fixture(scope="module")
-def smol(cache_dir):
-    from steer.engine.hf import HFEngine
-
-    try:
-        s = spec(ModelConf(name="smollm2", source="gguf"), str(cache_dir))
-    except ConfigError as e:
-        if e.field == "model.source":
-            pytest.skip(f"SmolLM2 is not available on this machine: {e}")
-        raise
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield HFEngine(s)
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +99,20 @@ def equal_prefix(a, b):
     return n
 
 
-def test_llama_cpp_steers_as_the_hf_engine_with_an_exported_control_vector(smol, llm, tmp_path, capsys):
+def test_llama_cpp_steers_as_the_hf_engine_with_an_exported_control_vector(smollm2_engine, llm, tmp_path, capsys):
     from steer.edits.edit import compile_edit
     from steer.config.schema import EditKind
 
-    tap = resolve(TapConf(layer=LAYER), smol.spec)
-    d = direction(smol, tap, POS, NEG, Recipe(chat="true"))
-    plan = one_edit_plan(smol.spec, LAYER, compile_edit(EditKind.add, SCALE, d[None]))
+    tap = resolve(TapConf(layer=LAYER), smollm2_engine.spec)
+    d = direction(smollm2_engine, tap, POS, NEG, Recipe(chat="true"))
+    plan = one_edit_plan(smollm2_engine.spec, LAYER, compile_edit(EditKind.add, SCALE, d[None]))
     path = formats.write_gguf(tmp_path / "joy.gguf", {LAYER: SCALE * d}, "llama")
-    n_embd, n_layer = smol.spec.hidden, smol.spec.layers
+    n_embd, n_layer = smollm2_engine.spec.hidden, smollm2_engine.spec.layers
     gen = GenConf(max_new_tokens=NEW)
     report = []
     for text in PROMPTS:
-        ids = smol.encode(text, "true")
-        hf_base, hf_steer = smol.generate(ids, None, gen, 0), smol.generate(ids, plan, gen, 0)
+        ids = smollm2_engine.encode(text, "true")
+        hf_base, hf_steer = smollm2_engine.generate(ids, None, gen, 0), smollm2_engine.generate(ids, plan, gen, 0)
         set_cvec(llm, None, n_embd, n_layer)
         ll_base = llama_greedy(llm, ids, NEW)
         set_cvec(llm, cvec_buffer(path, n_embd, n_layer), n_embd, n_layer)
@@ -139,7 +121,7 @@ def test_llama_cpp_steers_as_the_hf_engine_with_an_exported_control_vector(smol,
 
         # the log-prob shift of HF's steered continuation: steered minus baseline, in each engine
         seq = ids + hf_steer
-        shift_hf = hf_logprob(smol, ids, hf_steer, plan) - hf_logprob(smol, ids, hf_steer, None)
+        shift_hf = hf_logprob(smollm2_engine, ids, hf_steer, plan) - hf_logprob(smollm2_engine, ids, hf_steer, None)
         steered_ll = llama_logprob(llm, seq, len(ids))
         set_cvec(llm, None, n_embd, n_layer)
         shift_ll = steered_ll - llama_logprob(llm, seq, len(ids))
@@ -167,16 +149,16 @@ def test_llama_cpp_steers_as_the_hf_engine_with_an_exported_control_vector(smol,
                   % (r[0], r[1], NEW, r[2], NEW, r[3], r[4], r[5], r[6]))
 
 
-def test_the_python_block_of_docs_vectors_runs_a_control_vector_steer_exported(smol, model_gguf, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_the_python_block_of_docs_vectors_runs_a_control_vector_steer_exported(smollm2_engine, model_gguf,
+                                                                               tmp_path, monkeypatch, capsys):
     """docs/vectors.md's "From Python" block, run as written, in a directory holding a control vector exported by
     steer (joy.gguf): it prints llama.cpp's steered text, which differs from the unsteered one."""
     from helpers import ROOT
 
     block = (ROOT / "docs" / "vectors.md").read_text().split("### From Python")[1].split("```python\n")[1]
     block = block.split("```")[0]
-    tap = resolve(TapConf(layer=LAYER), smol.spec)
-    d = direction(smol, tap, POS, NEG, Recipe(chat="true"))
+    tap = resolve(TapConf(layer=LAYER), smollm2_engine.spec)
+    d = direction(smollm2_engine, tap, POS, NEG, Recipe(chat="true"))
     formats.write_gguf(tmp_path / "joy.gguf", {LAYER: SCALE * d}, "llama")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}

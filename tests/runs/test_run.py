@@ -250,7 +250,8 @@ def test_an_extract_out_the_kernel_refuses_is_said_before_any_engine(tmp_path, c
     from steer.errors import ConfigError
     from steer.runs import job
 
-    monkeypatch.setattr(job, "engine_for", lambda jobs: pytest.fail("an engine started"))
+    for where in (job, run):
+        monkeypatch.setattr(where, "engine_for", lambda jobs: pytest.fail("an engine started"))
     with pytest.raises(ConfigError) as e:
         run.main(compose(*QUICK, "task=extract", "extract.out=/proc/nope/x.safetensors"), tmp_path, None)
     assert e.value.field == "extract.out" and "cannot be written" in str(e.value), e.value
