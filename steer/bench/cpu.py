@@ -8,9 +8,12 @@ steered (its edit: the joy direction added at layer 12, scale 4), greedy, `--tok
 12 requests through `generate_many`; the reference is what a researcher writes by hand: transformers' batched
 `generate` on the same prompt ids, left-padded, once unsteered and once with a forward hook adding the same vector.
 The two alternate for `--rounds` rounds and the best round of each counts (generated tokens per second, the stop
-token not counted). The server (`python -m steer.serve engine=hf model=smollm2`, preset `joy`) is then sent
-`--requests` chat completions of the same prompts with the official openai client, one at a time and then all at
-once, each answer checked against the same request's answer sent alone.
+token not counted). A third entry runs the steered requests under a condition on the prompt (edit.when: the same
+edit, applied where the prompt's mean at layer 5 scores above the prompts' median cosine with the edit's vector, so
+half the prompts meet it), in the same rounds, against steer's unconditional batch. The server (`python -m
+steer.serve engine=hf model=smollm2`, preset `joy`) is then sent `--requests` chat completions of the same prompts
+with the official openai client, one at a time and then all at once, each answer checked against the same
+request's answer sent alone.
 """
 
 import argparse
@@ -73,6 +76,28 @@ def plain_generate(model, prompts: List[List[int]], tokens: int, pad: int, stop:
     return rows
 
 
+def conditional(engine, work, layer: int = 5):
+    """The steered plan with its edits under a condition half the prompts meet: the cosine of a prompt's mean at
+    `layer` with the first edit's vector, above the middle of the prompts' scores. The plan, and which met it."""
+    from dataclasses import replace
+
+    from steer.edits.condition import Condition
+    from steer.edits.plan import Plan
+
+    tap, edit = work.plan.primary
+    path = work.job.spec.layer_path(layer)
+    probe = Condition(path, edit.basis[0], "mean", "cosine")
+    read = engine.score_many([(ids, [], None, (path,)) for ids in work.encoded])
+    scores = [float(probe.scores(r.captured[path][None], torch.ones(1, len(ids), dtype=torch.bool))[0])
+              for ids, r in zip(work.encoded, read)]
+    ranked = sorted(scores)
+    middle = (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
+    cond = replace(probe, threshold=middle)
+    plan = Plan(taps=dict(work.steering.taps), primary=work.steering.primary)
+    plan.edits = {p: [replace(e, when=cond) for e in es] for p, es in work.steering.edits.items()}
+    return plan, [s > middle for s in scores]
+
+
 def engines(rounds: int, tokens: int) -> Dict:
     """steer's HF engine and plain transformers + a hook on the main job, alternating; the best round of each."""
     from transformers import AutoModelForCausalLM
@@ -90,12 +115,18 @@ def engines(rounds: int, tokens: int) -> Dict:
             vector = edit.scale * edit.basis[0]
             stop = sorted(engine.stop_ids)
             pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else stop[0]
-            times: Dict[str, List[float]] = {"steer": [], "plain": []}
+            cond_plan, met = conditional(engine, work)
+            cond_jobs = jobs[: len(work.encoded)] + [(ids, cond_plan, seed) for ids, seed in
+                                                      zip(work.encoded, work.seeds)]
+            times: Dict[str, List[float]] = {"steer": [], "plain": [], "conditional": []}
             for i in range(rounds):
                 console.print(f"round {i + 1} of {rounds}")
                 t0 = time.perf_counter()
                 ours = engine.generate_many(jobs, gen)
                 times["steer"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                cond = engine.generate_many(cond_jobs, gen)
+                times["conditional"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 theirs = plain_generate(plain, work.encoded, tokens, pad, stop)
                 theirs += plain_generate(plain, work.encoded, tokens, pad, stop, layer, vector)
@@ -108,12 +139,16 @@ def engines(rounds: int, tokens: int) -> Dict:
             alone = engine.generate_many(jobs, gen)
             t_alone = time.perf_counter() - t0
             engine.bound = one
-    n_ours, n_theirs, n_alone = (sum(len(r) for r in x) for x in (ours, theirs, alone))
+    n_ours, n_theirs, n_alone, n_cond = (sum(len(r) for r in x) for x in (ours, theirs, alone, cond))
     same = sum(a == b for a, b in zip(ours, theirs))
+    half = len(work.encoded)
+    # a met row generates the steered text, an unmet one the baseline's
+    cond_equal = sum(c == (s if m else b) for c, s, b, m in zip(cond[half:], ours[half:], ours[:half], met))
     return {"steer": n_ours / min(times["steer"]), "plain": n_theirs / min(times["plain"]),
             "steer_one_at_a_time": n_alone / t_alone, "tokens": n_ours, "plain_tokens": n_theirs,
             "rows_equal": same, "rows": len(jobs), "alone_equal": sum(a == b for a, b in zip(ours, alone)),
-            "prompts": list(work.prompts)}
+            "prompts": list(work.prompts), "conditional": n_cond / min(times["conditional"]), "met": sum(met),
+            "conditional_equal": cond_equal}
 
 
 async def _load(url: str, prompts: List[str], n: int, concurrency: int, tokens: int) -> Tuple[float, List[str]]:
@@ -165,10 +200,14 @@ def markdown(e: Dict, s: Dict, args) -> str:
              f"{e['steer'] / e['plain']:.2f} |",
              f"| steer HF engine, one request at a time (hf.batch_size=1) | {e['steer_one_at_a_time']:.1f} | "
              f"{e['steer_one_at_a_time'] / e['plain']:.2f} |",
+             f"| steer HF engine, steered rows under edit.when ({e['met']} of {len(e['prompts'])} met; "
+             f"x{e['conditional'] / e['steer']:.2f} of unconditional) | {e['conditional']:.1f} | "
+             f"{e['conditional'] / e['plain']:.2f} |",
              f"| transformers `generate`, left-padded batch of 6, + forward hook | {e['plain']:.1f} | 1.00 |", "",
              f"{e['tokens']} tokens generated by steer, {e['plain_tokens']} by plain transformers; rows equal to "
              f"plain transformers': {e['rows_equal']} of {e['rows']}; batched rows equal to one at a time: "
-             f"{e['alone_equal']} of {e['rows']}."]
+             f"{e['alone_equal']} of {e['rows']}; conditional rows equal to the steered text where met and the "
+             f"baseline where not: {e['conditional_equal']} of {len(e['prompts'])}."]
     if s:
         lines += ["", "| server (engine=hf, chat, half the requests on preset joy) | generated tok/s | x one |",
                   "| --- | ---: | ---: |",

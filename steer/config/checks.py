@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from steer.config.schema import (EXTRACT_METHODS, EXTRACT_POSITIONS, EXTRACT_SPANS, EditKind, GenConf, HfConf,
                                  PromptsConf, SteerConf, Task, Tokens, VllmConf)
+from steer.edits import positions
 from steer.errors import ConfigError, refuse_repeats
 from steer.models.prompt import chat_mode, check_texts
 
@@ -124,6 +125,11 @@ def hf(h: HfConf, new_tokens: int = 1) -> None:
                                                                  f"{new_tokens})" if new_tokens > 1 else "")
 
 
+def _needs_hf(engine: str, field: str) -> None:
+    if engine != "hf":
+        raise ConfigError(field, f"runs on engine=hf (this run resolves to engine={engine})")
+
+
 def _needs_vllm(engine: str, field: str, what: str, who: str) -> None:
     if engine != "vllm":
         raise ConfigError(field, f"{what} needs engine=vllm ({who} resolves to engine={engine})")
@@ -217,9 +223,18 @@ def run(cfg: SteerConf, engine: str) -> None:
     gen(cfg.gen)
     hf(cfg.hf, cfg.gen.max_new_tokens)
     prompt_sets(cfg.prompts, ("steer", "positive", "negative"))
-    scale_by("edit", cfg.edit)
-    for i, te in enumerate(cfg.extra_edits):
-        scale_by(f"extra_edits[{i}].edit", te.edit)
+    edits = [("edit", cfg.edit)] + [(f"extra_edits[{i}].edit", te.edit) for i, te in enumerate(cfg.extra_edits)]
+    taps = [("tap", cfg.tap)] + [(f"extra_edits[{i}].tap", te.tap) for i, te in enumerate(cfg.extra_edits)]
+    for (prefix, e), (tap_field, tap) in zip(edits, taps):
+        scale_by(prefix, e)
+        if cfg.task != Task.condition:  # which task=condition chooses the layer and threshold of
+            when(prefix, e, cfg.prompts)
+        where = positions.parse(e.positions, f"{prefix}.positions")
+        # the vLLM engine's stages carry no condition, position window or input tap: those run on the HF engine
+        for field, used in ((f"{prefix}.when.layer", e.when.layer is not None),
+                            (f"{prefix}.positions", not where.every), (f"{tap_field}.input", tap.input)):
+            if used:
+                _needs_hf(engine, field)
     at_least("extract.folds", cfg.extract.folds, 2)
     damage(cfg)
     judge(cfg.eval.judge)
@@ -229,6 +244,8 @@ def run(cfg: SteerConf, engine: str) -> None:
         export(cfg)
     if cfg.task == Task.eval:
         eval_task(cfg)
+    if cfg.task == Task.condition:
+        condition_task(cfg)
 
 
 EXPORT_FORMATS = ("gguf", "safetensors")
@@ -276,6 +293,60 @@ def scale_by(prefix: str, e) -> None:
     if e.scale_by != "vector" and e.kind == EditKind.scale:
         raise ConfigError(f"{prefix}.scale_by", "edit.kind=scale multiplies the stream, whose vector is a centre, "
                                                 "not a direction; leave scale_by=vector")
+
+
+def when(prefix: str, e, prompts: Optional[PromptsConf] = None) -> None:
+    """An edit's condition (`edit.when`): its choices, its threshold (a cosine), and a direction to read from a file
+    or from the condition prompts (`prompts`: None where there are none, as in a server's preset)."""
+    from steer.edits.condition import COMPARE, REDUCE, SCORE
+
+    w, field = e.when, f"{prefix}.when"
+    for name, allowed in (("reduce", REDUCE), ("score", SCORE), ("compare", COMPARE)):
+        if getattr(w, name) not in allowed:
+            raise ConfigError(f"{field}.{name}", f"{getattr(w, name)!r} is not one of {', '.join(allowed)}")
+    if not (isinstance(w.threshold, (int, float)) and -1.0 <= w.threshold <= 1.0):
+        raise ConfigError(f"{field}.threshold", f"must be in [-1, 1] (both scores are cosines), got {w.threshold}")
+    if w.layer is None:
+        if w.vector is not None:
+            raise ConfigError(f"{field}.layer", "is unset, and a condition reads the prompt at a decoder layer: set "
+                                                f"{field}.layer=k")
+        return
+    if w.vector is None:
+        sides = [] if prompts is None else [list(prompts.condition_positive), list(prompts.condition_negative)]
+        if not sides or not all(sides):
+            where = ("give prompts.condition_positive and prompts.condition_negative (or their _file forms) to "
+                     "extract it from" if prompts is not None else "a preset's condition names its file")
+            raise ConfigError(f"{field}.vector", f"the condition has no direction: set {field}.vector to a file, or "
+                                                 f"{where}")
+        check_texts(prompts, ("condition_positive", "condition_negative"))
+
+
+def condition_task(cfg: SteerConf, layers: Optional[int] = None) -> None:
+    """task=condition's grid and prompts (`layers`: the model's decoder layers, once known)."""
+    c = cfg.condition
+    if not c.layers:
+        raise ConfigError("condition.layers", "is empty; give at least one decoder layer")
+    if layers is not None:
+        bad = [x for x in c.layers if not 0 <= x < layers]
+        if bad:
+            raise ConfigError("condition.layers", f"{bad} out of range: the model has {layers} decoder layers "
+                                                  f"(0..{layers - 1})")
+    refuse_repeats("condition.layers", [int(x) for x in c.layers])
+    if not (math.isfinite(c.step) and 0 < c.step <= 1):
+        raise ConfigError("condition.step", f"must be in (0, 1], got {c.step}")
+    if not 0 < c.split < 1:
+        raise ConfigError("condition.split", f"must be in (0, 1) (the share of prompts the direction is extracted "
+                                             f"from), got {c.split}")
+    least = 1 if cfg.edit.when.vector is not None else 2  # a side split in two needs two
+    for side in ("condition_positive", "condition_negative"):
+        if len(getattr(cfg.prompts, side)) < least:
+            raise ConfigError(f"prompts.{side}", f"task=condition scores held-out prompts of both sides; give at "
+                                                 f"least {least}")
+    check_texts(cfg.prompts, ("condition_positive", "condition_negative"))
+    for name, allowed in (("reduce", ("mean", "last")), ("score", ("cast", "cosine"))):
+        if getattr(cfg.edit.when, name) not in allowed:
+            raise ConfigError(f"edit.when.{name}", f"{getattr(cfg.edit.when, name)!r} is not one of "
+                                                   f"{', '.join(allowed)}")
 
 
 def extract_layers(cfg: SteerConf, layers: int) -> None:
@@ -342,6 +413,21 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
     if cfg.extra_edits:
         raise ConfigError("extra_edits", "task=select chooses a layer and scale for `edit` alone; leave "
                                          "extra_edits empty")
+
+
+def preset_edits(confs, engine: str) -> None:
+    """A server's presets (`confs`: name -> PresetConf): a condition names its direction's file (a server has no
+    condition prompts), and conditions, positions and input taps run on engine=hf."""
+    for name, conf in confs.items():
+        for i, te in enumerate(list(conf.edits) + [te for tes in conf.models.values() for te in tes]):
+            prefix = f"preset {name}: edits[{i}].edit"
+            when(prefix, te.edit, None)
+            where = positions.parse(te.edit.positions, f"{prefix}.positions")
+            for field, used in ((f"{prefix}.when.layer", te.edit.when.layer is not None),
+                                (f"{prefix}.positions", not where.every),
+                                (f"preset {name}: edits[{i}].tap.input", te.tap.input)):
+                if used:
+                    _needs_hf(engine, field)
 
 
 def serve_modes(conf) -> None:

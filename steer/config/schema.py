@@ -20,6 +20,7 @@ class Task(str, Enum):
     select = "select"  # a layer x scale sweep of the config's edit, scored by one probe under per-prompt damage rules
     export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
     eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/runs/evaluate.py)
+    condition = "condition"  # edit.when's layer and threshold by F1 on held-out condition prompts (runs/condition.py)
 
 
 @dataclass
@@ -66,6 +67,10 @@ class TapConf:
 
     layer: Optional[int] = None
     path: Optional[str] = None
+    input: bool = False  # read and edit what `path` receives (its first positional argument), not what it returns
+    # With input and a `path` naming an attention output projection: edit these heads' slices of its input
+    # ([n_heads * head_dim]), each by itself, with vectors of head_dim
+    heads: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +87,22 @@ class VectorConf:
 
 
 @dataclass
+class WhenConf:
+    """A condition on the prompt (CAST; steer/edits/condition.py): the edit acts on a request's rows only where its
+    prompt, read at `layer`, scores past `threshold` against the condition direction. Off while `layer` is null."""
+
+    # A direction file (any format edit.vector reads); null: extracted at `layer` from prompts.condition_positive
+    # and prompts.condition_negative (or their _file forms), as a default direction is from positive / negative
+    vector: Optional[str] = None
+    key: str = "direction"  # the tensor of `vector` to read
+    layer: Optional[int] = None  # the decoder layer whose output (after its own edits) the prompt is read at
+    reduce: str = "mean"  # over the prompt's rows: "mean", or the "last" one
+    score: str = "cast"  # "cast": cos(h, tanh(P h)), P = v v^T / (v^T v), as CAST; "cosine": cos(h, v)
+    compare: str = "above"  # the condition holds where the score is "above" the threshold, or "below" it
+    threshold: float = 0.0  # in [-1, 1]: both scores are cosines
+
+
+@dataclass
 class EditConf:
     kind: EditKind = EditKind.add
     scale: float = 1.0
@@ -94,6 +115,10 @@ class EditConf:
     # direction times the mean residual norm at its tap that extraction recorded in the vector's metadata
     # (diag.resid_norm), so scale 0.5 is half a typical activation whatever the vector's length (docs/configs.md)
     scale_by: str = "vector"
+    when: WhenConf = field(default_factory=WhenConf)  # apply only to requests whose prompt meets a condition
+    # Where in the sequence, beside `tokens`: all | last_prompt | first_generated (one row, or {select: last_prompt,
+    # last_k: k} / {select: first_generated, n: n}) | {from: i, to: j}, absolute positions (steer/edits/positions.py)
+    positions: Any = "all"
 
 
 @dataclass
@@ -123,6 +148,12 @@ class PromptsConf:
     negative_field: str = "negative"
     positive_file: Optional[str] = None  # two .txt files paired line by line, as llama.cpp's cvector-generator
     negative_file: Optional[str] = None
+    # Prompts that do (positive) and do not (negative) meet an edit's condition: edit.when's direction is extracted
+    # from them where edit.when.vector is null, and task=condition finds its layer and threshold on them
+    condition_positive: List[str] = dataclasses.field(default_factory=list)  # `field` is a field's name here
+    condition_negative: List[str] = dataclasses.field(default_factory=list)
+    condition_positive_file: Optional[str] = None  # .txt (one a line), .jsonl/.json/.csv (field `field`), datasets
+    condition_negative_file: Optional[str] = None
 
 
 @dataclass
@@ -285,6 +316,19 @@ class SelectConf:
 
 
 @dataclass
+class ConditionConf:
+    """task=condition: at each layer, the held-out condition prompts are scored (edit.when.score, edit.when.reduce)
+    and the (layer, compare, threshold) with the best F1 over the threshold grid is chosen."""
+
+    layers: List[int] = field(default_factory=lambda: [3, 5, 7, 9, 12])
+    step: float = 0.005  # the threshold grid: -1 to 1 by this step
+    # With edit.when.vector null, the direction is extracted at each layer from this share of each side of the
+    # condition prompts and the rest are scored; with a vector file every prompt is scored
+    split: float = 0.5
+    seed: int = 0  # which prompts fall on either side of the split
+
+
+@dataclass
 class PresetConf:
     """A named steering: {tap, edit} pairs written like `extra_edits` in the steer config, applied in order. Served
     as `vllm_xargs={"steer": "<file name>"}`, and run by `python -m steer preset=<file name>`: the first edit as
@@ -321,6 +365,7 @@ class SteerConf:
     export: ExportConf = field(default_factory=ExportConf)
     eval: EvalConf = field(default_factory=EvalConf)
     select: SelectConf = field(default_factory=SelectConf)
+    condition: ConditionConf = field(default_factory=ConditionConf)
     cache_dir: str = MISSING
     device: str = "cpu"
     progress: bool = True

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 
 from steer.config.schema import EditKind, Tokens
+from steer.edits.condition import Condition
+from steer.edits.positions import EVERY, Positions
 from steer.edits.vector import F32_MAX
 
 
@@ -28,6 +30,8 @@ class Edit:
     lo: Optional[float] = None
     hi: Optional[float] = None
     value: float = 0.0
+    when: Optional[Condition] = None  # act only on the rows of requests whose prompt meets it
+    positions: Positions = EVERY  # where in the sequence, beside `tokens`
 
     @property
     def is_noop(self) -> bool:
@@ -107,7 +111,7 @@ def orthonormal(vectors: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
 
 def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], *, tokens: Tokens = Tokens.both,
                  lo: Optional[float] = None, hi: Optional[float] = None, value: float = 0.0,
-                 field: str = "edit") -> Edit:
+                 field: str = "edit", when: Optional[Condition] = None, positions: Positions = EVERY) -> Edit:
     """Turn an edit's config and its float32 `[k, hidden]` vectors into an Edit, checking they fit the kind."""
     from steer.errors import ConfigError
 
@@ -134,4 +138,4 @@ def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], 
             if float(vectors.norm(dim=-1).min()) == 0.0:
                 raise ConfigError(f"{field}.vector", "a direction of norm 0 has no direction")
             vectors = orthonormal(vectors)
-    return Edit(kind, float(scale), vectors, tokens, lo, hi, value)
+    return Edit(kind, float(scale), vectors, tokens, lo, hi, value, when, positions)

@@ -5,19 +5,20 @@ Vectors named by a file are loaded and checked here; a vector left to the defaul
 """
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from steer.config.checks import SCALE_BY
-from steer.edits import formats, vector
+from steer.edits import formats, positions, vector
 from steer.errors import ConfigError
+from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
 from steer.models.spec import ModelSpec
 from steer.config.schema import EditConf, EditKind, SteerConf, TapConf
-from steer.edits.tap import Tap, resolve
+from steer.edits.tap import Tap, resolve, where
 
 log = logging.getLogger(__name__)
 DefaultVector = Union[torch.Tensor, Tuple[torch.Tensor, Optional[Dict[str, str]]]]
@@ -33,6 +34,31 @@ class Plan:
     # Edits compiled on a stand-in until their tap's default direction is known: (tap path, index in its list,
     # config field prefix, edit config).
     pending: List[Tuple[str, int, str, EditConf]] = field(default_factory=list)
+    # Conditions compiled on a stand-in until their direction is extracted from the condition prompts: (the stand-in,
+    # its tap, its config field)
+    pending_when: List[Tuple[Condition, Tap, str]] = field(default_factory=list)
+    condition_taps: Dict[str, Tap] = field(default_factory=dict)  # where the conditions read the prompt
+
+    def conditions(self) -> List[Condition]:
+        """The distinct conditions the edits name, in order."""
+        return list(dict.fromkeys(e.when for edits in self.edits.values() for e in edits if e.when is not None))
+
+    def with_conditions(self, default_vector: Callable[[Tap], torch.Tensor], hidden: int) -> "Plan":
+        """This plan with every condition that waits for a direction compiled on `default_vector(tap)` (the
+        condition prompts' direction at its tap)."""
+        if not self.pending_when:
+            return self
+        new: Dict[Condition, Condition] = {}
+        for stand_in, tap, _ in self.pending_when:
+            d = vector.check(default_vector(tap), hidden, f"condition direction at {tap.name}")
+            new[stand_in] = replace(stand_in, vector=d.reshape(-1).float())
+        out = Plan(taps=dict(self.taps), condition_taps=dict(self.condition_taps))
+        out.edits = {path: [replace(e, when=new.get(e.when, e.when)) for e in edits]
+                     for path, edits in self.edits.items()}
+        out.pending = list(self.pending)
+        first = self.primary[0]
+        out.primary = (first, out.edits[first.path][0])
+        return out
 
     def add(self, tap: Tap, edit: Edit) -> None:
         self.taps.setdefault(tap.path, tap)
@@ -45,21 +71,22 @@ class Plan:
         `default_vector(tap)` gives the direction, or (direction, its file's metadata) for edit.scale_by=resid."""
         if not self.pending:
             return self
-        out = Plan(taps=dict(self.taps), edits={path: list(edits) for path, edits in self.edits.items()})
+        out = Plan(taps=dict(self.taps), edits={path: list(edits) for path, edits in self.edits.items()},
+                   pending_when=list(self.pending_when), condition_taps=dict(self.condition_taps))
         for path, i, prefix, e in self.pending:
             tap = self.taps[path]
             got = default_vector(tap)
             d, meta = got if isinstance(got, tuple) else (got, None)
             where = f"default vector at {tap.name}"
-            vecs = scaled(e, vector.check(d, hidden, where), meta, "direction", tap, prefix, where)
-            out.edits[path][i] = _compile(e, vecs, prefix)
+            vecs = scaled(e, vector.check(d, tap.width or hidden, where), meta, "direction", tap, prefix, where)
+            out.edits[path][i] = _compile(e, vecs, prefix, self.edits[path][i].when)
         first = self.primary[0]
         out.primary = (first, out.edits[first.path][0])  # the config's first edit is the first at its tap
         return out
 
     def active(self) -> "Plan":
         """The same plan without edits that change nothing (so scale 0 runs no edit at all)."""
-        out = Plan(primary=self.primary)
+        out = Plan(primary=self.primary, condition_taps=dict(self.condition_taps))
         for path, edits in self.edits.items():
             for e in edits:
                 if not e.is_noop:
@@ -91,28 +118,74 @@ def compile_entries(items: Sequence[Tuple[str, TapConf, EditConf]], spec: ModelS
     """`build` for any (field prefix, tap config, edit config) list, e.g. a steer.serve preset's edits; with
     `default_vector`, the pending edits are then compiled on it."""
     plan = Plan()
+    conditions: Dict[tuple, Condition] = {}
     for prefix, tap_conf, e in items:
+        when = _condition(e, spec, prefix, plan, conditions)
         if e.vector.layers is not None:
             meta = vector.metadata(Path(e.vector.path).expanduser()) if e.vector.path is not None else {}
             for k, tap, vecs in _per_layer(e, spec, prefix):
                 vecs = scaled(e, vecs, meta, f"direction.{k}", tap, prefix, f"{e.vector.path}:direction.{k}")
-                plan.add(tap, _compile(e, vecs, prefix))
+                plan.add(tap, _compile(e, vecs, prefix, when))
             continue
         tap = resolve(tap_conf, spec, f"{prefix}tap")
+        width, what = tap_width(tap, spec)
         if e.vector.path is not None:
             layer = spec_layer(tap, spec)
-            vecs = vector.load(e.vector.path, e.vector.key, spec.hidden, f"{prefix}edit.vector", layer=layer,
-                               feature=e.vector.feature, any_layer=e.vector.any_layer)
+            vecs = vector.load(e.vector.path, e.vector.key, width, f"{prefix}edit.vector", layer=layer,
+                               feature=e.vector.feature, any_layer=e.vector.any_layer, what=what)
             _check_origin(e.vector.path, tap, spec, f"{prefix}edit.vector.path")
             meta = vector.metadata(Path(e.vector.path).expanduser())
             vecs = scaled(e, vecs, meta, e.vector.key, tap, prefix, f"{e.vector.path}:{e.vector.key}")
+        elif needs_default_vector(e) and where(tap.path)[2]:
+            if e.kind != EditKind.ablate:
+                raise ConfigError(f"{prefix}edit.vector.path", f"an edit of heads takes a vector of head_dim "
+                                                               f"({width}) from a file; only ablate goes without one "
+                                                               "(it ablates the heads' whole slices)")
+            vecs = torch.eye(width)  # every direction of the head's slice: the head ablated
         elif needs_default_vector(e):
-            vecs = torch.ones(1, spec.hidden)  # stands in for the extracted direction until `with_defaults`
+            vecs = torch.ones(1, width)  # stands in for the extracted direction until `with_defaults`
             plan.pending.append((tap.path, len(plan.edits.get(tap.path, [])), prefix, e))
         else:
             vecs = None
-        plan.add(tap, _compile(e, vecs, prefix))
+        plan.add(tap, _compile(e, vecs, prefix, when))
     return plan if default_vector is None else plan.with_defaults(default_vector, spec.hidden)
+
+
+def _condition(e: EditConf, spec: ModelSpec, prefix: str, plan: Plan, made: Dict[tuple, Condition]
+               ) -> Optional[Condition]:
+    """The edit's condition (None: it has none), its tap resolved and its direction read from its file, or a
+    stand-in in `plan.pending_when` until the condition prompts' direction is extracted. Edits whose `when` is the
+    same share one Condition, and so one decision."""
+    w = e.when
+    if w.layer is None:
+        return None
+    field = f"{prefix}edit.when"
+    key = (w.layer, w.vector, w.key, w.reduce, w.score, w.compare, float(w.threshold))
+    if key in made:
+        return made[key]
+    tap = resolve(TapConf(layer=w.layer), spec, field)  # names {field}.layer
+    if w.vector is not None:
+        v = when_vector(w.vector, w.key, spec.hidden, field, w.layer)
+        if v.shape[0] != 1:
+            raise ConfigError(f"{field}.vector", f"a condition reads one direction [hidden]; {w.vector!r} holds "
+                                                 f"{v.shape[0]} rows")
+        c = Condition(tap.path, v[0].float(), w.reduce, w.score, w.compare, float(w.threshold))
+    else:
+        c = Condition(tap.path, torch.ones(spec.hidden), w.reduce, w.score, w.compare, float(w.threshold))
+        plan.pending_when.append((c, tap, field))
+    plan.condition_taps.setdefault(tap.path, tap)
+    made[key] = c
+    return c
+
+
+def tap_width(tap: Tap, spec: ModelSpec) -> Tuple[int, str]:
+    """The width of a tap's rows, which its vectors must have, and what names it in an error."""
+    if not tap.width or tap.width == spec.hidden and not where(tap.path)[1]:
+        return spec.hidden, "the model's hidden size"
+    module, _, heads, dim = where(tap.path)
+    if heads:
+        return dim, f"a head's width at {module}'s input (head_dim)"
+    return tap.width, f"the width of {module}'s input"
 
 
 def spec_layer(tap: Tap, spec: ModelSpec) -> Optional[int]:
@@ -183,6 +256,17 @@ def scaled(e: EditConf, vecs: torch.Tensor, meta: Optional[Dict[str, str]], key:
     return unit * norm
 
 
-def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str) -> Edit:
+def when_vector(path: str, key: str, hidden: int, field: str, layer: Optional[int] = None) -> torch.Tensor:
+    """`vector.load` for a condition's file, its errors naming `<field>.vector` and `<field>.key` (a condition's
+    file is one value, not a section)."""
+    try:
+        return vector.load(path, key, hidden, f"{field}.vector", layer=layer)
+    except ConfigError as e:
+        name = {f"{field}.vector.path": f"{field}.vector", f"{field}.vector.key": f"{field}.key"}.get(e.field, e.field)
+        raise ConfigError(name, str(e).split(": ", 1)[1]) from None
+
+
+def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str, when: Optional[Condition] = None) -> Edit:
     return compile_edit(e.kind, e.scale, vecs, tokens=e.tokens, lo=e.lo, hi=e.hi, value=e.value,
-                        field=f"{prefix}edit")
+                        field=f"{prefix}edit", when=when,
+                        positions=positions.parse(e.positions, f"{prefix}edit.positions"))

@@ -97,7 +97,8 @@ def require(path: str | Path, field: str = "edit.vector") -> Path:
 
 
 def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", layer: Optional[int] = None,
-         feature: Optional[int] = None, any_layer: bool = False) -> torch.Tensor:
+         feature: Optional[int] = None, any_layer: bool = False, what: str = "the model's hidden size"
+         ) -> torch.Tensor:
     """Load `key` from `path` as float32 `[k, hidden]`, or raise ConfigError naming what is wrong. A GGUF control
     vector or a multi-layer file gives its direction at decoder layer `layer` (the tap's), an SAE directory its
     feature `feature` (steer.edits.formats reads them all)."""
@@ -105,7 +106,7 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", la
     kind = formats.kind(path)
     if kind == "sae":
         v = formats.read_sae(path, feature, hidden, layer, any_layer, field)
-        return check(v, hidden, f"{field} ({path}: feature {feature})")
+        return check(v, hidden, f"{field} ({path}: feature {feature})", what=what)
     if feature is not None:
         raise ConfigError(f"{field}.feature", f"names an SAE feature, and {str(path)!r} is a vector file, not an SAE "
                                               "directory; leave it unset")
@@ -113,12 +114,12 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", la
         raise ConfigError(f"{field}.path", f"{str(path)!r} is not a regular file")
     if kind in ("npy", "pt"):
         v = formats.read_npy(path, key, field) if kind == "npy" else formats.read_pt(path, key, field)
-        return check(v, hidden, f"{field} ({path})")
+        return check(v, hidden, f"{field} ({path})", what=what)
     if kind == "gguf" or formats.is_multi_layer(_metadata_or_none(path, field)):
         if layer is None and key.startswith("direction.") and key[len("direction."):].isdigit():
             layer = int(key[len("direction."):])  # no tap layer to pick by: the key names the layer
         return check(_at_layer(formats.read_layers(path, field), path, layer, field), hidden,
-                     f"{field} ({path}:direction.{layer})")
+                     f"{field} ({path}:direction.{layer})", what=what)
     try:
         f = safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for a corrupt header
@@ -128,7 +129,7 @@ def load(path: str | Path, key: str, hidden: int, field: str = "edit.vector", la
         if key not in keys:
             raise ConfigError(f"{field}.key", f"key {key!r} is not in {str(path)!r}; keys present: {keys}")
         v = f.get_tensor(key)
-    return check(v, hidden, f"{field} ({path}:{key})")
+    return check(v, hidden, f"{field} ({path}:{key})", what=what)
 
 
 def load_layers(path: str | Path, hidden: int, field: str = "edit.vector") -> Dict[int, torch.Tensor]:
@@ -160,16 +161,17 @@ def _metadata_or_none(path: Path, field: str) -> Dict[str, str]:
 F32_MAX = torch.finfo(torch.float32).max
 
 
-def check(v: torch.Tensor, hidden: int, where: str) -> torch.Tensor:
-    """Validate a vector's dtype, shape and values against the model; return it as float32 `[k, hidden]`."""
+def check(v: torch.Tensor, hidden: int, where: str, what: str = "the model's hidden size") -> torch.Tensor:
+    """Validate a vector's dtype, shape and values against the model (`hidden`: the width of the tap's rows, which
+    `what` names); return it as float32 `[k, hidden]`."""
     if not v.is_floating_point():
         raise ConfigError(where, f"dtype {v.dtype} is not a floating-point type")
     expected = f"expected [{hidden}] (one direction) or [k, {hidden}] (a subspace of k directions)"
     if v.dim() not in (1, 2):
         raise ConfigError(where, f"shape {list(v.shape)} has {v.dim()} dimensions: {expected}")
     if v.shape[-1] != hidden:
-        raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: {expected} (the model's hidden "
-                                 f"size is {hidden}, the vector's last dimension {v.shape[-1]})")
+        raise ConfigError(where, f"shape {list(v.shape)} does not fit the model: {expected} ({what} is {hidden}, "
+                                 f"the vector's last dimension {v.shape[-1]})")
     if v.numel() == 0:
         raise ConfigError(where, f"shape {list(v.shape)} holds no direction: {expected}")
     # Checked as the edits hold it: a float64 1e39 is finite and float32's inf (and float8 has no isfinite)

@@ -17,6 +17,7 @@ import torch
 
 from steer.engine.base import Engine, Scores, stop_ids
 from steer.engine.hf_batch import Batch, Bound, Forward, Row, _pick
+from steer.engine.hf_marks import Decided, Marks, hook
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf
@@ -35,7 +36,7 @@ class HFEngine(Engine):
         self.model.to(self.device).eval()
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
         self.bound = bound
-        self._is_prompt: Optional[torch.Tensor] = None  # per row of the forward being run
+        self._marks: Optional[Marks] = None  # the rows of the forward being run
         # transformers 5.2x renamed `past_key_values` to `cache`; earlier releases (5.17) know only the old name.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
@@ -59,32 +60,33 @@ class HFEngine(Engine):
 
     @contextmanager
     def _hooks(self, plan: Optional[Plan], capture: Optional[Dict[str, List[torch.Tensor]]] = None) -> Iterator[None]:
-        """Install the plan's edits and, after them, captures of the tap values named in `capture`."""
+        """Install the plan's edits, its conditions' reading (after the edits at their taps) and, after them,
+        captures of the tap values named in `capture`; each forward's rows are marked in `self._marks`."""
         handles = []
         modules = dict(self.model.named_modules())
-        for path, edits in (plan.edits.items() if plan else []):
-            handles.append(modules[path].register_forward_hook(self._edit_hook(edits)))
+        for path in (plan.edits if plan else {}):
+            handles.append(hook(modules, path, lambda h, path=path: self._marks.edit(path, h)))
+        for path in dict.fromkeys(c.path for c in (plan.conditions() if plan else ())):
+            handles.append(hook(modules, path, lambda h, path=path: self._marks.condition(path, h)))
         for path, store in (capture or {}).items():
-            handles.append(modules[path].register_forward_hook(_capture_hook(store)))
+            handles.append(hook(modules, path, lambda h, store=store: store.append(h.detach().clone())))
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
 
-    def _edit_hook(self, edits):
-        def hook(module, args, output):
-            h = _primary(output)
-            rows = h.reshape(-1, h.shape[-1])  # a view: the edit lands in the module's output
-            for e in edits:
-                e.apply_(rows, e.row_weight(self._is_prompt))
-        return hook
-
     @torch.no_grad()
-    def _forward(self, ids: List[int], is_prompt: bool | torch.Tensor, past=None, cache: bool = True):
+    def _forward(self, ids: List[int], is_prompt: bool | torch.Tensor, plan: Optional[Plan] = None, past=None,
+                 cache: bool = True, decided: Optional[Decided] = None, start: int = 0, plen: int = 0):
+        """One request's forward over `ids` (its rows marked prompt or generated), from position `start` of a
+        sequence whose prompt is `plen` tokens, its conditions decided before in `decided`; the decisions it makes
+        are left in `self._marks`."""
         x = torch.tensor([ids], device=self.device)
-        self._is_prompt = (torch.full((len(ids),), is_prompt, dtype=torch.bool) if isinstance(is_prompt, bool)
-                           else is_prompt).to(self.device)
+        mask = (torch.full((len(ids),), is_prompt, dtype=torch.bool) if isinstance(is_prompt, bool)
+                else is_prompt).to(self.device)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        self._marks = Marks([plan], mask[None], torch.ones_like(mask)[None], [decided], pos, [plen])
         return self.model(input_ids=x, use_cache=cache, **{self._cache_kw: past})
 
     def generate(self, prompt_ids: List[int], plan: Optional[Plan], gen: GenConf, seed: int) -> List[int]:
@@ -98,7 +100,8 @@ class HFEngine(Engine):
         rng = torch.Generator(device="cpu").manual_seed(seed)
         n = 0
         with self._hooks(plan):
-            res = self._forward(prompt_ids, True)
+            res = self._forward(prompt_ids, True, plan, plen=len(prompt_ids))
+            decided = self._marks.decisions(1)[0]
             for _ in range(gen.max_new_tokens):
                 tok = _pick(res.logits[0, -1].float().cpu(), gen, rng)
                 if tok in self.stop_ids:
@@ -107,7 +110,8 @@ class HFEngine(Engine):
                 n += 1
                 if n == gen.max_new_tokens:
                     break
-                res = self._forward([tok], False, getattr(res, self._cache_kw))
+                res = self._forward([tok], False, plan, getattr(res, self._cache_kw), decided=decided,
+                                    start=len(prompt_ids) + n - 1, plen=len(prompt_ids))
 
     def generate_many(self, jobs, gen: GenConf, progress=None) -> List[List[int]]:
         """Continue every (prompt ids, plan or None, seed) job: their rows in one running batch (each job joins as
@@ -158,9 +162,14 @@ class HFEngine(Engine):
 
     def _score_batch(self, jobs) -> List[Scores]:
         capture = sorted({path for *_, cap in jobs for path in cap})
-        res, real, store = Forward(self).prompts([p + c for p, c, _, _ in jobs], [plan for _, _, plan, _ in jobs],
-                                                 [len(p) for p, _, _, _ in jobs], cache=False, last_only=False,
-                                                 capture=capture)
+        fwd, plans = Forward(self), [plan for _, _, plan, _ in jobs]
+        decided = None
+        if any(plan is not None and plan.conditions() for plan in plans):  # the prompts' decisions first
+            fwd.prompts([p for p, _, _, _ in jobs], plans, [len(p) for p, _, _, _ in jobs], cache=False,
+                        last_only=True)
+            decided = fwd.decided
+        res, real, store = fwd.prompts([p + c for p, c, _, _ in jobs], plans, [len(p) for p, _, _, _ in jobs],
+                                       cache=False, last_only=False, capture=capture, decided=decided)
         out = []
         length = real.shape[1]
         for b, (p, c, _, cap) in enumerate(jobs):
@@ -177,17 +186,13 @@ class HFEngine(Engine):
         too), and each captured tap's `[len, hidden]` value after its edits."""
         store: Dict[str, List[torch.Tensor]] = {p: [] for p in capture}
         mask = torch.tensor([True] * len(prompt_ids) + [False] * len(cont_ids))
+        decided = None
+        if plan is not None and plan.conditions():  # the prompt's decisions, which the continuation's rows hold
+            with self._hooks(plan):
+                self._forward(list(prompt_ids), True, plan, cache=False, plen=len(prompt_ids))
+            decided = self._marks.decisions(1)[0]
         with self._hooks(plan, store):
-            res = self._forward(list(prompt_ids) + list(cont_ids), mask, cache=False)
+            res = self._forward(list(prompt_ids) + list(cont_ids), mask, plan, cache=False, decided=decided,
+                                plen=len(prompt_ids))
         caps = {p: v[0].reshape(-1, v[0].shape[-1]).float().cpu() for p, v in store.items()}
         return Scores(torch.log_softmax(res.logits[0].float().cpu(), -1), caps)
-
-
-def _primary(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _capture_hook(store: List[torch.Tensor]):
-    def hook(module, args, output):
-        store.append(_primary(output).detach().clone())
-    return hook

@@ -14,8 +14,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from steer.config.schema import GenConf, Tokens
+from steer.config.schema import GenConf
 from steer.edits.plan import Plan
+from steer.engine.hf_marks import Decided, Marks, hook
 from steer.errors import ConfigError
 
 
@@ -48,52 +49,12 @@ class Row:
     rng: Optional[torch.Generator] = None
     logits: Optional[torch.Tensor] = None  # the next token's distribution, float32 [vocab]
     done: bool = False
+    decided: Optional[Decided] = None  # its plan's conditions, decided when its prompt ran
 
     @property
     def need(self) -> int:
         """Positions the row holds at its longest."""
         return len(self.ids) + self.gen.max_new_tokens
-
-
-class Marks:
-    """Which rows of a forward belong to which plan, and each row's prompt / generated / padding marks, read by
-    the edit hooks: per plan, the batch rows it owns and the flat `[rows x positions]` mask of each token
-    selector."""
-
-    def __init__(self, plans: Sequence[Optional[Plan]], is_prompt: torch.Tensor, real: torch.Tensor):
-        self.groups: List[Tuple[Plan, Optional[torch.Tensor], Dict[Tokens, Optional[torch.Tensor]]]] = []
-        by: Dict[int, List[int]] = {}
-        for b, plan in enumerate(plans):
-            if plan is not None:
-                by.setdefault(id(plan), []).append(b)
-        for rows in by.values():
-            plan = plans[rows[0]]
-            idx = None if len(rows) == len(plans) else torch.tensor(rows, device=real.device)
-            p, r = (is_prompt, real) if idx is None else (is_prompt[idx], real[idx])
-            p, r = p.reshape(-1), r.reshape(-1)
-            padded = not bool(r.all())
-            self.groups.append((plan, idx, {Tokens.both: r.float() if padded else None,
-                                            Tokens.prompt: (p & r).float(), Tokens.generated: (~p & r).float()}))
-
-    def paths(self) -> set:
-        return {path for plan, _, _ in self.groups for path in plan.edits}
-
-    def edit(self, path: str, h: torch.Tensor) -> None:
-        """Run every plan's edits at `path` on its rows of `h` (`[batch, positions, hidden]`), in place."""
-        for plan, idx, weights in self.groups:
-            edits = plan.edits.get(path)
-            if not edits:
-                continue
-            sub = h if idx is None else h[idx]
-            flat = sub.reshape(-1, h.shape[-1])  # a view of `sub`: edits land there
-            for e in edits:
-                e.apply_(flat, weights[e.tokens])
-            if idx is not None:
-                h[idx] = sub
-
-
-def _primary(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 class Forward:
@@ -113,11 +74,11 @@ class Forward:
         modules = dict(self.model.named_modules())
         handles = []
         for path in marks.paths():
-            handles.append(modules[path].register_forward_hook(
-                lambda m, a, out, path=path: marks.edit(path, _primary(out))))
+            handles.append(hook(modules, path, lambda h, path=path: marks.edit(path, h)))
+        for path in marks.condition_paths():  # after the tap's edits: a condition reads the edited value
+            handles.append(hook(modules, path, lambda h, path=path: marks.condition(path, h)))
         for path in capture:
-            handles.append(modules[path].register_forward_hook(
-                lambda m, a, out, path=path: store.__setitem__(path, _primary(out).detach().clone())))
+            handles.append(hook(modules, path, lambda h, path=path: store.__setitem__(path, h.detach().clone())))
         try:
             yield
         finally:
@@ -126,9 +87,12 @@ class Forward:
 
     @torch.no_grad()
     def prompts(self, seqs: Sequence[Sequence[int]], plans: Sequence[Optional[Plan]], n_prompt: Sequence[int],
-                cache: bool, last_only: bool, capture: Sequence[str] = ()):
+                cache: bool, last_only: bool, capture: Sequence[str] = (),
+                decided: Optional[Sequence[Optional[Decided]]] = None):
         """One forward over `seqs` left-padded to the longest: the model's output, the `[batch, length]` mask of
-        real tokens, and the captured tap values. Token t of row b is a prompt token where t < n_prompt[b]."""
+        real tokens, and the captured tap values. Token t of row b is a prompt token where t < n_prompt[b];
+        `decided`: the rows' conditions decided before (for their generated tokens). The decisions this forward
+        made are left in `self.decided`."""
         length = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), length), self.pad, dtype=torch.long)
         real = torch.zeros(len(seqs), length, dtype=torch.bool)
@@ -142,18 +106,23 @@ class Forward:
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         store: Dict[str, torch.Tensor] = {}
         kw = {"logits_to_keep": 1} if last_only else {}
-        with self.hooks(Marks(plans, is_prompt, real), capture, store):
+        marks = Marks(plans, is_prompt, real, decided, positions, n_prompt)
+        with self.hooks(marks, capture, store):
             out = self.model(input_ids=ids, attention_mask=real.long(), position_ids=positions, use_cache=cache,
                              **kw)
+        self.decided = marks.decisions(len(seqs))
         return out, real, store
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, plans: Sequence[Optional[Plan]], real: torch.Tensor, past):
-        """One decode step: `tokens` `[batch]` after the cached positions, whose real ones `real` marks."""
+    def step(self, tokens: torch.Tensor, plans: Sequence[Optional[Plan]], real: torch.Tensor, past,
+             decided: Optional[Sequence[Optional[Decided]]] = None, plen: Optional[Sequence[int]] = None):
+        """One decode step: `tokens` `[batch]` after the cached positions, whose real ones `real` marks;
+        `decided`: each row's conditions, decided when its prompt ran; `plen`: each row's prompt length."""
         real = torch.cat([real, torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device)], 1)
         positions = real.long().sum(-1, keepdim=True) - 1
         marks = Marks(plans, torch.zeros(len(tokens), 1, dtype=torch.bool, device=self.device),
-                      torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device))
+                      torch.ones(len(tokens), 1, dtype=torch.bool, device=self.device), decided, positions,
+                      plen if plen is not None else [0] * len(tokens))
         with self.hooks(marks):
             out = self.model(input_ids=tokens[:, None].to(self.device), attention_mask=real.long(),
                              position_ids=positions, use_cache=True, **{self.cache_kw: past})
@@ -204,8 +173,8 @@ class Batch:
         out, real, _ = self.fwd.prompts([r.ids for r in rows], [r.plan for r in rows], [len(r.ids) for r in rows],
                                         cache=True, last_only=True)
         logits = out.logits[:, -1].float().cpu()
-        for r, lg in zip(rows, logits):
-            r.logits = lg
+        for r, lg, d in zip(rows, logits, self.fwd.decided):
+            r.logits, r.decided = lg, d
         past = getattr(out, self.fwd.cache_kw)
         if self.past is None:
             self.past, self.real = past, real
@@ -244,7 +213,8 @@ class Batch:
         if not self.rows:
             return
         toks = torch.tensor([r.out[-1] for r in self.rows], dtype=torch.long)
-        out, self.real = self.fwd.step(toks, [r.plan for r in self.rows], self.real, self.past)
+        out, self.real = self.fwd.step(toks, [r.plan for r in self.rows], self.real, self.past,
+                                       [r.decided for r in self.rows], [len(r.ids) for r in self.rows])
         self.past = getattr(out, self.fwd.cache_kw)
         for r, lg in zip(self.rows, out.logits[:, -1].float().cpu()):
             r.logits = lg

@@ -33,7 +33,10 @@ from steer.edits.tap import Tap
 
 def stage_edit(e: Edit) -> StageEdit:
     """A compiled edit as the interleaver's stage record: the same delta (`Edit.delta` is linear in `Edit.strength`,
-    which the record carries), on the rows `e.tokens` selects."""
+    which the record carries), on the rows `e.tokens` selects. Conditions and position windows run on the HF
+    engine alone (steer.config.checks refuses them here first)."""
+    if e.when is not None or not e.positions.every:
+        raise ValueError("an edit with a condition (edit.when) or positions (edit.positions) runs on engine=hf")
     return StageEdit(EditKind(e.kind.value), e.basis, e.lo, e.hi, e.value, e.strength, Tokens(e.tokens.value))
 
 

@@ -43,6 +43,14 @@ class ModelSpec:
     # what it is instead ("never called", a container; "a BaseModelOutputWithPast"). Absent: not known.
     # A plain dict (read-only by convention): a job's spec is pickled into the process of a later engine group.
     outputs: Dict[str, Union[int, str]] = field(default_factory=dict, compare=False, hash=False)
+    # The width of each module's input rows (its first positional argument) where a forward passes it one, as
+    # `outputs` (tap.input reads and edits it)
+    inputs: Dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    # The attention output projections (a Linear of an attention block fed its heads side by side): where
+    # tap.heads slices the input by head
+    attn_out: FrozenSet[str] = frozenset()
+    heads: int = 0  # attention heads, and the width of each one's slice of an attention output projection's input
+    head_dim: int = 0
 
     def layer_path(self, i: int) -> str:
         return f"{self.layers_path}.{i}"
@@ -69,11 +77,13 @@ def spec(conf: ModelConf, cache_dir: str) -> ModelSpec:
         field, where = ("model.name", conf.name) if conf.source == "hub" else ("model.source", conf.source)
         config, source = _pretrained_config(where, conf.revision, field)
         template = prompt.template_in_dir(source) if Path(source).is_dir() else None
-    layers_path, modules, outputs = _modules(config)
+    layers_path, modules, outputs, inputs, attn_out = _modules(config)
     positions = getattr(config, "max_position_embeddings", None)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0))
     return ModelSpec(conf.name, source, conf.revision, DTYPES[conf.dtype], config.hidden_size,
                      config.num_hidden_layers, layers_path, modules, template,
-                     int(positions) if positions else None, outputs)
+                     int(positions) if positions else None, outputs, inputs, attn_out, heads, head_dim)
 
 
 def _pretrained_config(where: str, revision: str | None, field: str):
@@ -165,13 +175,13 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Optional[str]:
     return str(Path(found).parent) if isinstance(found, str) else None
 
 
-def _modules(config) -> Tuple[str, FrozenSet[str], Dict[str, Union[int, str]]]:
-    layers_path, names, outputs = _module_tree(config.to_json_string())
-    return layers_path, names, dict(outputs)  # a copy: the cached one is shared
+def _modules(config):
+    layers_path, names, outputs, inputs, attn_out = _module_tree(config.to_json_string())
+    return layers_path, names, dict(outputs), dict(inputs), attn_out  # copies: the cached ones are shared
 
 
 @lru_cache(maxsize=8)
-def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Dict[str, Union[int, str]]]:
+def _module_tree(config_json: str):
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -185,7 +195,50 @@ def _module_tree(config_json: str) -> Tuple[str, FrozenSet[str], Dict[str, Union
     if not stacks:
         raise ConfigError("model", f"found no list of {config.num_hidden_layers} decoder layers in "
                                    f"{type(model).__name__}")
-    return stacks[0], frozenset(names), _outputs(model, names)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0))
+    inputs, attn_out = _inputs(model, names, heads * head_dim)
+    return stacks[0], frozenset(names), _outputs(model, names), inputs, attn_out
+
+
+def _inputs(model: torch.nn.Module, names: Dict[str, torch.nn.Module], width: int
+            ) -> Tuple[Dict[str, int], FrozenSet[str]]:
+    """The width of each module's first positional argument, from one forward pass on the meta device, and the
+    attention output projections: the Linears fed `width` (heads x head_dim) whose output is what their attention
+    block returns. Where the forward cannot run on meta tensors, Linears' in_features and the names o_proj /
+    out_proj under an attention block."""
+    seen: Dict[str, int] = {}
+    out: Dict[str, object] = {}  # each module's (first) output, held: meta tensors, no memory, no reused ids
+
+    def before(name):
+        def record(module, args):
+            if args and isinstance(args[0], torch.Tensor):
+                seen[name] = int(args[0].shape[-1])
+        return record
+
+    def after(name):
+        def record(module, args, output):
+            first = output[0] if isinstance(output, (tuple, list)) and output else output
+            out[name] = first
+        return record
+
+    handles = [m.register_forward_pre_hook(before(n)) for n, m in names.items()]
+    handles += [m.register_forward_hook(after(n)) for n, m in names.items()]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"))
+    except Exception:
+        seen = {n: m.in_features for n, m in names.items() if isinstance(m, torch.nn.Linear)}
+        found = {n for n, m in names.items() if isinstance(m, torch.nn.Linear) and m.in_features == width
+                 and n.rsplit(".", 1)[-1] in ("o_proj", "out_proj") and "attn" in n}
+    else:
+        found = {n for n, m in names.items() if isinstance(m, torch.nn.Linear) and m.in_features == width
+                 and "." in n and n in out and out.get(n.rsplit(".", 1)[0]) is out[n]
+                 and "Attention" in type(names[n.rsplit(".", 1)[0]]).__name__}
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, frozenset(found)
 
 
 def _outputs(model: torch.nn.Module, names: Dict[str, torch.nn.Module]) -> Dict[str, Union[int, str]]:

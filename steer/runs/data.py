@@ -156,6 +156,10 @@ def fill_prompts(p) -> bool:
     the pairs are CAA A/B items (from `pairs_file`)."""
     if p.steer_file is not None:
         p.steer = load_texts(p.steer_file, p.field)
+    for side in ("positive", "negative"):  # an edit's condition prompts (edit.when, task=condition)
+        path = getattr(p, f"condition_{side}_file")
+        if path is not None:
+            setattr(p, f"condition_{side}", load_texts(path, p.field, f"prompts.condition_{side}_file"))
     if p.pairs_file is not None and (p.positive_file is not None or p.negative_file is not None):
         raise ConfigError("prompts.pairs_file", "and prompts.positive_file / prompts.negative_file both give the "
                                                 "contrastive pairs; set one")

@@ -26,6 +26,7 @@ def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
     """Each vector file's sha256 by its configured path: taken when the job is validated, just before its vectors
     load (a file rewritten while a sweep runs is then told apart from the one the job read)."""
     paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
+    paths += [e.when.vector for _, _, e in entries(cfg) if e.when.vector is not None and e.when.layer is not None]
     return {p: digest(p) for p in dict.fromkeys(paths)}
 
 
@@ -35,7 +36,8 @@ def data_paths(cfg: SteerConf) -> List[str]:
     from steer.runs.data import dataset_path
 
     p = cfg.prompts
-    paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file]
+    paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file, p.condition_positive_file,
+             p.condition_negative_file]
     if cfg.task == Task.eval:
         paths.append(str(dataset_path(cfg.eval.dataset)))
     return [str(x) for x in dict.fromkeys(paths) if x is not None]

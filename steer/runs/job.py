@@ -21,7 +21,7 @@ from steer.runs import data, evaluate, grid
 from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits import vector
-from steer.edits.plan import Plan, build, entries
+from steer.edits.plan import Plan, build, entries, when_vector
 from steer.config.schema import NOT_RESULTS, SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
@@ -77,6 +77,8 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
         for prefix, _, e in entries(cfg):
             if e.vector.path is not None:
                 vector.require(e.vector.path, f"{prefix}edit.vector")
+            if e.when.vector is not None and e.when.layer is not None and not Path(e.when.vector).expanduser().exists():
+                raise ConfigError(f"{prefix}edit.when.vector", f"vector file {e.when.vector!r} does not exist")
     spec = model_spec(cfg.model, cfg.cache_dir)
     limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
     checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
@@ -87,6 +89,8 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     cfg.extract.position, cfg.extract.span = recipe.position, recipe.span  # "auto" resolved once for the job
     if cfg.task == Task.select:
         checks.select_grid(cfg, spec.layers)
+    if cfg.task == Task.condition:
+        checks.condition_task(cfg, spec.layers)
     job = Job(cfg, spec, Path(out_dir), engine, recipe, data=data_files)
     if cfg.task == Task.eval:
         job.items = evaluate.load(cfg)
@@ -96,7 +100,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     elif cfg.task == Task.steer:
         job.vectors = inputs.vectors(cfg)  # first: a file rewritten while it loads then reads as changed on resume
         job.plan = build(cfg, spec)
-        job.taps = list(job.plan.taps.values())
+        job.taps = list({**job.plan.taps, **job.plan.condition_taps}.values())
     elif cfg.task == Task.select:
         from steer.runs import probe
 
@@ -107,6 +111,11 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
             taps = list(plan.taps.values()) + ([known] if known and known.path not in plan.taps else [])
             job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine, recipe,
                                  taps, plan, vectors=digests, data=data_files))
+    elif cfg.task == Task.condition:
+        job.taps = [resolve(TapConf(layer=k), spec, "condition.layers") for k in cfg.condition.layers]
+        if cfg.edit.when.vector is not None:
+            for k in cfg.condition.layers:  # a file read now: a missing layer is said before the engine starts
+                when_vector(cfg.edit.when.vector, cfg.edit.when.key, spec.hidden, "edit.when", k)
     elif cfg.task == Task.export:
         from steer.runs import export
 

@@ -48,6 +48,8 @@ def aggregate(rows: List[Dict], tokens_per_s: float) -> Dict[str, Optional[float
     if any("looping" in r for r in rows):  # judged per prompt (steer/runs/damage.py): how many, not a mean
         counted = damage.counts(rows)
         out["prompts_looping"], out["prompts_ppl_over"] = counted["prompts_looping"], counted["prompts_ppl_over"]
+    if any("when_met" in r for r in rows):  # edits under a condition (edit.when): how many prompts met it
+        out["when_met"] = sum(bool(r.get("when_met")) for r in rows)
     return out
 
 

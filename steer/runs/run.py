@@ -21,7 +21,8 @@ from rich.table import Table
 from steer import report, results
 from steer.config import checks
 from steer.config.schema import PACK, SteerConf, Task
-from steer.edits import formats
+from steer.edits import condition, formats
+from steer.edits.tap import head_rows
 from steer.engine.base import Scores
 from steer.edits.plan import Plan
 from steer.errors import ConfigError
@@ -58,6 +59,10 @@ def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
         out = evaluate.run(job, console, engine_for)
         report.write_quietly(out_dir)  # here, not in evaluate: the page reads eval.json and eval.png back
         return out
+    if cfg.task == Task.condition:
+        from steer.runs import condition as find_condition
+
+        return find_condition.run(job, console, engine_for)
     if defer:
         return job
     out = execute([job], console)[0]
@@ -266,6 +271,9 @@ def _setup(job: Job, engine, console: Console, summary: bool = True) -> _Work:
         return got
 
     plan = job.plan.with_defaults(default, job.spec.hidden)
+    cpos, cneg = list(cfg.prompts.condition_positive), list(cfg.prompts.condition_negative)
+    plan = plan.with_conditions(lambda tap: cached_default(cfg.cache_dir, engine, tap, cpos, cneg, recipe),
+                                job.spec.hidden)
     for name, meta in read.items():  # how good the direction is, as task=extract says it
         said = diagnostics.line(f"default direction at {name}", diagnostics.from_metadata(meta))
         if summary:  # a sweep's or a grid's jobs say it in their steer.log alone, rather than once a job
@@ -410,6 +418,10 @@ def describe(plan: Plan) -> str:
                 bits.append(f"value={e.value:g}")
             if e.tokens.value != "both":
                 bits.append(f"({e.tokens.value})")
+            if e.when is not None:
+                names = {**plan.taps, **plan.condition_taps}
+                bits.append(condition.describe(e.when, names[e.when.path].name if e.when.path in names
+                                               else e.when.path))
             parts.append(" ".join(bits))
     return ", ".join(parts)
 
@@ -460,11 +472,13 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tupl
     edit's tap)."""
     tap, edit = w.plan.primary
     cap = _read_at(w)
+    # the steered re-reading also keeps the conditions' taps, whose prompt rows give each prompt's score
+    steer_cap = tuple(dict.fromkeys(cap + tuple(c.path for c in w.plan.conditions())))
     keys = _base_keys(w)
     jobs = []
     for i, ids in enumerate(w.encoded):
         st = conts[_steer_key(w, i)]
-        jobs += [(ids, st, None, cap), (ids, st, w.steering, cap)]
+        jobs += [(ids, st, None, cap), (ids, st, w.steering, steer_cap)]
     scored = iter(engine.score_many(jobs))
     basis = edit.direction()
     return [_row(engine, w, i, conts, basis, baselines[keys[i]], next(scored), next(scored))
@@ -492,8 +506,8 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         "baseline_ids": list(b), "steered_ids": list(s), "baseline_tokens": len(b), "steered_tokens": len(s),
         "tokens_changed": metrics.tokens_changed(b, s),
         "kl": metrics.kl_mean(steer.logprobs[span], base.logprobs[span]),
-        "proj_baseline": proj(base.captured[tap.path]),
-        "proj_steered": proj(steer.captured[tap.path]),
+        "proj_baseline": proj(head_rows(tap.path, base.captured[tap.path])),
+        "proj_steered": proj(head_rows(tap.path, steer.captured[tap.path])),
         "ppl_baseline": metrics.perplexity(reread.logprobs[n - 1:], b),
         "ppl_steered": metrics.perplexity(base.logprobs[n - 1:], s),
         "distinct2_baseline": metrics.distinct2(b),
@@ -501,8 +515,8 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         "rep_steered": metrics.repetition(s),
         "repeat_baseline": damage.longest_repeat(b),
         "repeat_steered": damage.longest_repeat(s),
-        "concept_baseline": metrics.concept(reread.captured[tap.path][n:], direction),
-        "concept_steered": metrics.concept(base.captured[tap.path][n:], direction),
+        "concept_baseline": metrics.concept(head_rows(tap.path, reread.captured[tap.path])[n:], direction),
+        "concept_steered": metrics.concept(head_rows(tap.path, base.captured[tap.path])[n:], direction),
     }
     probe = w.job.probe
     if probe is not None:  # task=select's one ruler for every pair (steer/runs/probe.py)
@@ -512,6 +526,7 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
     if w.job.cfg.eval.sentiment:
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
+    row.update(_decisions(w.plan, steer.captured, n))
     return row
 
 
@@ -527,6 +542,19 @@ def whole_chars(decode: Callable[[List[int]], str], ids: List[int], most: int = 
         if not shorter.endswith("\ufffd"):
             return shorter
     return text
+
+
+def _decisions(plan: Plan, captured: Dict[str, torch.Tensor], n: int) -> Dict:
+    """The prompt's score and decision for each condition of the plan, from its tap's prompt rows as the steered
+    model read them: `when_score` and `when_met` (suffixed `.1`, `.2`, ... for a plan's later conditions)."""
+    out = {}
+    for k, c in enumerate(plan.conditions()):
+        h = captured[c.path][:n][None]
+        s = c.scores(h, torch.ones(1, n, dtype=torch.bool))
+        suffix = f".{k}" if k else ""
+        out[f"when_score{suffix}"] = float(s[0])
+        out[f"when_met{suffix}"] = bool(c.met(s)[0])
+    return out
 
 
 def _summary(console: Console, model: str, plan: Plan, agg: Dict, rows: List[Dict], out_dir: Path,

@@ -33,6 +33,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     checks.room_for_a_prompt("serve.chat_max_tokens", s.chat_max_tokens, spec.positions, conf.model.name)
     inline = inline_taps(s, spec)
     confs = presets.read(s, conf.model.name)
+    checks.preset_edits(confs, name)
     presets.check(confs, spec)
     if presets.needs_default(confs):
         checks.prompt_sets(conf.prompts, ("positive", "negative"), "presets with a null vector path use the default "

@@ -25,8 +25,9 @@ EDITS = {
 }
 METRICS = ["kl_mean", "tokens_changed_frac", "proj_baseline", "proj_steered", "ppl_baseline", "ppl_steered",
            "concept_baseline", "concept_steered", "tokens_per_s"]
-# Experiments on the real model run, with their own checks, in tests/models/test_real_model.py.
-REAL = {"smollm2_joy"}
+# Experiments on the real model run, with their own checks, in tests/models/test_real_model.py and (the
+# conditional one) tests/runs/test_conditional_example.py.
+REAL = {"smollm2_joy", "smollm2_joy_food"}
 
 
 def swept(name):
