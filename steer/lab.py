@@ -234,6 +234,7 @@ class Lab:
                 OmegaConf.update(cfg, key, value, merge=isinstance(value, (dict, list)))
             except OmegaConfBaseException as e:
                 raise ConfigError(getattr(e, "full_key", None) or key, str(e).splitlines()[0]) from e
+        _refine_edit(cfg, overrides)
         from steer.runs.job import ENGINE_FIELDS, engine_changes
 
         conf = schema.to_object(cfg)
@@ -336,6 +337,18 @@ def _literal(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_literal(v) for v in value) + "]"
     return str(getattr(value, "value", value))
+
+
+def _refine_edit(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A call's own `edit.*` overrides refine the edit the call builds (`overrides=["edit.scale_by=resid"]` with
+    lab.select or lab.steer): the edit's fields come from its kind's defaults, which would otherwise replace them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for o in OverridesParser.create().parse_overrides([x for x in overrides if x.startswith("edit.")]):
+        try:
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(getattr(e, "full_key", None) or o.key_or_group, str(e).splitlines()[0]) from e
 
 
 def _dict(node: DictConfig, resolve: bool = False) -> Dict:

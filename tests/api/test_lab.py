@@ -245,3 +245,13 @@ def test_a_vllm_lab_refuses_a_tap_its_engine_did_not_start_with(lab, loads, monk
         lab.generate(PROMPTS, [steer.add(None, layer=2)])
     assert e.value.field == "tap" and "layer2" in str(e.value), e.value
     assert loads == []
+
+
+def test_a_calls_edit_overrides_refine_the_edit_it_builds(lab):
+    """`overrides=["edit.scale_by=resid"]` reaches the run: the edit's other fields come from its kind's defaults,
+    which must not replace what the call asked for (select's grid on the residual's scale needs it)."""
+    got = lab.generate(PROMPTS, [steer.add(None, layer=1, scale=0.5)], overrides=["edit.scale_by=resid"])
+    assert got.config["edit"]["scale_by"] == "resid" and got.config["edit"]["scale"] == 0.5
+    plain = lab.generate(PROMPTS, [steer.add(None, layer=1, scale=0.5)])
+    assert plain.config["edit"]["scale_by"] != "resid"
+    assert [r["steered"] for r in got.rows] != [r["steered"] for r in plain.rows]

@@ -17,15 +17,6 @@ PROMPTS = ["When I opened the letter, I felt", "The", "Tell me about the weather
            "My favourite food is", "Once upon a time, in a quiet village by the sea, there lived"]
 
 
-@pytest.fixture(scope="module")
-def batched(hf_engine):
-    """The suite's shared engine with a bound that batches (restored after)."""
-    was = hf_engine.bound
-    hf_engine.bound = Bound(rows=8, tokens=4096)
-    yield hf_engine
-    hf_engine.bound = was
-
-
 def every_kind(spec):
     """A plan of each edit kind, on prompt, generated or all rows, and one of several edits on two taps."""
     torch.manual_seed(0)

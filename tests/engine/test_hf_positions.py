@@ -9,7 +9,6 @@ from helpers import plan as plan_of
 from steer.config.schema import EditKind, GenConf, Tokens
 from steer.edits.edit import compile_edit
 from steer.edits.positions import Positions, parse
-from steer.engine.hf_batch import Bound
 from steer.errors import ConfigError
 
 PROMPTS = ["When I opened the letter, I felt", "The", "Tell me about the weather in the mountains today",
@@ -18,14 +17,6 @@ NEW = 8
 SELECTORS = [Positions("last_prompt", count=1), Positions("last_prompt", count=3),
              Positions("first_generated", count=1), Positions("first_generated", count=4),
              Positions("window", start=2, end=9)]
-
-
-@pytest.fixture(scope="module")
-def batched(hf_engine):
-    was = hf_engine.bound
-    hf_engine.bound = Bound(rows=8, tokens=4096)
-    yield hf_engine
-    hf_engine.bound = was
 
 
 def reference(engine, ids, v, layer, selected):

@@ -10,20 +10,11 @@ from steer.config.schema import EditKind, GenConf, TapConf, Tokens
 from steer.edits.condition import Condition
 from steer.edits.edit import compile_edit
 from steer.edits.tap import resolve
-from steer.engine.hf_batch import Bound
 
 PROMPTS = ["When I opened the letter, I felt", "The", "Tell me about the weather in the mountains today",
            "My favourite food is", "Once upon a time, in a quiet village by the sea, there lived",
            "The music in the hall was", "After the long journey we finally", "He said"]
 GEN = GenConf(max_new_tokens=10)
-
-
-@pytest.fixture(scope="module")
-def batched(hf_engine):
-    was = hf_engine.bound
-    hf_engine.bound = Bound(rows=8, tokens=4096)
-    yield hf_engine
-    hf_engine.bound = was
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from helpers import compose
 from safetensors.torch import save_file
 
 from steer.runs import inputs
+from steer.runs.extract import Recipe
 from steer.models.spec import spec as model_spec
 
 
@@ -177,7 +178,8 @@ def test_a_hub_models_record_holds_the_files_its_engine_fetched(tmp_path, monkey
         yield object()
 
     monkeypatch.setattr(job_mod.engines, "make", fetching_engine)
-    job = Job(compose("model.source=org/name", "model.name=org/name", "engine=hf"), tiny_spec, tmp_path, "hf")
+    cfg = compose("model.source=org/name", "model.name=org/name", "engine=hf")
+    job = Job(cfg, tiny_spec, tmp_path, "hf", Recipe.from_conf(cfg.extract, cfg.prompts.chat))
     with job_mod.engine_for([job]):
         pass
     assert set(job.model_files["files"]) == {"config.json", "model.safetensors"}
