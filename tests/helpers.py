@@ -150,6 +150,15 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
+def refused(res: subprocess.CompletedProcess, field: str, says: str = "") -> None:
+    """A command refused for bad input: exit 2, its last line `error <field>...` holding `says`, no traceback."""
+    assert res.returncode == 2, res.stdout + res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error {field}"), res.stderr
+    assert says in last, last
+    assert "Traceback" not in res.stderr
+
+
 # Every process a test starts leads a process group of its own, and the group is ended when the test is done with
 # it, whether the test passed, failed or timed out: nothing it started outlives it. The fixture `no_process_left`
 # (conftest.py) checks, once every test has run, that none did.

@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from helpers import refused
+
 FOOD = ["Give me a recipe for a tomato soup", "How do I bake a chocolate cake", "Which cheese goes with pasta",
         "What is a good breakfast with eggs", "How long should I roast a chicken", "A bowl of noodles with broth"]
 OTHER = ["How do I change a flat tyre", "Explain how a rainbow forms", "What is the capital of Australia",
@@ -76,5 +78,4 @@ def test_a_grid_that_cannot_run_is_one_line_and_exit_2(cli, tmp_path, args, fiel
     keys = {a.split("=")[0] for a in args}
     res = cli(["task=condition", *[p for p in prompts() if p.split("=")[0] not in keys], *args, "hydra.run.dir=run"],
               tmp_path)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith(f"error {field}"), res.stderr
+    refused(res, field)
