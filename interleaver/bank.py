@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from interleaver.stage import EditKind, Tokens, StageEdit
+from interleaver import select
+from interleaver.stage import EditKind, StageCondition, Tokens, StageEdit
 
 _ROWS = {Tokens.both.value: 0, Tokens.prompt.value: 1, Tokens.generated.value: 2}
 
@@ -52,7 +53,13 @@ class RequestEdits:
     # The request's own vectors, added at (location, index) at strength on rows: each becomes a stage in the
     # worker that sees it first (InlineStages), its entry appended to `entries` there.
     inline: List[Tuple[str, int, float, str, str]] = field(default_factory=list)  # (..., base64 little-endian f32)
+    # Some entry's stage is under a condition: the request's prompt is scored while it runs (conditions.py)
+    decide: bool = False
+    # The request's own condition, gating its own vectors: (location, direction as base64 little-endian f32, reduce,
+    # score, compare, threshold); it becomes a condition of the worker that sees it first (InlineStages)
+    inline_when: Optional[Tuple[str, str, str, str, str, float]] = None
     _dense: Optional[Tuple[int, np.ndarray]] = field(default=None, repr=False, compare=False)
+    _placed: Optional[list] = field(default=None, repr=False, compare=False)
 
     def to_args(self) -> str:
         """What rides SamplingParams.extra_args["steer"] into the worker: the request's fields as one JSON string.
@@ -63,6 +70,10 @@ class RequestEdits:
                "capture": list(self.capture), "key": self.key}
         if self.inline:
             out["inline"] = [list(v) for v in self.inline]
+        if self.decide:
+            out["decide"] = True
+        if self.inline_when is not None:
+            out["inline_when"] = list(self.inline_when)
         return json.dumps(out, separators=(",", ":"))
 
     @classmethod
@@ -74,17 +85,30 @@ class RequestEdits:
             return None
         return cls([(int(s), float(w), str(t)) for s, w, t in d.get("entries", [])], d.get("prompt_len"),
                    list(d.get("capture", [])), str(d.get("key", "")),
-                   [(str(loc), int(i), float(w), str(t), str(v)) for loc, i, w, t, v in d.get("inline", [])])
+                   [(str(loc), int(i), float(w), str(t), str(v)) for loc, i, w, t, v in d.get("inline", [])],
+                   bool(d.get("decide", False)), _when(d.get("inline_when")))
 
     def strengths(self, n_stages: int) -> np.ndarray:
         """`[3, n_stages]` float32: this request's strength per stage on every row, on prompt rows only, and
-        on generated rows only (cached: a request asks every step)."""
+        on generated rows only (cached: a request asks every step). Entries with positions are `placed`'s."""
         if self._dense is None or self._dense[0] != n_stages:
             s = np.zeros((3, n_stages), dtype=np.float32)
             for stage, strength, rows in self.entries:
-                s[_ROWS[rows], stage] += strength
+                if rows in _ROWS:
+                    s[_ROWS[rows], stage] += strength
             self._dense = (n_stages, s)
         return self._dense[1]
+
+    def placed(self) -> List[Tuple[int, float, int, select.Where]]:
+        """The entries that act on rows by position: (stage, strength, token kind as `_ROWS` codes it, positions)."""
+        if self._placed is None:
+            out = []
+            for stage, strength, rows in self.entries:
+                if rows not in _ROWS:
+                    kind, where = select.decode(rows)
+                    out.append((stage, strength, _ROWS[kind], where))
+            self._placed = out
+        return self._placed
 
 
 class ParsedArgs:
@@ -116,6 +140,8 @@ class EditBank:
     def __init__(self) -> None:
         self.stages: List[Stage] = []
         self._ids: Dict[tuple, int] = {}
+        self.conditions: List[StageCondition] = []
+        self._conditions: Dict[tuple, int] = {}
 
     def register(self, location: str, edits: Sequence[StageEdit], start: int = 0) -> List[Tuple[int, float, str]]:
         """Register a tap's edits (in order, from position `start` of the tap's edit list) and return the request
@@ -123,17 +149,30 @@ class EditBank:
         out = []
         for index, e in enumerate(edits, start):
             unit = e.unit()
-            key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value)
+            key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value, unit.when)
             if key not in self._ids:
                 self._ids[key] = len(self.stages)
                 self.stages.append(Stage(len(self.stages), location, index, unit))
-            out.append((self._ids[key], e.strength, e.rows.value))
+            out.append((self._ids[key], e.strength, e.entry_rows()))
         return out
+
+    def condition(self, c: StageCondition) -> int:
+        """The index of condition `c` (registered the first time it is seen): what a stage's `when` names."""
+        key = c.key()
+        if key not in self._conditions:
+            self._conditions[key] = len(self.conditions)
+            self.conditions.append(c)
+        return self._conditions[key]
 
     def truncate(self, n: int) -> None:
         """Forget the stages registered after the first `n` (an engine refused them)."""
         self.stages = self.stages[:n]
         self._ids = {k: i for k, i in self._ids.items() if i < n}
+
+    def drop_conditions(self, n: int) -> None:
+        """Forget the conditions registered after the first `n`."""
+        self.conditions = self.conditions[:n]
+        self._conditions = {k: i for k, i in self._conditions.items() if i < n}
 
     def at(self, location: str) -> List[Stage]:
         return [s for s in self.stages if s.location == location]
@@ -154,6 +193,7 @@ class InlineStages:
         self._refs: Dict[int, int] = {}  # stage id -> requests using it
         self._free: List[int] = []
         self._of: Dict[str, List[Tuple[int, float, str]]] = {}  # request id -> its entries
+        self._first_condition: Optional[int] = None  # the bank's conditions before the first request's own
 
     def held(self) -> List[int]:
         """The ids of the bank's inline stages (in use or free), in order."""
@@ -166,21 +206,28 @@ class InlineStages:
             return set()
         if rid in self._of:
             edits.entries.extend(self._of[rid])
-            edits._dense = None
+            edits._dense = edits._placed = None
             return set()
-        changed, mine = set(), []
+        changed, mine, when = set(), [], None
+        if edits.inline_when is not None:
+            loc, data, reduce, score, compare, threshold = edits.inline_when
+            if self._first_condition is None:
+                self._first_condition = len(self.bank.conditions)
+            when = self.bank.condition(StageCondition(loc, torch.from_numpy(decode_vector(data)), reduce, score,
+                                                      compare, threshold))
+            edits.decide = True
         for loc, index, strength, rows, data in edits.inline:
-            key = (loc, int(index), hashlib.sha256(data.encode()).hexdigest())
+            key = (loc, int(index), hashlib.sha256(data.encode()).hexdigest(), when)
             sid = self._ids.get(key)
             if sid is None:
-                sid = self._place(key, loc, int(index), data, device, changed)
+                sid = self._place(key, loc, int(index), data, device, changed, when)
             elif self._refs.get(sid, 0) == 0:
                 self._free.remove(sid)  # freed but not yet reused: the same vector again
             self._refs[sid] = self._refs.get(sid, 0) + 1
             mine.append((sid, float(strength), str(rows)))
         self._of[rid] = mine
         edits.entries.extend(mine)
-        edits._dense = None
+        edits._dense = edits._placed = None
         return changed
 
     def release(self, rids) -> set:
@@ -197,11 +244,15 @@ class InlineStages:
         changed = {s.location for s in self.bank.stages[first:]}
         self.bank.stages = self.bank.stages[:first]
         self._ids, self._key, self._refs, self._free = {}, {}, {}, []
+        if self._first_condition is not None:  # and the requests' own conditions after every other
+            self.bank.drop_conditions(self._first_condition)
+            self._first_condition = None
         return changed
 
-    def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set) -> int:
+    def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set,
+               when: Optional[int] = None) -> int:
         vec = decode_vector(data)
-        edit = StageEdit(EditKind.add, torch.from_numpy(vec)[None].to(device))
+        edit = StageEdit(EditKind.add, torch.from_numpy(vec)[None].to(device), when=when)
         stages = self.bank.stages
         sid = self._free.pop(0) if self._free else len(stages)
         if sid in self._key:
@@ -223,8 +274,19 @@ def layout(stages: Sequence[Stage]) -> np.ndarray:
     return np.array([s.id for s in order], dtype=np.int64)
 
 
+def _when(w) -> Optional[Tuple[str, str, str, str, str, float]]:
+    if not w:
+        return None
+    loc, data, reduce, score, compare, threshold = w
+    return (str(loc), str(data), str(reduce), str(score), str(compare), float(threshold))
+
+
 def _steers(e: Optional[RequestEdits]) -> bool:
     return e is not None and bool(e.entries)
+
+
+def _places(e: Optional[RequestEdits]) -> bool:
+    return e is not None and bool(e.placed())
 
 
 class BatchEdits:
@@ -236,6 +298,9 @@ class BatchEdits:
         self.edits = list(edits)
         self.n_stages, self.order = n_stages, order
         self.capture = [i for i, e in enumerate(self.edits) if e is not None and e.capture]
+        self.placed = [i for i, e in enumerate(self.edits) if _places(e)]
+        self.deciding = [i for i, e in enumerate(self.edits) if e is not None and e.decide]
+        self.slots: Optional[np.ndarray] = None  # each request's condition slot (the worker's; conditions.py)
         self.plen = np.asarray(prompt_lens, dtype=np.int64).copy()
         steered = [i for i, e in enumerate(self.edits) if _steers(e)]
         self.steered = len(steered)
@@ -261,6 +326,11 @@ class BatchEdits:
             out.edits[i], out.plen[i] = e, plen
         out.capture = sorted({i for i in self.capture if i < keep and i not in rows}
                              | {i for i, (e, _) in rows.items() if e is not None and e.capture})
+        out.placed = sorted({i for i in self.placed if i < keep and i not in rows}
+                            | {i for i, (e, _) in rows.items() if _places(e)})
+        out.deciding = sorted({i for i in self.deciding if i < keep and i not in rows}
+                              | {i for i, (e, _) in rows.items() if e is not None and e.decide})
+        out.slots = None
         steered = [i for i, (e, _) in rows.items() if _steers(e)]
         gone = [i for i in rows if i < keep] + list(range(keep, len(self.edits)))
         out.steered = self.steered - sum(1 for i in gone if _steers(self.edits[i])) + len(steered)

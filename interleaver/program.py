@@ -53,9 +53,10 @@ class _Group:
 
 class TapProgram:
     def __init__(self, location: str, stages: List[Stage], residual: bool,
-                 columns: Optional[Dict[int, int]] = None, device: Any = None):
+                 columns: Optional[Dict[int, int]] = None, device: Any = None, conditions: Any = None):
         """`columns`: stage id -> weight column (None: a stage's column is its id); `device`: the
-        activations' (None: the stages' vectors')."""
+        activations' (None: the stages' vectors'); `conditions`: the engine's interleaver.conditions.Conditions,
+        where it decides any (gated stages read their decisions, and the conditions read here are decided here)."""
         self.location = location
         self.stages = stages
         self.residual = residual
@@ -66,6 +67,15 @@ class TapProgram:
         self.groups = [_group(list(g), col, device) for _, g in groupby(sorted(stages, key=lambda s: (*key(s), col(s))),
                                                                         key=key)]
         self._needs_x = any(g.family != "add" for g in self.groups)
+        self.conditions = conditions
+        gated = [(col(s), s.edit.when) for s in stages if s.edit.when is not None]
+        if gated and conditions is None:
+            raise ValueError(f"{location}: a stage under a condition, and no conditions given")
+        # (weight columns, each one's condition): those columns are weighed by the row's decision
+        self._gate = (None if not gated else (torch.tensor([c for c, _ in gated], device=device),
+                                              torch.tensor([w for _, w in gated], device=device)))
+        self._decides = ([] if conditions is None
+                         else [i for i, c in enumerate(conditions.list) if c.location == location])
         # Every weight column the tap reads: a step that uses none of them has nothing to edit here
         self._cols = np.concatenate([np.arange(g.host_cols.start, g.host_cols.stop) if isinstance(g.host_cols, slice)
                                      else g.host_cols for g in self.groups] or [np.zeros(0, dtype=np.int64)])
@@ -97,30 +107,55 @@ class TapProgram:
             groups = self.groups
         else:
             groups = [g for g in self.groups if used[g.host_cols].any()]
-        if not groups and not keep:
-            return
         hidden, residual = _split(live, self.residual)
-        self.ran["torch"] += 1
-        x = None
-        if keep or (self._needs_x and any(g.family != "add" for g in groups)):
-            # Never in place: .float() of a float32 hidden is hidden itself.
-            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
-        if groups:
-            x = _run(groups, hidden, x, step.weights[: hidden.shape[0]], keep_stream=bool(keep))
-        for sp in keep or ():
-            self.kept.setdefault(sp.edits.key, []).append(x[sp.start : sp.start + sp.count].detach().cpu().clone())
+        if groups or keep:
+            self.ran["torch"] += 1
+            x = None
+            if keep or (self._needs_x and any(g.family != "add" for g in groups)):
+                # Never in place: .float() of a float32 hidden is hidden itself.
+                x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+            if groups:
+                x = _run(groups, hidden, x, self._weights(step.weights, hidden.shape[0]), keep_stream=bool(keep))
+            for sp in keep or ():
+                self.kept.setdefault(sp.edits.key, []).append(
+                    x[sp.start : sp.start + sp.count].detach().cpu().clone())
+        if self._decides and self.conditions.deciding:
+            self._decide(hidden, residual)
+
+    def _weights(self, w_all: torch.Tensor, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the weights, the gated columns weighed by each row's decisions (a copy)."""
+        if self._gate is None:
+            return w_all[:rows]
+        cols, conds = self._gate
+        w = w_all[:rows].clone()
+        w[:, cols] = w[:, cols] * self.conditions.gate(rows)[:, conds]
+        return w
+
+    def _decide(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        """Decide the conditions read at this tap, on the stream after its edits."""
+        x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+        for i in self._decides:
+            self.conditions.decide(i, x)
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the program decides a condition or weighs a stage by one (no fused-only or tap-graph path)."""
+        return bool(self._decides) or self._gate is not None
 
     def at_break(self, live: Any, rows: Optional[int], step: StepRows) -> bool:
         """The step's edit on the first `rows` rows of `live` (a replayed graph's whole padded value, untrimmed;
         None: every row of a trimmed one) as one launch of the fused kernel, which skips the directions a row does
         not ask for: True when done, or when no row asks for any of the tap's stages; False where the step needs
         the torch form (no fused kernel, a kernel that does not fit, or a request keeps the tap's value)."""
+        if self._decides and self.conditions.deciding:
+            return False  # the step decides here: the general path
         if self._fused is None or (step.capturing and step.capturing.get(self.location)):
             return False
         if step.used is None or not (step.all_used or step.used[self._cols].any()):
             return True
         hidden, residual = _split(live, self.residual)
-        if not self._fused(hidden, residual, step.weights, rows):
+        weights = step.weights if self._gate is None else self._weights(step.weights, step.weights.shape[0])
+        if not self._fused(hidden, residual, weights, rows):
             return False
         self.ran["fused"] += 1
         return True
@@ -165,7 +200,7 @@ class TapProgram:
         """`in_graph`, then the next layer's residual add and RMSNorm, as one launch (kernels.Fused.edit_norm):
         `live`'s hidden becomes the normed sum and its residual the sum. False, nothing done, where that kernel
         does not run (no residual, no fused kernel, or nothing to edit: the caller's norm runs as it would)."""
-        if not self.groups or self._fused is None or not self.residual:
+        if not self.groups or self._fused is None or not self.residual or self.conditional:
             return False
         hidden, residual = _split(live, self.residual)
         if not self._fused.edit_norm(hidden, residual, weights, norm_weight, eps):
@@ -182,17 +217,19 @@ class TapProgram:
         """Edit every row of `live` in place with the weights' first rows, running every group whatever the
         step: no host decision, so a CUDA graph can capture it. Rows whose weights are 0 (padding, unsteered
         requests) get a delta of exactly 0."""
-        if not self.groups:
-            return
         hidden, residual = _split(live, self.residual)
-        if self._fused is not None and self._fused(hidden, residual, weights):
-            self.ran["fused"] += 1
-            return
-        self.ran["torch"] += 1
-        x = None
-        if self._needs_x:
-            x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
-        _run(self.groups, hidden, x, weights[: hidden.shape[0]], keep_stream=False)
+        if self.groups:
+            w = self._weights(weights, hidden.shape[0])
+            if self._fused is not None and self._fused(hidden, residual, w):
+                self.ran["fused"] += 1
+            else:
+                self.ran["torch"] += 1
+                x = None
+                if self._needs_x:
+                    x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+                _run(self.groups, hidden, x, w, keep_stream=False)
+        if self._decides:  # every step: what the rows decide is data
+            self._decide(hidden, residual)
 
 
 def _run(groups: List[_Group], hidden: torch.Tensor, x: Optional[torch.Tensor], w_all: torch.Tensor,

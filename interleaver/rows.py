@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from interleaver import select
 from interleaver.bank import BatchEdits, RequestEdits
 
 
@@ -26,7 +27,7 @@ class StepRows:
     """The current step's row facts, read by every tap's replay: how many rows are real, and each weight
     column's per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
 
-    _RING = 4  # pinned staging buffers in turn: a step's copy is done long before its buffer comes round again
+    _RING = 8  # pinned staging buffers in turn (up to two a step): a copy is done long before its buffer comes round
     # Weights a step's rows expand to past which the device expands them (a gather: one more launch, and no
     # [rows, columns] matrix built and copied on the host: 2.7 ms of a join step of 256 x 32 rows at 64 columns)
     _GATHER_FROM = 16384
@@ -42,6 +43,7 @@ class StepRows:
         # (batch, rows, weights, used, all_used) of the last decode step whose rows were all generated tokens: the
         # next such step of the same batch has the same weights, already on the device (and in `static`).
         self._steady: Optional[tuple] = None
+        self.conditions = None  # an interleaver.conditions.Conditions where the engine decides any
         self.clear()
 
     def clear(self) -> None:
@@ -65,6 +67,10 @@ class StepRows:
         `positions[i]`, and asks for `batch.edits[i]`."""
         self.clear()
         self.num_tokens = num_tokens
+        if self.conditions is not None:
+            slots = batch.slots if batch.slots is not None else np.full(counts.size, self.conditions.scratch)
+            self.conditions.set_rows(starts, counts, positions, batch.plen, slots, num_tokens,
+                                     lambda arrays: self._stage(arrays, device))
         for i in batch.capture:
             e = batch.edits[i]
             for loc in e.capture:
@@ -74,7 +80,8 @@ class StepRows:
             self._steady = None
         else:
             decode = counts.size == num_tokens and bool((counts == 1).all())  # row i is request i
-            steady = decode and bool((positions >= batch.plen).all())
+            # Weights by position change from step to step: a batch with any is never steady
+            steady = decode and not batch.placed and bool((positions >= batch.plen).all())
             last = self._steady
             if steady and last is not None and last[0] is batch and last[1] == num_tokens:
                 self.weights, self.used, self.all_used = last[2:]
@@ -87,7 +94,10 @@ class StepRows:
                 picked = np.zeros(len(table), dtype=bool)
                 picked[src] = True
                 self.used = table[picked].any(0)
-                w = table[src] if src.size * table.shape[1] <= self._GATHER_FROM else None
+                w = table[src] if batch.placed or src.size * table.shape[1] <= self._GATHER_FROM else None
+            if batch.placed:
+                _place(w, starts, counts, positions, batch)
+                self.used = w.any(0)
             self.all_used = bool(self.used.all())
             if self.all_used or self.used.any():
                 self.weights = self._upload(w, device) if w is not None else self._gather(table, src, device)
@@ -162,6 +172,23 @@ def _weights(positions: np.ndarray, batch: BatchEdits) -> np.ndarray:
     dense = batch.dense
     is_prompt = (positions < batch.plen)[:, None]
     return dense[:, 0] + np.where(is_prompt, dense[:, 1], dense[:, 2])
+
+
+def _place(w: np.ndarray, starts, counts, positions, batch: BatchEdits) -> None:
+    """Add to `w` (`[rows, columns]`, the step's weights) the entries that act on rows by position."""
+    col_of = None if batch.order is None else np.argsort(batch.order)  # stage id -> column
+    for i in batch.placed:
+        n = int(counts[i])
+        if n == 0:
+            continue
+        pos = positions[i] + np.arange(n)
+        plen = batch.plen[i]
+        rows = starts[i] + np.arange(n)
+        is_prompt = pos < plen
+        for stage, strength, kind, where in batch.edits[i].placed():
+            m = select.mask(where, pos, plen)
+            m = m & is_prompt if kind == 1 else m & ~is_prompt if kind == 2 else m
+            w[rows, stage if col_of is None else col_of[stage]] += np.float32(strength) * m
 
 
 def _row_sources(starts, counts, positions, batch: BatchEdits, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -44,7 +44,7 @@ class TapGraphs:
         """Edit `live` (the tap's whole padded value in the replayed graph) as a graph. False when this step
         needs the eager path at this tap; True when served, or when nobody is steered this step."""
         if (program is None or not program.groups or step.num_tokens is None or step.static is None
-                or step.capturing.get(location)):
+                or step.capturing.get(location) or program.conditional):
             return False
         if step.weights is None:
             return True

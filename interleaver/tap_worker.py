@@ -29,6 +29,9 @@ COMPILED_KEY = "steer_compiled"
 # next layer's residual add and RMSNorm (one launch for both) where that norm is vLLM's RMSNorm (fold_norms)
 FOLD_KEY = "steer_fold_norm"
 COMPILED_VERSION = 1
+# additional_config key: the conditions the declared or preset stages name ([StageCondition dict, ...]); a replay
+# engine also takes more through steer_set_stages
+CONDITIONS_KEY = "steer_conditions"
 
 
 
@@ -65,8 +68,10 @@ class _TapWorkerMixin:
             modules[path].register_forward_hook(_compiled_hook(self.steer_il, tap_location(path), residual)
                                                 if compiled else _tap_hook(self.steer_il, tap_location(path)))
         self.steer_declared = None
+        self.steer_conditions = None
         # every tap gets a program, so capture-only requests are served too
-        self.steer_set_stages(declared if declared is not None else extra.get(STAGES_KEY) or [])
+        self.steer_set_stages(declared if declared is not None else extra.get(STAGES_KEY) or [],
+                              extra.get(CONDITIONS_KEY) or [])
         if declared is not None:
             # Captured edits read their weights from one buffer at a fixed address, filled every step.
             self.steer_il.in_graph = True
@@ -167,6 +172,8 @@ class _TapWorkerMixin:
                                len(self.steer_bank.stages), self.steer_il.step.order)
         else:
             batch = last.replaced(n, rows)
+        if self.steer_conditions is not None:
+            batch.slots = self.steer_conditions.slots_for(rids, batch.edits)
         cache = self.steer_requests
         if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
             present = set(self.model_runner.requests)
@@ -191,6 +198,8 @@ class _TapWorkerMixin:
         own vectors' stages."""
         for rid in rids:
             self.steer_requests.pop(rid, None)
+        if self.steer_conditions is not None:
+            self.steer_conditions.release(rids)
         key = self.steer_batch_key
         if key:  # an id resubmitted into its freed slot is another request: its row is looked up again
             gone = set(rids)
@@ -203,11 +212,12 @@ class _TapWorkerMixin:
 
     # collective_rpc entry points ----------------------------------------------------------------------
 
-    def steer_set_stages(self, stages) -> int:
+    def steer_set_stages(self, stages, conditions=()) -> int:
         """Install the client's stage list ([(id, location, index, StageEdit.to_dict())], ids in order) as the taps'
-        programs (plain data: vLLM's RPC turns dataclasses into dicts; a StageEdit itself is taken too)."""
+        programs (plain data: vLLM's RPC turns dataclasses into dicts; a StageEdit itself is taken too), with the
+        conditions their `when` indexes ([StageCondition.to_dict()], the client's whole list so far)."""
         from interleaver.bank import InlineStages, Stage
-        from interleaver.stage import StageEdit
+        from interleaver.stage import StageCondition, StageEdit
 
         if getattr(self, "steer_declared", None) is not None:  # its graphs read these programs' tensors
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
@@ -215,9 +225,33 @@ class _TapWorkerMixin:
         device = self.model_runner.device
         edits = [StageEdit.from_dict(e) if isinstance(e, dict) else e for _, _, _, e in stages]
         self.steer_bank.stages = [Stage(i, loc, index, e.to(device)) for (i, loc, index, _), e in zip(stages, edits)]
+        conds = [StageCondition.from_dict(c) if isinstance(c, dict) else c for c in conditions]
+        if len(conds) != len(self.steer_bank.conditions):  # the client's list only grows
+            self._steer_conditions(conds)
         self.steer_inline = InlineStages(self.steer_bank)  # ids of requests' own vectors are the client's now
         self.steer_requests.clear()
         return self._steer_install()
+
+    def _steer_conditions(self, conds: list) -> None:
+        """Decide `conds` from now on: a new state for every slot (a replay engine takes new conditions between
+        batches; requests in flight keep the decisions they made)."""
+        from interleaver.conditions import Conditions
+
+        stray = {c.location for c in conds} - self.steer_il.taps
+        if stray:
+            raise ValueError(f"condition at {sorted(stray)[0]!r}, which is not a tap of this engine: "
+                             f"{sorted(self.steer_il.taps)}")
+        runner, old = self.model_runner, self.steer_conditions
+        slots = int(getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 256)
+        new = Conditions(conds, slots, runner.max_num_tokens, runner.device) if conds else None
+        if old is not None and new is not None:  # the slots held and their decisions so far
+            new.adopt(old)
+        bank = self.steer_bank
+        bank.drop_conditions(0)
+        for c in conds:
+            bank.condition(c)
+        self.steer_conditions = self.steer_il.step.conditions = new
+        self.steer_batch_key = None  # the batch's slots are looked up again
 
     def _steer_install(self, only: Optional[set] = None) -> int:
         """The bank's stages as the taps' programs; `only`: the locations whose stages changed, where the other
@@ -226,6 +260,10 @@ class _TapWorkerMixin:
         from interleaver.program import TapProgram
 
         device, bank, il = self.model_runner.device, self.steer_bank, self.steer_il
+        held = self.steer_conditions.list if self.steer_conditions is not None else []
+        if len(bank.conditions) != len(held):  # requests' own conditions came or went: every program reads them
+            self._steer_conditions(list(bank.conditions))
+            only = None
         stray = {s.location for s in bank.stages} - il.taps
         if stray:
             raise ValueError(f"edit at {sorted(stray)[0]!r}, which is not a tap of this engine: {sorted(il.taps)}")
@@ -241,8 +279,10 @@ class _TapWorkerMixin:
             only = None
         # Every tap gets a program, those with no edits too: they still serve capture-only requests.
         old = il.programs or {}
+        conds = self.steer_conditions
         il.programs = {loc: old[loc] if only is not None and loc not in only and loc in old
-                       else TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device) for loc in il.taps}
+                       else TapProgram(loc, bank.at(loc), self.steer_residual[loc], columns, device, conds)
+                       for loc in il.taps}
         for loc, program in il.programs.items():
             if loc in old and program is not old[loc]:
                 program.kept = old[loc].kept  # rows a scoring request kept, not yet taken

@@ -10,6 +10,7 @@ steer/bench/runs.py times the passes.
 """
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict
 
@@ -103,12 +104,13 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
     by_layer = {i: t for i, t in zip(layers, taps)}
     plans: Dict[tuple, tuple] = {}  # (id(edit), layers) -> (edit, plan): holding the edit keeps its id unique
 
-    def plan(edit, at):
+    def plan(edit, at, read=None):
         key = (id(edit), tuple(at))
         if key not in plans:
             p = Plan()
+            e = edit if edit.when is None else replace(edit, when=replace(edit.when, path=by_layer[read].path))
             for i in at:
-                p.add(by_layer[i], edit)
+                p.add(by_layer[i], e)
             plans[key] = (edit, p)
         return plans[key][1]
 
@@ -116,7 +118,7 @@ def _steer(cfg, m, where, group, in_graph: bool = False, tap_graphs: bool = Fals
                         declared(cfg, spec, group, plan) if in_graph or compiled else ())
 
     def run(prompts, scen, tokens):
-        plans_ = [plan(e, scen.layers) for e in scen.edits] if scen else [None] * len(prompts)
+        plans_ = [plan(e, scen.layers, scen.read) for e in scen.edits] if scen else [None] * len(prompts)
         return sum(map(len, engine.generate_tokens(prompts, plans_, tokens, ignore_eos=True, detokenize=False)))
 
     run.profile = engine.host_profile
@@ -131,7 +133,7 @@ def declared(cfg, spec, group, plan) -> list:
         if cell["scenario"] != "unsteered":
             scen = workload.scenario(cell["scenario"], spec.hidden, spec.layers, cell["requests"], cfg.seed,
                                      cfg.epsilon, cfg.k_kinds)
-            out += [plan(e, scen.layers) for e in scen.edits]
+            out += [plan(e, scen.layers, scen.read) for e in scen.edits]
     return out
 
 

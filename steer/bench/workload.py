@@ -20,8 +20,10 @@ from steer.models import spec as model
 
 from steer.models import tiny
 from steer.bench import peers
-from steer.bench.schema import CONFIGS, FAINT, K_KINDS, REFERENCES, BenchConf, BenchModelConf
+from steer.bench.schema import CONFIGS, FAINT, K_KINDS, PEERS, REFERENCES, BenchConf, BenchModelConf
+from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
+from steer.edits.positions import Positions
 from steer.config import checks
 from steer.errors import ConfigError, refuse_repeats
 from steer.config.schema import EditKind, ModelConf
@@ -36,16 +38,21 @@ QWEN2_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, n
                   rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, use_sliding_window=False,
                   sliding_window=4096, max_window_layers=21, architectures=["Qwen2ForCausalLM"])
 _SHAPES = {"llama3_8b_shape": ("llama", LLAMA3_8B), "qwen2_1p5b_shape": ("qwen2", QWEN2_1P5B)}
-# add, ablate_all, add_all, kN and kN_all (N >= 1): what each request runs, one tap or (`_all`) every layer
-_SCENARIO = re.compile(r"(?:add|add_all|ablate_all|k([1-9][0-9]*)(?:_all)?)$")
+# add, ablate_all, add_all, kN and kN_all (N >= 1): what each request runs, one tap or (`_all`) every layer; cast
+# (an add under a condition read at an earlier layer, met by half the requests) and the position selectors
+# last_prompt, first_generated and window (an add on those rows alone)
+_SCENARIO = re.compile(r"(?:add|add_all|ablate_all|cast|last_prompt|first_generated|window|k([1-9][0-9]*)(?:_all)?)$")
+# Scenarios whose edits carry a condition or positions: run by steer's own engines alone
+SELECTING = ("cast", "last_prompt", "first_generated", "window")
 MAX_K = 4096
 
 
 @dataclass
 class Scenario:
     name: str
-    layers: List[int]  # the decoder layers tapped; every request's edit runs at each of them
+    layers: List[int]  # the decoder layers edited; every request's edit runs at each of them
     edits: List[Optional[Edit]]  # per request (None: unsteered)
+    read: Optional[int] = None  # the layer the edits' condition reads (its path is the engine's tap there)
 
 
 def check(cfg: BenchConf) -> None:
@@ -106,6 +113,11 @@ def check(cfg: BenchConf) -> None:
     refs = [c for c in cfg.configs if c in REFERENCES]
     alive = len(refs) + (len(refs) < len(cfg.configs))  # the references stay up beside one engine at least
     peers.check(cfg, any(_SCENARIO.match(base(s)).group(1) for s in cfg.scenarios))
+    selecting = [s for s in cfg.scenarios if base(s) in SELECTING]
+    others = [c for c in cfg.configs if c in ("d", "e") or c in PEERS]
+    if selecting and others:
+        raise ConfigError("scenarios", f"{selecting[0]!r} carries a condition or positions, which only steer's "
+                                       f"engines run; leave it out or drop configuration {others[0]!r}")
     for name, m in cfg.models.items():
         if m.source not in ("tiny", "gguf", *_SHAPES) and not Path(m.source).is_dir():
             raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', 'gguf', one of "
@@ -123,7 +135,8 @@ def _check_scenario(field: str, name: str) -> None:
     k = _SCENARIO.match(base(name))
     if not k:
         raise ConfigError(field, f"unknown scenario {name!r}; expected add, add_all, ablate_all, kN or kN_all "
-                                 f"(N >= 1), each also with {FAINT} (its edits at `epsilon` strength)")
+                                 f"(N >= 1), cast, last_prompt, first_generated or window, each also with {FAINT} "
+                                 "(its edits at `epsilon` strength)")
     if k.group(1) and int(k.group(1)) > MAX_K:  # each distinct edit is a vector built and registered per engine
         raise ConfigError(field, f"{name!r} asks for {k.group(1)} distinct edits; at most {MAX_K}")
 
@@ -196,9 +209,12 @@ def base(name: str) -> str:
 
 
 def tapped(name: str, layers: int) -> List[int]:
-    """The decoder layers scenario `name` taps on a model of `layers` layers: every one for a name ending `_all`,
-    else the middle one."""
-    return list(range(layers)) if base(name).endswith("_all") else [layers // 2]
+    """The decoder layers scenario `name` taps on a model of `layers` layers: every one for a name ending `_all`;
+    for cast, the condition's (a quarter of the way) and the edit's (three eighths: 8 and 12 of 32); else the middle
+    one."""
+    if base(name).endswith("_all"):
+        return list(range(layers))
+    return [layers // 4, layers * 3 // 8] if base(name) == "cast" else [layers // 2]
 
 
 def faint(e: Edit, epsilon: float) -> Edit:
@@ -219,7 +235,7 @@ def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: fl
     if name == scen.name:
         return scen
     weak = {id(e): faint(e, epsilon) for e in scen.edits}
-    return Scenario(name, scen.layers, [weak[id(e)] for e in scen.edits])
+    return Scenario(name, scen.layers, [weak[id(e)] for e in scen.edits], scen.read)
 
 
 def _full(name: str, hidden: int, layers: int, n: int, seed: int, kinds: Sequence[EditKind]) -> Scenario:
@@ -236,6 +252,15 @@ def _full(name: str, hidden: int, layers: int, n: int, seed: int, kinds: Sequenc
     if name == "ablate_all":
         e = compile_edit(EditKind.ablate, 1.0, unit())
         return Scenario(name, taps, [e] * n)
+    if name == "cast":  # cosine against any direction is above -1 and never above 1: half meet, half do not
+        v = unit()[0]
+        met, unmet = (compile_edit(EditKind.add, 4.0, v[None], when=Condition("", v, "mean", "cosine", "above", t))
+                      for t in (-1.0, 1.0))
+        return Scenario(name, taps[1:], [met if i % 2 == 0 else unmet for i in range(n)], taps[0])
+    if name in SELECTING:
+        where = {"last_prompt": Positions("last_prompt", count=1), "first_generated": Positions("first_generated",
+                 count=16), "window": Positions("window", start=0, end=63)}[name]
+        return Scenario(name, taps, [compile_edit(EditKind.add, 4.0, unit(), positions=where)] * n)
     k = int(_SCENARIO.match(name).group(1))
     configs = []
     for j in range(k):

@@ -108,6 +108,7 @@ def vllm(v: VllmConf, engine: str, who: str = "this run") -> None:
     optional_positive("vllm.kv_cache_memory_bytes", v.kv_cache_memory_bytes, "number of bytes")
     optional_positive("vllm.max_model_len", v.max_model_len, "number of positions")
     at_least("vllm.max_num_seqs", v.max_num_seqs, 1)
+    optional_positive("vllm.max_num_batched_tokens", v.max_num_batched_tokens, "number of tokens")
     # fold_norm: a run refuses it outright (run), the server judges it before its engine resolves (serve_modes)
     if v.in_graph_field():
         _needs_vllm(engine, f"vllm.{v.in_graph_field()}", "capturing edits into vLLM's graphs", who)
@@ -229,12 +230,9 @@ def run(cfg: SteerConf, engine: str) -> None:
         scale_by(prefix, e)
         if cfg.task != Task.condition:  # which task=condition chooses the layer and threshold of
             when(prefix, e, cfg.prompts)
-        where = positions.parse(e.positions, f"{prefix}.positions")
-        # the vLLM engine's stages carry no condition, position window or input tap: those run on the HF engine
-        for field, used in ((f"{prefix}.when.layer", e.when.layer is not None),
-                            (f"{prefix}.positions", not where.every), (f"{tap_field}.input", tap.input)):
-            if used:
-                _needs_hf(engine, field)
+        positions.parse(e.positions, f"{prefix}.positions")
+        if tap.input:  # the vLLM engine's taps read modules' outputs: an input tap runs on the HF engine
+            _needs_hf(engine, f"{tap_field}.input")
     at_least("extract.folds", cfg.extract.folds, 2)
     damage(cfg)
     judge(cfg.eval.judge)
@@ -417,17 +415,14 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
 
 def preset_edits(confs, engine: str) -> None:
     """A server's presets (`confs`: name -> PresetConf): a condition names its direction's file (a server has no
-    condition prompts), and conditions, positions and input taps run on engine=hf."""
+    condition prompts), and input taps run on engine=hf."""
     for name, conf in confs.items():
         for i, te in enumerate(list(conf.edits) + [te for tes in conf.models.values() for te in tes]):
             prefix = f"preset {name}: edits[{i}].edit"
             when(prefix, te.edit, None)
-            where = positions.parse(te.edit.positions, f"{prefix}.positions")
-            for field, used in ((f"{prefix}.when.layer", te.edit.when.layer is not None),
-                                (f"{prefix}.positions", not where.every),
-                                (f"preset {name}: edits[{i}].tap.input", te.tap.input)):
-                if used:
-                    _needs_hf(engine, field)
+            positions.parse(te.edit.positions, f"{prefix}.positions")
+            if te.tap.input:
+                _needs_hf(engine, f"preset {name}: edits[{i}].tap.input")
 
 
 def serve_modes(conf) -> None:

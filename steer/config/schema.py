@@ -213,6 +213,8 @@ class VllmConf:
     kv_cache_memory_bytes: Optional[int] = None
     max_model_len: Optional[int] = None  # null: the model's own
     max_num_seqs: int = 256
+    # null: vLLM's default; else the tokens one step schedules at most (a longer prompt is prefilled in chunks)
+    max_num_batched_tokens: Optional[int] = None
     load_format: str = "auto"  # "dummy": random weights of the real shape (benchmarks)
     max_cudagraph_capture_size: Optional[int] = None  # null: vLLM's default; a longer step runs eagerly
     # null: vLLM's default sizes up to the max; else exactly these step sizes (fewer captures start faster)

@@ -10,7 +10,8 @@ For the reduced prompt vector h and the condition direction v:
 Both are cosines, so a threshold lies in [-1, 1]. `compare=above` holds where the score exceeds the threshold,
 `below` where it is under it (IBM's library names these the other way round: its "smaller" means "the threshold is
 smaller than the similarity"). The score is computed once per request, from the prompt's rows of the tap's value
-(after that tap's own edits), and held: generated rows never decide again. Nothing here knows an engine.
+(after that tap's own edits), and held: generated rows never decide again. Nothing here knows an engine; the
+math is interleaver/select.py's, which a vLLM worker runs too.
 """
 
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ from typing import Optional
 
 import torch
 
-REDUCE = ("mean", "last")
-SCORE = ("cast", "cosine")
-COMPARE = ("above", "below")
+from interleaver import select
+from interleaver.select import score
+
+REDUCE, SCORE, COMPARE = select.REDUCES, select.SCORES, select.COMPARES
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,19 +51,10 @@ class Condition:
 
     def met(self, scores: torch.Tensor) -> torch.Tensor:
         """The decisions (bool `[batch]`) for `scores`."""
-        return scores > self.threshold if self.compare == "above" else scores < self.threshold
+        return select.met(scores, self.compare, self.threshold)
 
     def to(self, device) -> "Condition":
         return Condition(self.path, self.vector.to(device), self.reduce, self.score, self.compare, self.threshold)
-
-
-def score(h: torch.Tensor, v: torch.Tensor, kind: str) -> torch.Tensor:
-    """The score of each row of `h` (`[n, hidden]`) against direction `v` (`[hidden]`), float32 `[n]`."""
-    h, v = h.float(), v.float()
-    if kind == "cosine":
-        return torch.nn.functional.cosine_similarity(h, v[None], dim=-1)
-    projected = torch.tanh((h @ v)[:, None] * v[None] / (v @ v))  # tanh(P h), P = v v^T / (v^T v)
-    return torch.nn.functional.cosine_similarity(h, projected, dim=-1, eps=1e-30)
 
 
 def describe(c: Optional[Condition], name: str) -> str:

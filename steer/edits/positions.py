@@ -12,9 +12,10 @@ the request's prompt length, so it is the same in a batch as alone, and under ch
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from interleaver import select as selectors
 from steer.errors import ConfigError
 
-SELECTS = ("all", "last_prompt", "first_generated", "window")
+SELECTS = selectors.SELECTS
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,13 @@ class Positions:
     def mask(self, pos, plen):
         """Bool, shaped as `pos` (each row's absolute position), `plen` broadcast against it (the request's prompt
         length)."""
-        if self.select == "last_prompt":
-            return (pos < plen) & (pos >= plen - self.count)
-        if self.select == "first_generated":
-            return (pos >= plen) & (pos < plen + self.count)
+        return selectors.mask(self.where(), pos, plen)
+
+    def where(self) -> selectors.Where:
+        """The selector as the interleaver's request entries carry it (interleaver/select.py)."""
         if self.select == "window":
-            return (pos >= self.start) & (pos <= self.end)
-        return pos >= 0
+            return ("window", self.start, self.end)
+        return (self.select, self.count, 0)
 
     def describe(self) -> str:
         if self.select == "last_prompt":

@@ -18,11 +18,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.stage import EditKind, Tokens, StageEdit
+from interleaver.stage import EditKind, StageCondition, Tokens, StageEdit
 from interleaver.clock import Clock
 from interleaver.vllm_internals import shutdown, tap_location
-from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, TAP_GRAPHS_KEY, TAPS_KEY,
-                                    worker_cls)
+from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, CONDITIONS_KEY, FOLD_KEY, IN_GRAPH_KEY,
+                                    TAP_GRAPHS_KEY, TAPS_KEY, worker_cls)
 from steer.edits.edit import Edit
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores, stop_ids
 from steer.models.spec import ModelSpec
@@ -31,18 +31,24 @@ from steer.config.schema import GenConf, VllmConf
 from steer.edits.tap import Tap
 
 
-def stage_edit(e: Edit) -> StageEdit:
+def stage_edit(e: Edit, bank: Optional[EditBank] = None) -> StageEdit:
     """A compiled edit as the interleaver's stage record: the same delta (`Edit.delta` is linear in `Edit.strength`,
-    which the record carries), on the rows `e.tokens` selects. Conditions and position windows run on the HF
-    engine alone (steer.config.checks refuses them here first)."""
-    if e.when is not None or not e.positions.every:
-        raise ValueError("an edit with a condition (edit.when) or positions (edit.positions) runs on engine=hf")
-    return StageEdit(EditKind(e.kind.value), e.basis, e.lo, e.hi, e.value, e.strength, Tokens(e.tokens.value))
+    which the record carries), on the rows `e.tokens` and `e.positions` select; its condition (`e.when`) is
+    registered in `bank` and named by index."""
+    when = None
+    if e.when is not None:
+        if bank is None:
+            raise ValueError("an edit under a condition (edit.when) needs the engine's bank to name it")
+        c = e.when
+        when = bank.condition(StageCondition(tap_location(c.path), c.vector.float(), c.reduce, c.score, c.compare,
+                                             float(c.threshold)))
+    return StageEdit(EditKind(e.kind.value), e.basis, e.lo, e.hi, e.value, e.strength, Tokens(e.tokens.value),
+                     when, None if e.positions.every else e.positions.where())
 
 
-def stage_edits(edits: Sequence[Edit]) -> List[StageEdit]:
+def stage_edits(edits: Sequence[Edit], bank: Optional[EditBank] = None) -> List[StageEdit]:
     """A tap's compiled edits, in order, as what `EditBank.register` takes."""
-    return [stage_edit(e) for e in edits]
+    return [stage_edit(e, bank) for e in edits]
 
 
 def available() -> bool:
@@ -74,7 +80,7 @@ class VLLMEngine(Engine):
         self.bank = EditBank()
         self.in_graph = conf.in_graph_field() is not None
         extra = self._additional_config(conf, taps, declare)
-        self._pushed = len(self.bank.stages)
+        self._pushed, self._pushed_conditions = len(self.bank.stages), len(self.bank.conditions)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.source, revision=spec.revision)
         self.stop_ids = stop_ids(self.tokenizer, spec.source)
         release_host_cache()  # an engine that ran in this process and was never closed (or failed to start)
@@ -87,6 +93,7 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=conf.kv_cache_memory_bytes,
             max_model_len=conf.max_model_len,
             max_num_seqs=conf.max_num_seqs,
+            **({"max_num_batched_tokens": conf.max_num_batched_tokens} if conf.max_num_batched_tokens else {}),
             enable_prefix_caching=False,
             load_format=conf.load_format,
             worker_cls=worker_cls(),
@@ -115,6 +122,7 @@ class VLLMEngine(Engine):
             if not self.bank.stages:
                 raise ValueError(f"vllm.{conf.in_graph_field()}: declare the plans the engine serves when it starts")
             extra[IN_GRAPH_KEY] = self._stage_list()
+            extra[CONDITIONS_KEY] = self._condition_list()
         if conf.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
         if conf.fold_norm:
@@ -166,15 +174,21 @@ class VLLMEngine(Engine):
         for path, edits in (plan.edits.items() if plan else []):
             if path not in self.taps:
                 raise ValueError(f"edit at {path!r}, which is not a tap of this engine: {sorted(self.taps)}")
-            entries += self.bank.register(tap_location(path), stage_edits(edits))
-        return RequestEdits(entries, **kw)
+            entries += self.bank.register(tap_location(path), stage_edits(edits, self.bank))
+        for c in (plan.conditions() if plan else []):
+            if c.path not in self.taps:
+                raise ValueError(f"condition at {c.path!r}, which is not a tap of this engine: {sorted(self.taps)}")
+        return RequestEdits(entries, decide=bool(plan and plan.conditions()), **kw)
 
     def _stage_list(self) -> list:
         return [(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages]
 
+    def _condition_list(self) -> list:
+        return [c.to_dict() for c in self.bank.conditions]
+
     def _push(self) -> None:
         """Ship the stage list to the workers when it grew (once per batch, not per request)."""
-        if len(self.bank.stages) == self._pushed:
+        if len(self.bank.stages) == self._pushed and len(self.bank.conditions) == self._pushed_conditions:
             return
         if self.in_graph:
             new = self.bank.stages[self._pushed]
@@ -182,8 +196,8 @@ class VLLMEngine(Engine):
             raise ValueError(f"edit {new.edit.kind.value} at {new.location} was not declared when this engine "
                              "started: its edits are captured into its graphs (vllm.edits_in_graph, "
                              "vllm.compiled_edits)")
-        self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(),))
-        self._pushed = len(self.bank.stages)
+        self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(), self._condition_list()))
+        self._pushed, self._pushed_conditions = len(self.bank.stages), len(self.bank.conditions)
 
     def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:
         """A vLLM SamplingParams for each plan (None: unsteered), its edits riding in extra_args, one object for

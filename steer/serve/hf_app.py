@@ -112,7 +112,8 @@ class HFServer:
     def _plan(self, req: requests.GenRequest):
         if not req.steer:
             return None
-        return compose(self.presets, req.steer.names, req.steer.scale, req.steer.inline, self.inline_taps)
+        return compose(self.presets, req.steer.names, req.steer.scale, req.steer.inline, self.inline_taps,
+                       req.steer.when)
 
     def _check(self, req: requests.GenRequest, encoded: List[List[int]]) -> None:
         if req.model != self.model_name:

@@ -116,7 +116,7 @@ class SteerMiddleware:
         if not isinstance(xargs, dict) or not any(k.startswith("steer") for k in xargs):
             return False
         rest = {k: v for k, v in xargs.items() if not k.startswith("steer")}
-        arg = t.steer_arg(args.names, args.scale, args.inline) if args is not None else None
+        arg = t.steer_arg(args.names, args.scale, args.inline, args.when) if args is not None else None
         if arg is not None:
             rest["steer"] = arg
         if rest:

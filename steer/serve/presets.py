@@ -9,7 +9,7 @@ CLI run with those edits, and `compose` stacks presets for one request.
 """
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -17,6 +17,7 @@ import torch
 
 from steer.config.preset import edits_for
 from steer.edits import vector
+from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError
 from steer.models.spec import ModelSpec
@@ -36,6 +37,7 @@ class Preset:
     conf: PresetConf
     items: List[Tuple[Tap, Edit]]  # every edit in config order, as compiled (a request drops its no-ops)
     vectors: List[Optional[dict]]  # per edit: the vector file, key and metadata (None: the edit takes none)
+    reads: List[Tap] = field(default_factory=list)  # the taps its edits' conditions read the prompt at
 
 
 def directories(opts: ServeOptions) -> List[Path]:
@@ -140,16 +142,18 @@ def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
     """Every preset compiled, default directions asked of `default_vector` (as the CLI does)."""
     out = {}
     for name, conf in confs.items():
-        items = _compile(name, conf, spec, default_vector)
+        reads: Dict[str, Tap] = {}
+        items = _compile(name, conf, spec, default_vector, reads)
         out[name] = Preset(name, conf, [(tap, e) for _, tap, e in items],
-                           [_vector(te.edit, e, tap, cache_dir) for te, tap, e in items])
+                           [_vector(te.edit, e, tap, cache_dir) for te, tap, e in items], list(reads.values()))
     return out
 
 
-def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> List[Tuple[TapEditConf, Tap, Edit]]:
+def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector,
+             reads: Dict[str, Tap]) -> List[Tuple[TapEditConf, Tap, Edit]]:
     """The preset's (edit config, tap, compiled edit) triples in config order, by the CLI's own steer.edits.plan (one
     entry at a time, which is what `build` does for a run's tap/edit and extra_edits); an entry with
-    `vector.layers` gives one per layer."""
+    `vector.layers` gives one per layer. `reads` gains the taps its conditions read."""
     out = []
     for i, te in enumerate(conf.edits):
         try:
@@ -157,6 +161,7 @@ def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector) -> Li
         except ConfigError as e:
             raise ConfigError(f"preset {name}: {e.field}", str(e)[len(e.field) + 2:]) from e
         out += [(te, plan.taps[path], e) for path, edits in plan.edits.items() for e in edits]
+        reads.update(plan.condition_taps)
     return out
 
 
@@ -170,19 +175,25 @@ def scaled(e: Edit, k: float) -> Edit:
 
 
 def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0, inline: Sequence = (),
-            inline_taps: Optional[Dict[int, Tap]] = None) -> Optional[Plan]:
+            inline_taps: Optional[Dict[int, Tap]] = None, when=None) -> Optional[Plan]:
     """The plan of presets applied in order (at each tap, the first preset's edits, then the next's), every
     strength times `scale`, then the request's own vectors (steer.serve.protocol.InlineVector, added at
-    `inline_taps[layer]` in order), without edits that change nothing; None if none is left (an unsteered
-    request)."""
+    `inline_taps[layer]` in order, under the request's condition `when`, an InlineWhen, where it sends one),
+    without edits that change nothing; None if none is left (an unsteered request)."""
     plan = Plan()
     for n in names:
         for tap, e in presets[n].items:
             plan.add(tap, scaled(e, scale))
+    cond = None
+    if when is not None:
+        read = inline_taps[when.layer]
+        cond = Condition(read.path, torch.from_numpy(when.values()), when.reduce, when.score, when.compare,
+                         when.threshold)
+        plan.condition_taps.setdefault(read.path, read)
     for i, v in enumerate(inline):
         vec = torch.from_numpy(v.values())[None]
         plan.add(inline_taps[v.layer], compile_edit(EditKind.add, v.strength, vec, tokens=Tokens(v.tokens),
-                                                    field=f"steer_vector[{i}]"))
+                                                    field=f"steer_vector[{i}]", when=cond))
     active = plan.active()
     return active if active.edits else None
 

@@ -7,7 +7,10 @@ comma-separated, composed in that order; `steer_scale` (default 1) multiplies ev
 also carry vectors of its own, added after its presets' edits: `steer_vector` (base64 of little-endian float32,
 hidden size values; one, or a list of at most MAX_INLINE), `steer_layer` (one layer for all, or one per vector, each
 among the server's `serve.inline_layers`), `steer_strength` (default 1; one, or one per vector) and `steer_tokens`
-(the rows it is added to: "both", the default, "prompt" or "generated"; one, or one per vector). Requests carry
+(the rows it is added to: "both", the default, "prompt" or "generated"; one, or one per vector), and `steer_when`, a
+condition on the prompt that gates them (conditional steering, docs/conditional.md): an object with `vector` (base64
+as steer_vector's), `layer` (among `serve.inline_layers`: where the prompt is read), `threshold` (in [-1, 1]), and
+optionally `reduce` (mean, last), `score` (cast, cosine) and `compare` (above, below). Requests carry
 names, numbers and vectors only: nothing in one can name a file, a module or code. Anything else whose key starts
 with `steer` is refused, so a typo never silently serves an unsteered answer.
 """
@@ -23,7 +26,9 @@ import numpy as np
 # steer_vector's format is the worker's (RequestEdits.inline): one codec for both ends
 from interleaver.bank import decode_vector, encode_vector  # noqa: F401  (encode_vector: for clients)
 
-STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength", "steer_tokens")
+STEER_KEYS = ("steer", "steer_scale", "steer_vector", "steer_layer", "steer_strength", "steer_tokens", "steer_when")
+WHEN_KEYS = {"vector": None, "layer": None, "threshold": None, "reduce": ("mean", "last"),
+             "score": ("cast", "cosine"), "compare": ("above", "below")}
 TOKENS = ("both", "prompt", "generated")  # the rows an inline vector is added to
 MAX_INLINE = 64  # vectors in one request
 MAX_PUSH = 1e4  # the largest value strength x vector may add to a residual-stream element
@@ -57,6 +62,21 @@ class InlineVector:
 
 
 @dataclass(frozen=True)
+class InlineWhen:
+    """A request's own condition on its prompt, gating its own vectors: the prompt read after decoder `layer`."""
+
+    layer: int
+    data: str  # the condition direction: base64 of little-endian float32, as the request sent it (checked)
+    threshold: float
+    reduce: str = "mean"
+    score: str = "cast"
+    compare: str = "above"
+
+    def values(self) -> np.ndarray:
+        return decode_vector(self.data)
+
+
+@dataclass(frozen=True)
 class InlinePolicy:
     """What a server takes in steer_vector: the model's hidden size, and the layers tapped for inline vectors."""
 
@@ -69,6 +89,7 @@ class SteerArgs:
     names: Tuple[str, ...]  # presets, composed in this order
     scale: float = 1.0
     inline: Tuple[InlineVector, ...] = ()  # added after the presets' edits, in this order
+    when: Optional[InlineWhen] = None  # gates the inline vectors
 
 
 def is_number(x: Any) -> bool:
@@ -94,12 +115,13 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
             raise RequestError(f"{where}vllm_xargs.{key}", f"unknown steer argument {key!r}; this server takes "
                                                            f"{', '.join(STEER_KEYS)}")
     vectors = _inline(xargs, inline, max_scale, f"{where}vllm_xargs.")
+    when = _when(xargs.get("steer_when"), inline, bool(vectors), f"{where}vllm_xargs.steer_when")
     steer = xargs.get("steer")
     if steer is None:
         if "steer_scale" in xargs:
             raise RequestError(f"{where}vllm_xargs.steer_scale", "steer_scale without steer: name the preset(s) "
                                                                  "to scale")
-        return SteerArgs((), 1.0, vectors) if vectors else None
+        return SteerArgs((), 1.0, vectors, when) if vectors else None
     param = f"{where}vllm_xargs.steer"
     if not isinstance(steer, str):
         raise RequestError(param, f"must be a string of preset names (comma-separated), got {json_type(steer)}")
@@ -122,7 +144,42 @@ def parse_steer(body: Dict[str, Any], known: Collection[str], max_scale: float, 
     if abs(scale) > max_scale:
         raise RequestError(param, f"{scale:g} is beyond this server's limit of {max_scale:g} "
                                   "(serve.max_steer_scale)")
-    return SteerArgs(names, scale, vectors)
+    return SteerArgs(names, scale, vectors, when)
+
+
+def _when(w: Any, policy: Optional[InlinePolicy], vectors: bool, param: str) -> Optional[InlineWhen]:
+    """The request's steer_when, checked (None when it sends none)."""
+    if w is None:
+        return None
+    if not vectors:
+        raise RequestError(param, "steer_when without steer_vector: it gates the request's own vectors")
+    if not isinstance(w, dict):
+        raise RequestError(param, f"must be an object with vector, layer and threshold, got {json_type(w)}")
+    for key in w:
+        if key not in WHEN_KEYS:
+            raise RequestError(f"{param}.{key}", f"unknown key; steer_when takes {', '.join(WHEN_KEYS)}")
+    for key in ("vector", "layer", "threshold"):
+        if key not in w:
+            raise RequestError(f"{param}.{key}", "is required")
+    if not isinstance(w["vector"], str):
+        raise RequestError(f"{param}.vector", f"must be a base64 string (little-endian float32), got "
+                                              f"{json_type(w['vector'])}")
+    _check_vector(w["vector"], policy.hidden, f"{param}.vector")
+    if not is_int(w["layer"]) or w["layer"] not in policy.layers:
+        raise RequestError(f"{param}.layer", f"must be a layer this server taps for inline vectors, one of "
+                                             f"{list(policy.layers)} (serve.inline_layers); got "
+                                             f"{json_type(w['layer'])}")
+    t = w["threshold"]
+    if not is_number(t) or not -1.0 <= _float(t) <= 1.0:
+        raise RequestError(f"{param}.threshold", f"must be a number in [-1, 1] (both scores are cosines), got "
+                                                 f"{json_type(t)}")
+    choice = {}
+    for key, allowed in WHEN_KEYS.items():
+        if allowed is not None and key in w:
+            if w[key] not in allowed:
+                raise RequestError(f"{param}.{key}", f"must be one of {', '.join(allowed)}, got {json_type(w[key])}")
+            choice[key] = w[key]
+    return InlineWhen(int(w["layer"]), w["vector"], _float(t), **choice)
 
 
 def _inline(xargs: Dict[str, Any], policy: Optional[InlinePolicy], max_scale: float,

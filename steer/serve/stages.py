@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from interleaver.kinds import EditKind
 from steer.serve.presets import Preset
-from steer.serve.protocol import InlinePolicy, InlineVector
+from steer.serve.protocol import InlinePolicy, InlineVector, InlineWhen
 from steer.edits.tap import Tap
 
 
@@ -33,6 +33,10 @@ class StageTable:
             for tap, e in p.items:
                 self.taps.setdefault(tap.path, tap)
                 by_tap.setdefault(tap.path, {}).setdefault(name, []).append(e)
+            for tap in p.reads:
+                self.taps.setdefault(tap.path, tap)
+        # presets whose edits are under a condition: a request on one has its prompt scored while it runs
+        self.deciding = sorted(name for name, p in presets.items() if any(e.when is not None for _, e in p.items))
         # preset -> [[location, count, {start: [[stage, strength, tokens, always a no-op], ...]}], ...]
         self.presets: Dict[str, list] = {name: [] for name in presets}
         for path, mine in by_tap.items():
@@ -40,7 +44,7 @@ class StageTable:
             for name, edits in mine.items():
                 starts = {}
                 for start in sorted(_sums([len(v) for m, v in mine.items() if m != name])):
-                    entries = self.bank.register(loc, stage_edits(edits), start)
+                    entries = self.bank.register(loc, stage_edits(edits, self.bank), start)
                     starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
                                           for (sid, strength, tokens), e in zip(entries, edits)]
                 self.presets[name].append([loc, len(edits), starts])
@@ -55,6 +59,10 @@ class StageTable:
         takes."""
         return [[s.id, s.location, s.index, s.edit.to_dict()] for s in self.bank.stages]
 
+    def condition_list(self) -> list:
+        """[StageCondition.to_dict()]: the conditions the stages' `when` index, for the worker."""
+        return [c.to_dict() for c in self.bank.conditions]
+
     def tap_list(self) -> list:
         return [[t.path, t.residual] for t in self.taps.values()]
 
@@ -62,7 +70,7 @@ class StageTable:
         """The request side's table; `hidden`, the model's hidden size, is needed where inline vectors are taken."""
         inline = {"hidden": int(hidden), "layers": self.inline} if self.inline else None
         return Translator({"presets": self.presets, "listing": listing, "max_steer_scale": max_scale,
-                           "inline": inline})
+                           "inline": inline, "deciding": self.deciding})
 
 
 class Translator:
@@ -73,6 +81,7 @@ class Translator:
         self.presets: Dict[str, list] = table["presets"]
         self.listing: list = table["listing"]
         self.max_scale = float(table["max_steer_scale"])
+        self.deciding = set(table.get("deciding", ()))
         inline = table.get("inline")
         self.inline_at: Dict[str, str] = inline["layers"] if inline else {}  # layer -> location
         self.inline = InlinePolicy(inline["hidden"], tuple(sorted(int(k) for k in self.inline_at))) if inline else None
@@ -102,10 +111,11 @@ class Translator:
                         out.append([sid, w, tokens])
         return out
 
-    def steer_arg(self, names: Sequence[str], scale: float, inline: Sequence[InlineVector] = ()):
+    def steer_arg(self, names: Sequence[str], scale: float, inline: Sequence[InlineVector] = (),
+                  when: Optional[InlineWhen] = None):
         """The worker's `extra_args["steer"]` for these presets and the request's own vectors, each added after the
-        edits before it at its tap (a JSON string: vllm_xargs values are flat), or None when nothing is left to
-        edit (the request is served untouched)."""
+        edits before it at its tap (under the request's own condition `when`, where it sends one) (a JSON string:
+        vllm_xargs values are flat), or None when nothing is left to edit (the request is served untouched)."""
         used: Dict[str, int] = {}
         entries = self.entries(names, scale, used)
         own = []
@@ -118,7 +128,12 @@ class Translator:
             return None
         from interleaver.bank import RequestEdits
 
-        return RequestEdits([tuple(e) for e in entries], inline=[tuple(v) for v in own]).to_args()
+        gate = None
+        if when is not None and own:
+            gate = (self.inline_at[str(when.layer)], when.data, when.reduce, when.score, when.compare, when.threshold)
+        return RequestEdits([tuple(e) for e in entries], inline=[tuple(v) for v in own],
+                            decide=any(n in self.deciding for n in names) or gate is not None,
+                            inline_when=gate).to_args()
 
 
 def _sums(counts: List[int]) -> set:

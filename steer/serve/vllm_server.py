@@ -32,10 +32,10 @@ KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's api_server reads its i
 
 def engine_config(conf: ServeConf, table: StageTable) -> dict:
     """The additional_config of the tap worker: the presets' taps and their stages, as plain data."""
-    from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, FOLD_KEY, IN_GRAPH_KEY, STAGES_KEY,
-                                        TAP_GRAPHS_KEY, TAPS_KEY)
+    from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, CONDITIONS_KEY, FOLD_KEY, IN_GRAPH_KEY,
+                                        STAGES_KEY, TAP_GRAPHS_KEY, TAPS_KEY)
 
-    extra = {TAPS_KEY: table.tap_list()}
+    extra = {TAPS_KEY: table.tap_list(), CONDITIONS_KEY: table.condition_list()}
     if conf.vllm.in_graph_field():
         if not table.bank.stages:
             raise ConfigError(f"vllm.{conf.vllm.in_graph_field()}", "no preset has an edit to capture into the graphs")

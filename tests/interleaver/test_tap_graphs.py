@@ -110,12 +110,14 @@ def test_a_failed_capture_leaves_that_tap_eager_and_edits_once():
 
 
 def test_serve_declines_what_needs_the_eager_path():
-    program = SimpleNamespace(groups=[object()])
+    program = SimpleNamespace(groups=[object()], conditional=False)
     live = torch.zeros(PAD, H)
     step = SimpleNamespace(num_tokens=3, static=torch.zeros(PAD, 1), capturing={}, weights=torch.ones(3, 1))
     graphs = TapGraphs(Capture())
     assert not graphs.serve(TAPS[0], None, live, step)  # no program at this tap
-    assert not graphs.serve(TAPS[0], SimpleNamespace(groups=[]), live, step)  # a program with no edits
+    assert not graphs.serve(TAPS[0], SimpleNamespace(groups=[], conditional=False), live, step)  # no edits
+    # a program that decides a condition or reads one: the eager path, every step (what it decides is data)
+    assert not graphs.serve(TAPS[0], SimpleNamespace(groups=[object()], conditional=True), live, step)
     assert not graphs.serve(TAPS[0], program, live, SimpleNamespace(**{**vars(step), "num_tokens": None}))
     assert not graphs.serve(TAPS[0], program, live, SimpleNamespace(**{**vars(step), "capturing": {TAPS[0]: [1]}}))
     assert graphs.serve(TAPS[0], program, live, SimpleNamespace(**{**vars(step), "weights": None}))  # nothing to do

@@ -1,0 +1,72 @@
+"""The rules that pick an edit's rows and decide a condition, as array math that works on numpy arrays (the host
+builds a step's weights with them) and on torch tensors (the HF engine, and a tap worker's graphs): defined once,
+here, for both engines.
+
+Positions (an edit's `positions`), from a row's absolute position `pos` in its sequence and its request's prompt
+length `plen`:
+
+    all                 every row
+    last_prompt k       the prompt's last k rows
+    first_generated n   the first n generated rows
+    window i j          the rows at positions i..j, both included
+
+Conditions (CAST: Lee et al., ICLR 2025), for a prompt reduced to one vector h and a direction v:
+
+    cast     cos(h, tanh(P h)),  P = v v^T / (v^T v)   (as IBM's activation-steering computes it)
+    cosine   cos(h, v)
+"""
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+SELECTS = ("all", "last_prompt", "first_generated", "window")
+REDUCES = ("mean", "last")
+SCORES = ("cast", "cosine")
+COMPARES = ("above", "below")
+
+Where = Tuple[str, int, int]  # (select, a, b): last_prompt (k, 0), first_generated (n, 0), window (i, j)
+
+
+def mask(where: Where, pos: Any, plen: Any) -> Any:
+    """Bool, shaped as `pos` (each row's absolute position), `plen` broadcast against it."""
+    select, a, b = where
+    if select == "last_prompt":
+        return (pos < plen) & (pos >= plen - a)
+    if select == "first_generated":
+        return (pos >= plen) & (pos < plen + a)
+    if select == "window":
+        return (pos >= a) & (pos <= b)
+    return pos >= 0
+
+
+def encode(rows: str, where: Optional[Where]) -> str:
+    """A request entry's rows: the token kind (`both`, `prompt`, `generated`), and its positions where they are not
+    every row (`prompt|last_prompt|3|0`)."""
+    if where is None or where[0] == "all":
+        return rows
+    return "|".join([rows, where[0], str(int(where[1])), str(int(where[2]))])
+
+
+def decode(code: str) -> Tuple[str, Optional[Where]]:
+    """`encode`'s (rows, positions) back."""
+    if "|" not in code:
+        return code, None
+    rows, select, a, b = code.split("|")
+    if select not in SELECTS:
+        raise ValueError(f"entry rows {code!r}: positions {select!r} is not one of {SELECTS}")
+    return rows, (select, int(a), int(b))
+
+
+def score(h: torch.Tensor, v: torch.Tensor, kind: str) -> torch.Tensor:
+    """The score of each row of `h` (`[n, width]`) against direction `v` (`[width]`), float32 `[n]`."""
+    h, v = h.float(), v.float()
+    if kind == "cosine":
+        return torch.nn.functional.cosine_similarity(h, v[None], dim=-1)
+    projected = torch.tanh((h @ v)[:, None] * v[None] / (v @ v))  # tanh(P h), P = v v^T / (v^T v)
+    return torch.nn.functional.cosine_similarity(h, projected, dim=-1, eps=1e-30)
+
+
+def met(scores: torch.Tensor, compare: str, threshold: float) -> torch.Tensor:
+    """The decisions (bool) for `scores`: `above` holds where a score exceeds the threshold, `below` under it."""
+    return scores > threshold if compare == "above" else scores < threshold

@@ -1,0 +1,140 @@
+"""Conditions (edit.when) and position selectors (edit.positions) on the vLLM engine, in every mode (replay,
+edits in the graph, compiled), against each request run alone and against the HF engine, on the tiny model
+(float32). The condition reads the stream after decoder layer 1; the gated edit adds at layer 2.
+
+The prompts' condition scores are computed here from transformers' own hidden states (an independent reading), and
+the threshold put between them so that half the prompts meet it."""
+
+import os
+
+import pytest
+import torch
+
+from gpu_common import GEN, PROMPTS, vllm_engine
+from helpers import plan
+from steer.config.schema import EditKind, TapConf, Tokens
+from steer.edits.condition import Condition
+from steer.edits.edit import compile_edit
+from steer.edits.positions import Positions
+from steer.edits.plan import Plan
+from steer.edits.tap import resolve
+
+pytestmark = pytest.mark.gpu
+
+MORE = ["The music in the hall was", "Yesterday the children ran", "In the quiet of the night I"]
+ALL = PROMPTS + MORE
+
+
+def _hidden(hf, ids, layer):
+    """The stream after decoder `layer` for prompt `ids`, from transformers' hidden states (float32)."""
+    with torch.no_grad():
+        out = hf.model(torch.tensor([ids], device="cuda"), output_hidden_states=True)
+    return out.hidden_states[layer + 1][0].float()
+
+
+@pytest.fixture(scope="module")
+def conditioned(hf, tiny_spec, direction):
+    """(plans, jobs, met): every prompt under one `cast` condition at layer 1 whose threshold half of them meet,
+    the add at layer 2, 16 new tokens."""
+    from interleaver.select import score
+
+    tap = resolve(TapConf(layer=1), tiny_spec)
+    v = direction[0].float()
+    ids = [hf.encode(p) for p in ALL]
+    scores = [float(score(_hidden(hf, i, 1).mean(0, keepdim=True), v.cuda(), "cast")[0]) for i in ids]
+    ranked = sorted(scores)
+    threshold = (ranked[2] + ranked[3]) / 2
+    assert ranked[3] - ranked[2] > 1e-4, ranked  # no prompt sits on the threshold
+    cond = Condition(tap.path, v, reduce="mean", score="cast", compare="above", threshold=threshold)
+    p = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, when=cond))
+    met = [s > threshold for s in scores]
+    return p, [(i, p, 0) for i in ids], met
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_spec, taps, conditioned):
+    """The three modes' engines, each started once for this module."""
+    p = conditioned[0]
+    made = {"replay": vllm_engine(tiny_spec, taps),
+            "in_graph": vllm_engine(tiny_spec, taps, [p], edits_in_graph=True)}
+    yield made
+    for e in made.values():
+        e.close()
+
+
+def test_a_mixed_batch_under_a_condition_equals_each_request_alone_and_the_hf_engine(engines, hf, conditioned):
+    p, jobs, met = conditioned
+    assert sum(met) == 3
+    want = [hf.generate(i, p, GEN, 0) for i, _, _ in jobs]
+    base = [hf.generate(i, None, GEN, 0) for i, _, _ in jobs]
+    assert [w != b for w, b in zip(want, base)] == met  # the condition decides which prompts are steered
+    for name, engine in engines.items():
+        together = engine.generate_many(jobs, GEN)
+        assert together == want, name
+        assert [engine.generate_many([j], GEN)[0] for j in jobs] == together, name
+        # beside unconditioned and unsteered requests, in one batch
+        mixed = [jobs[0], (jobs[1][0], None, 0), jobs[2], jobs[3]]
+        assert engine.generate_many(mixed, GEN) == [want[0], base[1], want[2], want[3]], name
+
+
+def test_a_compiled_engine_decides_as_the_others(tiny_spec, taps, conditioned, hf):
+    p, jobs, _ = conditioned
+    compiled = vllm_engine(tiny_spec, taps, [p], compiled_edits=True)
+    try:
+        assert compiled.generate_many(jobs, GEN) == [hf.generate(i, p, GEN, 0) for i, _, _ in jobs]
+    finally:
+        compiled.close()
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"  # this module's other engines rely on the setting
+
+
+@pytest.mark.parametrize("threshold,same_as", [(-1.0, "steered"), (1.0, "baseline")])
+def test_cosine_thresholds_at_the_ends_are_always_and_never(engines, tiny_spec, direction, hf, threshold, same_as):
+    tap = resolve(TapConf(layer=1), tiny_spec)
+    cond = Condition(tap.path, direction[0].float(), reduce="mean", score="cosine", compare="above",
+                     threshold=threshold)
+    gated = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, when=cond))
+    always = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction))
+    ids = [hf.encode(x) for x in ALL]
+    engine = engines["replay"]
+    got = engine.generate_many([(i, gated, 0) for i in ids], GEN)
+    want = engine.generate_many([(i, always if same_as == "steered" else None, 0) for i in ids], GEN)
+    assert got == want
+
+
+SELECTORS = {"last_prompt": Positions("last_prompt", count=2), "first_generated": Positions("first_generated", count=3),
+             "window": Positions("window", start=2, end=9)}
+
+
+def _placed(tiny_spec, direction, where: Positions, tokens=Tokens.both) -> Plan:
+    return plan(tiny_spec, 2, compile_edit(EditKind.add, 8.0, direction, tokens=tokens, positions=where))
+
+
+def test_each_position_selector_equals_the_hf_engine_in_a_mixed_batch(engines, tiny_spec, direction, hf):
+    ids = [hf.encode(x) for x in ALL]  # prompts of different lengths
+    plans = [_placed(tiny_spec, direction, w) for w in SELECTORS.values()]
+    jobs = [(i, plans[k % len(plans)], 0) for k, i in enumerate(ids)]
+    want = [hf.generate(i, p, GEN, 0) for i, p, _ in jobs]
+    assert any(w != hf.generate(i, None, GEN, 0) for w, (i, _, _) in zip(want, jobs))
+    for name, engine in engines.items():
+        if name == "in_graph":  # an in-graph engine serves the plans declared at its start
+            continue
+        assert engine.generate_many(jobs, GEN) == want
+
+
+def test_positions_and_a_condition_under_chunked_prefill_equal_the_hf_engine(tiny_spec, taps, direction, hf,
+                                                                           conditioned):
+    """A prompt longer than a step (prefilled in chunks of 32 tokens): a window inside its second chunk, the last
+    prompt rows, and the condition (its decision made when the last chunk has run; the edit on generated rows)."""
+    text = "The weather today is wonderful and bright, and we smiled. " * 8
+    long = hf.encode(text)[:100]
+    cond = conditioned[0].conditions()[0]
+    always = Condition(cond.path, cond.vector, "mean", "cosine", "above", -1.0)
+    plans = [_placed(tiny_spec, direction, Positions("window", start=40, end=70)),
+             _placed(tiny_spec, direction, Positions("last_prompt", count=5)),
+             plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated, when=always))]
+    chunked = vllm_engine(tiny_spec, taps, max_num_batched_tokens=32, max_num_seqs=4)
+    try:
+        for p in plans:
+            assert chunked.generate(long, p, GEN, 0) == hf.generate(long, p, GEN, 0)
+    finally:
+        chunked.close()
