@@ -112,12 +112,12 @@ def check(cfg: BenchConf) -> None:
                                            "run eagerly")
     refs = [c for c in cfg.configs if c in REFERENCES]
     alive = len(refs) + (len(refs) < len(cfg.configs))  # the references stay up beside one engine at least
-    peers.check(cfg, any(_SCENARIO.match(base(s)).group(1) for s in cfg.scenarios))
     selecting = [s for s in cfg.scenarios if base(s) in SELECTING]
     others = [c for c in cfg.configs if c in ("d", "e") or c in PEERS]
     if selecting and others:
         raise ConfigError("scenarios", f"{selecting[0]!r} carries a condition or positions, which only steer's "
                                        f"engines run; leave it out or drop configuration {others[0]!r}")
+    peers.check(cfg, any(_SCENARIO.match(base(s)).group(1) for s in cfg.scenarios))
     for name, m in cfg.models.items():
         if m.source not in ("tiny", "gguf", *_SHAPES) and not Path(m.source).is_dir():
             raise ConfigError(f"models.{name}.source", f"{m.source!r} is neither 'tiny', 'gguf', one of "

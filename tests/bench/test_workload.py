@@ -151,6 +151,32 @@ def test_all_layer_scenarios_tap_every_layer_and_k_kinds_choose_the_kinds():
     assert max(e.scale for e in faint.edits) < 1e-5
 
 
+def test_cast_reads_one_layer_and_edits_a_later_one_for_half_the_requests():
+    cast = workload.scenario("cast", 16, 32, 6, 0)
+    assert workload.tapped("cast", 32) == [8, 12] and cast.layers == [12] and cast.read == 8
+    thresholds = [e.when.threshold for e in cast.edits]
+    assert thresholds == [-1.0, 1.0] * 3  # cosine above -1 always holds and above 1 never: half the requests meet it
+    assert {e.when.score for e in cast.edits} == {"cosine"} and all(e.kind == EditKind.add for e in cast.edits)
+    faint = workload.scenario("cast@eps", 16, 32, 6, 0)
+    assert faint.read == 8 and faint.edits[0].when.threshold == -1.0 and faint.edits[0].scale < 1e-5
+
+
+@pytest.mark.parametrize("name,select", [("last_prompt", "last_prompt"), ("first_generated", "first_generated"),
+                                         ("window", "window")])
+def test_position_scenarios_place_one_add(name, select):
+    scen = workload.scenario(name, 16, 4, 5, 0)
+    assert scen.layers == [2] and scen.read is None and {id(e) for e in scen.edits} == {id(scen.edits[0])}
+    assert scen.edits[0].positions.select == select and scen.edits[0].when is None
+
+
+@pytest.mark.parametrize("config", ["d", "e", "easysteer"])
+def test_scenarios_with_conditions_or_positions_run_on_steers_engines_alone(config):
+    with pytest.raises(ConfigError) as e:
+        workload.check(bench_conf("scenarios=[cast]", f"configs=[a,{config}]",
+                                  "peers.easysteer.pythonpath=/nonexistent"))
+    assert e.value.field == "scenarios" and "only steer's engines" in str(e.value)
+
+
 def test_prompts_are_the_same_for_everyone():
     p = workload.prompts(4, 7, 0)
     assert p == workload.prompts(4, 7, 0) and len(p) == 4 and all(len(x) == 7 and min(x) >= 2 for x in p)
