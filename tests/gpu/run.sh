@@ -8,7 +8,10 @@
 #   table  docs/benchmark.md's table: the bench on the 8B shape, then SmolLM2, a b b2 c f h
 #   easysteer  steer beside EasySteer on EasySteer's own workload (the Qwen2 1.5B shape, 256 x 128, add at one layer
 #          and at all, k1-k256 distinct vectors, each at full strength and at epsilon); needs EASYSTEER_PYTHONPATH,
-#          EasySteer's vLLM and package (docs/benchmark.md); EASYSTEER_MODELS=qwen2_1p5b,llama3_8b adds the 8B shape
+#          EasySteer's vLLM and package (docs/benchmark.md); EASYSTEER_MODELS=qwen2_1p5b,llama3_8b adds the 8B shape,
+#          EASYSTEER_SCENARIOS (comma-separated) and EASYSTEER_CONFIGS narrow it
+#   conditional  the conditional-steering and position-selector scenarios on the 8B shape (cast: half the requests
+#          meet a condition at layer 8, an add at layer 12; last_prompt, first_generated, window), a f h, 64 x 128
 #   tp     two GPUs: the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
@@ -91,10 +94,15 @@ table() {
 skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*','smollm2/h/*','smollm2/*/*@eps/*'] ${BENCH_ARGS:-}" bench
 }
 
+conditional() {
+  BENCH_ARGS="run=[llama3_8b] batches=[[64,128]] configs=[a,f,h] repeats=3 \
+scenarios=[add,cast,last_prompt,first_generated,window,cast@eps] ${COND_ARGS:-}" bench bench-conditional
+}
+
 easysteer() {
-  local s="add,add_all,k1,k8,k32,k64,k128,k256"
-  BENCH_ARGS="run=[${EASYSTEER_MODELS:-qwen2_1p5b}] batches=[[256,128]] configs=[a,f,h,easysteer] k_kinds=[add] \
-scenarios=[$s,${s//,/@eps,}@eps] peers.easysteer.pythonpath=${EASYSTEER_PYTHONPATH:-} ${BENCH_ARGS:-}" \
+  local s=${EASYSTEER_SCENARIOS:-add,add_all,k1,k8,k32,k64,k128,k256}
+  BENCH_ARGS="run=[${EASYSTEER_MODELS:-qwen2_1p5b}] batches=[[256,128]] configs=[${EASYSTEER_CONFIGS:-a,f,h,easysteer}] \
+k_kinds=[add] scenarios=[$s,${s//,/@eps,}@eps] peers.easysteer.pythonpath=${EASYSTEER_PYTHONPATH:-} ${BENCH_ARGS:-}" \
     bench bench-easysteer
 }
 
