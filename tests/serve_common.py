@@ -367,3 +367,43 @@ def own_reference(engine, spec):
         return engine.decode(engine.generate(engine.encode(prompt), one, GenConf(max_new_tokens=MAX_TOKENS), 0))
 
     return text
+
+
+def check_own_condition(url: str, c, reference) -> None:
+    """A server with serve.inline_layers=[1, 2]: the joy vector at layer 2, under a condition read at layer 1
+    (steer_when): cosine above -1 (always met) answers as the vector alone, above 1 (never met) as unsteered; a
+    cast condition against the joy direction answers, prompt by prompt, as `reference(prompt, v, when)` (an engine
+    the test holds, with the same condition: met prompts steered, the others not)."""
+    from steer.serve.protocol import encode_vector
+
+    scale, v = joy_vector(url)
+    k = 8 * scale
+    for p in PROMPTS:
+        plain, steered = complete(c, p), complete(c, p, **own(encode_vector(v), 2, k))
+        assert steered != plain, p
+        for threshold, want in ((-1.0, steered), (1.0, plain)):
+            when = {"vector": encode_vector(v), "layer": 1, "threshold": threshold, "score": "cosine"}
+            assert complete(c, p, **own(encode_vector(v), 2, k, steer_when=when)) == want, (p, threshold)
+        when = {"vector": encode_vector(v), "layer": 1, "threshold": 0.0, "reduce": "last", "compare": "below"}
+        assert complete(c, p, **own(encode_vector(v), 2, k, steer_when=when)) == reference(p, v, k, when), p
+
+
+def own_condition_reference(engine, spec):
+    """For check_own_condition: `engine`'s greedy text with the vector added at layer 2 under the request's
+    condition read at layer 1 (an engine the test holds)."""
+    import torch
+
+    from helpers import plan
+    from steer.config.schema import EditKind, GenConf, TapConf
+    from steer.edits.condition import Condition
+    from steer.edits.edit import compile_edit
+    from steer.edits.tap import resolve
+
+    def text(prompt, v, strength, when):
+        d = torch.from_numpy(v)
+        cond = Condition(resolve(TapConf(layer=1), spec).path, d, when.get("reduce", "mean"),
+                         when.get("score", "cast"), when.get("compare", "above"), when["threshold"])
+        one = plan(spec, 2, compile_edit(EditKind.add, strength, d[None], when=cond))
+        return engine.decode(engine.generate(engine.encode(prompt), one, GenConf(max_new_tokens=MAX_TOKENS), 0))
+
+    return text

@@ -150,7 +150,7 @@ def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
 
 
 def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector,
-             reads: Dict[str, Tap]) -> List[Tuple[TapEditConf, Tap, Edit]]:
+             reads: Optional[Dict[str, Tap]] = None) -> List[Tuple[TapEditConf, Tap, Edit]]:
     """The preset's (edit config, tap, compiled edit) triples in config order, by the CLI's own steer.edits.plan (one
     entry at a time, which is what `build` does for a run's tap/edit and extra_edits); an entry with
     `vector.layers` gives one per layer. `reads` gains the taps its conditions read."""
@@ -161,7 +161,8 @@ def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector,
         except ConfigError as e:
             raise ConfigError(f"preset {name}: {e.field}", str(e)[len(e.field) + 2:]) from e
         out += [(te, plan.taps[path], e) for path, edits in plan.edits.items() for e in edits]
-        reads.update(plan.condition_taps)
+        if reads is not None:
+            reads.update(plan.condition_taps)
     return out
 
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from serve_common import (MAX_TOKENS, PROMPTS, check_against, check_bad_requests, check_concurrent,
-                          check_concurrent_own_vectors, check_idle_connection_kept, check_listing, check_own_tokens,
-                          check_own_vectors, check_sse_done, check_streaming, client, own_reference, server,
-                          token_logprobs)
+                          check_concurrent_own_vectors, check_idle_connection_kept, check_listing, check_own_condition,
+                          check_own_tokens, check_own_vectors, check_sse_done, check_streaming, client,
+                          own_condition_reference, own_reference, server, token_logprobs)
 
 pytestmark = pytest.mark.gpu
 
@@ -89,6 +89,8 @@ def test_own_vectors(request, vllm_url, vllm_client, hf, tiny_spec):
     if request.node.callspec.params["vllm_url"] == "replay":
         check_own_vectors(vllm_url, vllm_client, logprobs=True)
         check_own_tokens(vllm_url, vllm_client, own_reference(hf, tiny_spec))  # steer_tokens against the HF engine
+        # steer_when: the request's own condition, decided in the worker, against the HF engine
+        check_own_condition(vllm_url, vllm_client, own_condition_reference(hf, tiny_spec))
         check_concurrent_own_vectors(vllm_url, vllm_client)
         return
     r = httpx.post(f"{vllm_url}/v1/completions", timeout=60, json={

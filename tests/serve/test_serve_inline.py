@@ -6,8 +6,8 @@ import httpx
 import numpy as np
 import pytest
 
-from serve_common import (MODEL, PROMPTS, check_concurrent_own_vectors, check_own_tokens, check_own_vectors,
-                          complete, joy_vector, own_reference)
+from serve_common import (MODEL, PROMPTS, check_concurrent_own_vectors, check_own_condition, check_own_tokens,
+                          check_own_vectors, complete, joy_vector, own_condition_reference, own_reference)
 from steer.serve.protocol import MAX_INLINE, InlinePolicy, RequestError, encode_vector, parse_steer
 
 
@@ -17,6 +17,10 @@ def test_an_own_vector_steers_as_the_preset_with_that_vector(hf_url, hf_client):
 
 def test_steer_tokens_picks_the_rows(hf_url, hf_client, hf_engine, tiny_spec):
     check_own_tokens(hf_url, hf_client, own_reference(hf_engine, tiny_spec))
+
+
+def test_steer_when_gates_the_requests_own_vectors(hf_url, hf_client, hf_engine, tiny_spec):
+    check_own_condition(hf_url, hf_client, own_condition_reference(hf_engine, tiny_spec))
 
 
 def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
@@ -44,6 +48,20 @@ def test_bad_vectors_are_400_and_the_server_keeps_serving(hf_url, hf_client):
         ({"steer_vectors": ok}, "vllm_xargs.steer_vectors"),
         ({"steer_vector": ok, "steer_layer": 1, "steer_tokens": "all"}, "vllm_xargs.steer_tokens"),
         ({"steer_tokens": "prompt"}, "vllm_xargs.steer_tokens"),
+        ({"steer_when": {"vector": ok, "layer": 1, "threshold": 0.1}}, "vllm_xargs.steer_when"),  # no vector
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": [ok]}, "vllm_xargs.steer_when"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"layer": 1, "threshold": 0.1}},
+         "vllm_xargs.steer_when.vector"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"vector": encode_vector(v[:-1]), "layer": 1,
+                                                               "threshold": 0.1}}, "vllm_xargs.steer_when.vector"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"vector": ok, "layer": 3, "threshold": 0.1}},
+         "vllm_xargs.steer_when.layer"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"vector": ok, "layer": 1, "threshold": 1.5}},
+         "vllm_xargs.steer_when.threshold"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"vector": ok, "layer": 1, "threshold": 0.1,
+                                                               "compare": "larger"}}, "vllm_xargs.steer_when.compare"),
+        ({"steer_vector": ok, "steer_layer": 1, "steer_when": {"vector": ok, "layer": 1, "threshold": 0.1,
+                                                               "redcue": "mean"}}, "vllm_xargs.steer_when.redcue"),
     ]
     for xargs, param in cases:
         r = httpx.post(f"{hf_url}/v1/completions", timeout=60,
