@@ -18,10 +18,6 @@ from typing import Optional
 
 import torch
 
-REDUCE = ("mean", "last")
-SCORE = ("cast", "cosine")
-COMPARE = ("above", "below")
-
 
 @dataclass(frozen=True, eq=False)
 class Condition:
@@ -30,7 +26,7 @@ class Condition:
 
     path: str
     vector: torch.Tensor
-    reduce: str = "mean"
+    reduce: str = "mean"  # the choices of steer.config.schema's Reduce, Score and Compare (edit.when)
     score: str = "cast"
     compare: str = "above"
     threshold: float = 0.0
