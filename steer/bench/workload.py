@@ -69,7 +69,7 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("k_kinds", "is empty: a kN scenario's edits need at least one kind")
     refuse_repeats("k_kinds", cfg.k_kinds)
     if not 1e-12 <= cfg.epsilon < 1:
-        # A `scale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
+        # A `rescale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
         # rounds to 1 and the edit to a no-op, which the faint edit is there not to be.
         raise ConfigError("epsilon", f"must be in [1e-12, 1), got {cfg.epsilon}")
     for i, t in enumerate(cfg.targets):

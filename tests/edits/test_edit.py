@@ -92,7 +92,7 @@ def test_set(h, v):
     torch.testing.assert_close(x - (x @ d)[:, None] * d, h - (h @ d)[:, None] * d, atol=1e-5, rtol=1e-5)
 
 
-def test_scale_and_mean_ablation(h, v):
+def test_rescale_and_mean_ablation(h, v):
     x = h.clone()
     compile_edit(EditKind.rescale, 0.5, None).apply_(x)
     torch.testing.assert_close(x, 0.5 * h)
