@@ -9,7 +9,7 @@ class EditKind(str, Enum):
     ablate = "ablate"
     clamp = "clamp"
     set = "set"
-    scale = "scale"
+    rescale = "rescale"  # h = c + scale * (h - c), the stream multiplied about a centre (strength scale - 1)
 
 
 class Tokens(str, Enum):

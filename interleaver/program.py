@@ -31,7 +31,7 @@ FORMS = ("fused", "direct", "jit", "torch")  # how a program's call can run (Tap
 
 
 def _family(kind: EditKind) -> str:
-    return "project" if kind in PROJECT else kind.value
+    return "project" if kind in PROJECT else "scale" if kind == EditKind.rescale else kind.value
 
 
 @dataclass

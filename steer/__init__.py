@@ -8,13 +8,12 @@
 Names load on first use, so `import steer` stays cheap (no torch until a Lab or Vector is needed).
 """
 
-import builtins
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what a type checker sees; at run time each name loads on first use (below)
     from steer.api.edits import EditSpec as EditSpec, ablate as ablate, add as add, clamp as clamp
-    from steer.api.edits import scale as scale, set as set
+    from steer.api.edits import rescale as rescale, set_projection as set_projection
     from steer.api.outputs import Generation as Generation, Selection as Selection
     from steer.api.vector import Vector as Vector
     from steer.errors import ConfigError as ConfigError
@@ -30,8 +29,8 @@ _LAZY = {
     "add": "steer.api.edits",
     "ablate": "steer.api.edits",
     "clamp": "steer.api.edits",
-    "set": "steer.api.edits",
-    "scale": "steer.api.edits",
+    "set_projection": "steer.api.edits",
+    "rescale": "steer.api.edits",
     "ConfigError": "steer.errors",
 }
 
@@ -43,8 +42,10 @@ def __getattr__(name):
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'steer' has no attribute {name!r}")
+    from steer.config.renamed import api_message
+
+    raise AttributeError(api_message(name) or f"module 'steer' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(builtins.set(globals()) | builtins.set(_LAZY))  # `set` here may be steer.set
+    return sorted(set(globals()) | set(_LAZY))

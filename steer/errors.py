@@ -10,11 +10,16 @@ class ConfigError(ValueError):
 
 
 def unknown_setting(key: str, kind) -> ConfigError:
-    """The error for dotted `key`, which the config dataclass `kind` holding it does not declare: the nearest
-    setting it does, and all of them."""
+    """The error for dotted `key`, which the config dataclass `kind` holding it does not declare: the name that
+    replaced it where it was renamed (steer/config/renamed.py), else the nearest setting it does, and all of them."""
     import dataclasses
     import difflib
 
+    from steer.config import renamed
+
+    old = renamed.key_message(key)
+    if old is not None:
+        return ConfigError(key, old)
     known = sorted(f.name for f in dataclasses.fields(kind))
     near = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
     hint = f"did you mean {key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{near[0]}? " if near else ""
@@ -41,6 +46,14 @@ def config_error_line(e: BaseException) -> "str | None":
         line = _unknown_key_line(x, chain)
         if line:
             return line
+    for x in chain:  # a value its typed key does not take: an old spelling's new one, or an enum's members
+        error = value_error(x)
+        if error is not None:
+            return _in_file(chain) + _in_override(chain, error.field) + str(error)
+    for x in chain:  # a config group option with no file, where it was renamed (`edit=scale`)
+        line = _renamed_option_line(x)
+        if line:
+            return line
     for x in chain:  # Hydra's sweep parser lets Python's own errors out of an override's function, e.g. range(0,4,0)
         if not isinstance(x, (HydraException, OmegaConfBaseException)) and _raised_in(x, "override_parser"):
             return f"an override does not evaluate: {' '.join(str(x).split())}"
@@ -63,7 +76,6 @@ def _unknown_key_line(x: BaseException, chain) -> "str | None":
     """unknown_setting's line where `x` is OmegaConf refusing a key its typed node lacks, after the config file
     it came from where Hydra names one (`In 'prompts/calm': ...`)."""
     import dataclasses
-    import re
 
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -75,8 +87,68 @@ def _unknown_key_line(x: BaseException, chain) -> "str | None":
         return None
     if not any(isinstance(y, HydraException) for y in chain):  # composing the config, not steer's own code reading it
         return None
+    return _in_file(chain) + str(unknown_setting(str(full), kind))
+
+
+def _in_file(chain) -> str:
+    """`<config file>: ` where Hydra names the file an error came from (`In 'prompts/calm': ...`), else ''."""
+    import re
+
     where = next((m.group(1) for y in chain if (m := re.match(r"In '([^']+)':", str(y)))), None)
-    return (f"{where}: " if where else "") + str(unknown_setting(str(full), kind))
+    return f"{where}: " if where else ""
+
+
+def value_error(e: BaseException) -> "ConfigError | None":
+    """The error for OmegaConf refusing a value of a typed key (`e`), naming the key: where the value is an old
+    spelling, the one that replaced it (steer/config/renamed.py); where the key is an enum, its members; else
+    OmegaConf's own words. None where `e` is no such refusal."""
+    from enum import Enum
+
+    from omegaconf import BooleanNode
+    from omegaconf.errors import ValidationError
+
+    from steer.config import renamed
+
+    key, value = getattr(e, "full_key", None), getattr(e, "value", None)
+    if not isinstance(e, ValidationError) or not key:
+        return None
+    old = renamed.value_message(key, value)
+    if old is not None:
+        return ConfigError(str(key), old)
+    node = getattr(e, "child_node", None)
+    kind = getattr(node, "enum_type", None)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return ConfigError(str(key), f"{value!r} is not one of {', '.join(kind.__members__)}")
+    if isinstance(node, BooleanNode):
+        return ConfigError(str(key), f"{value!r} is not one of true, false" + (", null" if node._is_optional() else ""))
+    return ConfigError(str(key), " ".join(str(e).split("\n")[0].split()))
+
+
+def _in_override(chain, key: str) -> str:
+    """`<override's key>: ` where the error came from an override whose value holds `key` (the index of a list
+    item is lost on the way: `extra_edits=[{..., edit: {kind: bogus}}]` names `edit.kind`), else ''."""
+    import re
+
+    for y in chain:
+        m = re.match(r"Error merging override ([^=\s]+)=", str(y))
+        given = m and m.group(1).lstrip("+~")
+        if given and not (key == given or key.startswith((given + ".", given + "["))):
+            return f"{given}: "
+    return ""
+
+
+def _renamed_option_line(x: BaseException) -> "str | None":
+    """renamed.group_message's line where `x` is Hydra finding no file for a group option (`edit=scale`)."""
+    from hydra.errors import MissingConfigException
+
+    from steer.config import renamed
+
+    missing = getattr(x, "missing_cfg_file", None)
+    if not isinstance(x, MissingConfigException) or not missing or "/" not in str(missing):
+        return None
+    group, _, option = str(missing).rpartition("/")
+    said = renamed.group_message(group, option)
+    return None if said is None else str(ConfigError(group, said))
 
 
 def refuse_repeats(field: str, items, said: str = "") -> None:

@@ -27,7 +27,7 @@ from steer.api.edits import EditSpec, add
 from steer.api.outputs import Generation, RunDir, Selection
 from steer.api.vector import Vector
 from steer.config import schema
-from steer.errors import ConfigError, config_error_line
+from steer.errors import ConfigError, config_error_line, value_error
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -233,7 +233,7 @@ class Lab:
                 # a dict merges onto its typed node (every field given, so it replaces what was there)
                 OmegaConf.update(cfg, key, value, merge=isinstance(value, (dict, list)))
             except OmegaConfBaseException as e:
-                raise ConfigError(getattr(e, "full_key", None) or key, str(e).splitlines()[0]) from e
+                raise _refused(e, key) from e
         _refine_edit(cfg, overrides)
         from steer.runs.job import ENGINE_FIELDS, engine_changes
 
@@ -253,8 +253,8 @@ class Lab:
 
     def _edit_item(self, e: EditSpec, prefix: str) -> Dict[str, Dict]:
         if not isinstance(e, EditSpec):
-            raise ConfigError(f"{prefix}edit", f"expected an edit (steer.add, steer.ablate, steer.clamp, steer.set, "
-                                               f"steer.scale), got {type(e).__name__}")
+            raise ConfigError(f"{prefix}edit", f"expected an edit (steer.add, steer.ablate, steer.clamp, "
+                                               f"steer.set_projection, steer.rescale), got {type(e).__name__}")
         edit = copy.deepcopy(self._kind_defaults(e.kind))
         edit.update(e.fields)
         vector = dict(edit.get("vector") or {})
@@ -348,7 +348,13 @@ def _refine_edit(cfg: DictConfig, overrides: Sequence[str]) -> None:
         try:
             OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
         except OmegaConfBaseException as e:
-            raise ConfigError(getattr(e, "full_key", None) or o.key_or_group, str(e).splitlines()[0]) from e
+            raise _refused(e, o.key_or_group) from e
+
+
+def _refused(e: OmegaConfBaseException, key: str) -> ConfigError:
+    """The error for OmegaConf refusing a value set at `key`: steer.errors.value_error's line (an old spelling's new
+    one, an enum's members), else OmegaConf's first line, naming the key."""
+    return value_error(e) or ConfigError(getattr(e, "full_key", None) or key, str(e).splitlines()[0])
 
 
 def _dict(node: DictConfig, resolve: bool = False) -> Dict:

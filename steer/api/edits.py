@@ -64,13 +64,14 @@ def clamp(vector: Vec = None, layer: Optional[int] = None, lo=_DEFAULT, hi=_DEFA
     return _edit("clamp", vector, layer, path, lo=lo, hi=hi, scale=scale, tokens=tokens, key=key)
 
 
-def set(vector: Vec = None, layer: Optional[int] = None, value=_DEFAULT, *, scale=_DEFAULT,  # noqa: A001
-        path: Optional[str] = None, tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
-    """h += scale * (value - h . d) d: the projection on d moved to `value`."""
+def set_projection(vector: Vec = None, layer: Optional[int] = None, value=_DEFAULT, *, scale=_DEFAULT,
+                   path: Optional[str] = None, tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h += scale * (value - h . d) d: the projection on d moved to `value` (the edit kind `set`)."""
     return _edit("set", vector, layer, path, value=value, scale=scale, tokens=tokens, key=key)
 
 
-def scale(factor=_DEFAULT, layer: Optional[int] = None, *, centre: Vec = None, path: Optional[str] = None,
-          tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
-    """h = c + factor * (h - c), c the `centre` vector (none: 0, so h *= factor; factor 0 is zero ablation)."""
-    return _edit("scale", centre, layer, path, scale=factor, tokens=tokens, key=key)
+def rescale(factor=_DEFAULT, layer: Optional[int] = None, *, centre: Vec = None, path: Optional[str] = None,
+            tokens=_DEFAULT, key=_DEFAULT) -> EditSpec:
+    """h = c + factor * (h - c), c the `centre` vector (none: 0, so h *= factor; factor 0 is zero ablation): the edit
+    kind `rescale`, its factor the edit's `scale`."""
+    return _edit("rescale", centre, layer, path, scale=factor, tokens=tokens, key=key)

@@ -36,7 +36,7 @@ PEERS = ("easysteer",)
 # A scenario's name with this suffix runs its edits at `epsilon` of their strength: the same stages, rows and
 # kernels on the unsteered run's data (steer/bench/workload.py, `faint`).
 FAINT = "@eps"
-K_KINDS = (EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale)
+K_KINDS = (EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.rescale)
 
 
 @dataclass

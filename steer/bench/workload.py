@@ -76,7 +76,7 @@ def check(cfg: BenchConf) -> None:
         raise ConfigError("k_kinds", "is empty: a kN scenario's edits need at least one kind")
     refuse_repeats("k_kinds", cfg.k_kinds)
     if not 1e-12 <= cfg.epsilon < 1:
-        # A `scale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
+        # A `rescale` edit carries its strength as its factor minus 1 (a float64): much below this, 1 + strength
         # rounds to 1 and the edit to a no-op, which the faint edit is there not to be.
         raise ConfigError("epsilon", f"must be in [1e-12, 1), got {cfg.epsilon}")
     for i, t in enumerate(cfg.targets):
@@ -223,7 +223,7 @@ def faint(e: Edit, epsilon: float) -> Edit:
     whole move; scale: the factor minus 1), and the strength is each row's weight in the tap programs, so every
     stage and every row the full edit uses is used and nonzero: the fused kernel skips only weights of exactly 0."""
     s = epsilon * e.strength
-    return replace(e, scale=1.0 + s if e.kind == EditKind.scale else s)
+    return replace(e, scale=1.0 + s if e.kind == EditKind.rescale else s)
 
 
 def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: float = 1e-6,
@@ -266,6 +266,6 @@ def _full(name: str, hidden: int, layers: int, n: int, seed: int, kinds: Sequenc
     for j in range(k):
         kind = kinds[j % len(kinds)]
         kw = {"lo": -0.5, "hi": 0.5} if kind == EditKind.clamp else {"value": 0.25} if kind == EditKind.set else {}
-        scale = 0.9 - 0.1 * j / k if kind == EditKind.scale else 1.0 + j / k
-        configs.append(compile_edit(kind, scale, None if kind == EditKind.scale else unit(), **kw))
+        scale = 0.9 - 0.1 * j / k if kind == EditKind.rescale else 1.0 + j / k
+        configs.append(compile_edit(kind, scale, None if kind == EditKind.rescale else unit(), **kw))
     return Scenario(name, taps, [configs[i % k] for i in range(n)])

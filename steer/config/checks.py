@@ -1,7 +1,8 @@
 """Every rule across a config's fields, written once, for runs (`python -m steer`), the server and the bench.
 
-The typed schema (schema.py) already refuses unknown keys and wrong types at composition; what it cannot say lives
-here: ranges, fields that exclude one another, and what an engine or machine must offer. Each function raises a
+The typed schema (schema.py) already refuses unknown keys, wrong types and values outside a closed choice (its
+enums) at composition; what it cannot say lives here: ranges, fields that exclude one another, and what an engine or
+machine must offer. Each function raises a
 `ConfigError` naming the field and what was expected, and builds nothing: callers check first, then build (a job's
 plan, the server's presets, the bench's workload). Checks that must read a file or a model's module tree live with
 what reads them (edits/vector.py, edits/tap.py, models/spec.py) and are called from the same places.
@@ -12,13 +13,11 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from steer.config.schema import (EXTRACT_METHODS, EXTRACT_POSITIONS, EXTRACT_SPANS, EditKind, GenConf, HfConf,
-                                 PromptsConf, SteerConf, Task, Tokens, VllmConf)
+from steer.config.schema import (EditKind, ExtractMethod, GenConf, HfConf, PromptsConf, RankBy, ScaleBy, SteerConf,
+                                 Task, Tokens, VllmConf)
 from steer.edits import positions
 from steer.errors import ConfigError, refuse_repeats
-from steer.models.prompt import chat_mode, check_texts
-
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's and vLLM's --uvicorn-log-level
+from steer.models.prompt import check_texts
 
 
 # --- single values, named by the caller's field -------------------------------------------------------------
@@ -153,32 +152,33 @@ def prompt_sets(p: PromptsConf, sets: Sequence[str], why: str = "give at least o
                                                                 "(prompts.steer_file, prompts.pairs_file)") -> None:
     """Each named set holds at least one prompt or names a file that gives them (read, and checked not empty, as a
     job is prepared: steer/runs/data.py), and every prompt is text."""
+    prompt_files(p)
     for name in sets:
         if not list(getattr(p, name)) and not any(getattr(p, f, None) is not None for f in FILES.get(name, ())):
             raise ConfigError(f"prompts.{name}", f"is empty; {why}")
     check_texts(p, tuple(sets))
 
 
-def extraction(method: str, position: str, span: str, chat, positive: Optional[Sequence[str]] = None,
+def prompt_files(p: PromptsConf) -> None:
+    """The files that give the contrastive pairs: a pairs file, or two .txt files (both), not both ways."""
+    if p.pairs_file is not None and (p.positive_file is not None or p.negative_file is not None):
+        raise ConfigError("prompts.pairs_file", "and prompts.positive_file / prompts.negative_file both give the "
+                                                "contrastive pairs; set one")
+    if p.pairs_file is None and (p.positive_file is None) != (p.negative_file is None):
+        missing = "prompts.negative_file" if p.negative_file is None else "prompts.positive_file"
+        raise ConfigError(missing, "is unset; the .txt pairs need both files (as cvector-generator's --positive-file "
+                                   "and --negative-file)")
+
+
+def extraction(method: str, positive: Optional[Sequence[str]] = None,
                negative: Optional[Sequence[str]] = None) -> None:
-    """extract.method, position and span and prompts.chat are among their choices ("auto" too for position and
-    span); with the prompt sets, pca can pair them."""
-    chat_mode(chat)
-    if method not in EXTRACT_METHODS:
-        raise ConfigError("extract.method", f"{method!r} is not one of {', '.join(EXTRACT_METHODS)}")
-    if position != "auto" and position not in EXTRACT_POSITIONS:
-        raise ConfigError("extract.position", f"{position!r} is not one of auto, {', '.join(EXTRACT_POSITIONS)}")
-    if span != "auto" and span not in EXTRACT_SPANS:
-        raise ConfigError("extract.span", f"{span!r} is not one of auto, {', '.join(EXTRACT_SPANS)}")
-    if method == "pca" and positive is not None and negative is not None and len(positive) != len(negative):
+    """With the prompt sets, extract.method can pair them (pca pairs positive_i with negative_i)."""
+    if method == ExtractMethod.pca and positive is not None and negative is not None and len(positive) != len(negative):
         raise ConfigError("extract.method", f"pca pairs positive_i with negative_i, but prompts.positive has "
                                             f"{len(positive)} prompts and prompts.negative {len(negative)}")
 
 
 # --- entry points -------------------------------------------------------------------------------------------
-
-RANK_BY = ("probe", "judge")
-
 
 def damage(cfg: SteerConf) -> None:
     """The per-prompt damage thresholds (select.*: every run flags its prompts with them)."""
@@ -192,18 +192,19 @@ def damage(cfg: SteerConf) -> None:
 
 
 def judge(j) -> None:
-    """eval.judge: an endpoint named with the model to ask and the concept to look for."""
+    """metrics.judge: an endpoint named with the model to ask and the concept to look for."""
     if not j.base_url:
         return
     if not str(j.base_url).startswith(("http://", "https://")):
-        raise ConfigError("eval.judge.base_url", f"{j.base_url!r} is no http(s) URL (e.g. http://127.0.0.1:8000/v1)")
+        raise ConfigError("metrics.judge.base_url", f"{j.base_url!r} is no http(s) URL (e.g. "
+                                                    "http://127.0.0.1:8000/v1)")
     for name in ("model", "concept"):
         if not getattr(j, name):
-            raise ConfigError(f"eval.judge.{name}", "is unset; the judge needs the endpoint's model name and the "
-                                                    "concept in words (eval.judge.concept=\"joy and happiness\")")
+            raise ConfigError(f"metrics.judge.{name}", "is unset; the judge needs the endpoint's model name and the "
+                                                       "concept in words (metrics.judge.concept=\"joy and happiness\")")
     if not j.timeout_s > 0:
-        raise ConfigError("eval.judge.timeout_s", f"must be positive, got {j.timeout_s}")
-    at_least("eval.judge.max_tokens", j.max_tokens, 1)
+        raise ConfigError("metrics.judge.timeout_s", f"must be positive, got {j.timeout_s}")
+    at_least("metrics.judge.max_tokens", j.max_tokens, 1)
 
 
 def run(cfg: SteerConf, engine: str) -> None:
@@ -227,6 +228,7 @@ def run(cfg: SteerConf, engine: str) -> None:
     edits = [("edit", cfg.edit)] + [(f"extra_edits[{i}].edit", te.edit) for i, te in enumerate(cfg.extra_edits)]
     taps = [("tap", cfg.tap)] + [(f"extra_edits[{i}].tap", te.tap) for i, te in enumerate(cfg.extra_edits)]
     for (prefix, e), (tap_field, tap) in zip(edits, taps):
+        edit_numbers(prefix, e.scale, e.lo, e.hi, e.value)
         scale_by(prefix, e)
         if cfg.task != Task.condition:  # which task=condition chooses the layer and threshold of
             when(prefix, e, cfg.prompts)
@@ -235,7 +237,7 @@ def run(cfg: SteerConf, engine: str) -> None:
             _needs_hf(engine, f"{tap_field}.input")
     at_least("extract.folds", cfg.extract.folds, 2)
     damage(cfg)
-    judge(cfg.eval.judge)
+    judge(cfg.metrics.judge)
     if cfg.task == Task.extract and cfg.extract.out:
         writable("extract.out", Path(cfg.extract.out).expanduser())
     if cfg.task == Task.export:
@@ -246,14 +248,8 @@ def run(cfg: SteerConf, engine: str) -> None:
         condition_task(cfg)
 
 
-EXPORT_FORMATS = ("gguf", "safetensors")
-
-
 def export(cfg: SteerConf) -> None:
-    """task=export: a format steer writes, and edits a control vector can hold (an add at every token, from a
-    file)."""
-    if cfg.export.format not in EXPORT_FORMATS:
-        raise ConfigError("export.format", f"{cfg.export.format!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    """task=export: edits a control vector can hold (an add at every token, from a file)."""
     if cfg.export.out:
         writable("export.out", Path(cfg.export.out).expanduser())
     edits = [("", cfg.edit)] + [(f"extra_edits[{i}].", te.edit) for i, te in enumerate(cfg.extra_edits)]
@@ -281,27 +277,55 @@ def preset(cfg: SteerConf, given: Sequence[str]) -> None:
                                    "leave it out, or drop preset and write every edit")
 
 
-SCALE_BY = ("vector", "unit", "resid")
+def edit_numbers(field: str, scale: float, lo: Optional[float] = None, hi: Optional[float] = None,
+                 value: Optional[float] = 0.0) -> None:
+    """An edit's scale, clamp bounds and set value (`field`: the edit's, e.g. `edit`): finite, within float32 (the
+    edits run in it), and the bounds in order."""
+    from steer.edits.vector import F32_MAX
+
+    for name, x in (("scale", scale), ("lo", lo), ("hi", hi), ("value", value)):
+        if x is not None and not math.isfinite(x):  # a NaN edit would turn every steered token into NaN logits
+            raise ConfigError(f"{field}.{name}", f"must be a finite number, got {x}")
+        if x is not None and abs(x) > F32_MAX:  # the edits run in float32, where this is inf
+            raise ConfigError(f"{field}.{name}", f"{x:g} is beyond float32's range (|x| <= {F32_MAX:.3g})")
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError(f"{field}.lo", f"clamp bounds are reversed: lo={lo} > hi={hi}")
+
+
+def edit_vectors(field: str, kind: EditKind, scale: float, vectors) -> None:
+    """An edit's kind against its vectors (float32 `[k, hidden]`, or None: `rescale` about 0): the kinds that need
+    one have it, one row where the kind takes one direction, no direction of norm 0, and an `add` whose push fits
+    float32 (`field`: the edit's, e.g. `edit`)."""
+    from steer.edits.vector import F32_MAX
+
+    if kind != EditKind.rescale and vectors is None:
+        raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} needs a vector")
+    if vectors is None:
+        return
+    if kind == EditKind.add:
+        push = abs(scale) * float(vectors.abs().max())
+        if not push <= F32_MAX:
+            raise ConfigError(f"{field}.scale", f"scale {scale:g} times the vector's largest entry is {push:.3g}, "
+                                                f"beyond float32's range ({F32_MAX:.3g})")
+    k = vectors.shape[0]
+    if kind != EditKind.ablate and k != 1:
+        raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} takes one vector [hidden], got {k} "
+                                             "rows (only `ablate` takes a [k, hidden] subspace)")
+    if kind not in (EditKind.add, EditKind.rescale) and float(vectors.norm(dim=-1).min()) == 0.0:
+        raise ConfigError(f"{field}.vector", "a direction of norm 0 has no direction")
 
 
 def scale_by(prefix: str, e) -> None:
-    """An edit's `scale_by` (what its scale multiplies): one of SCALE_BY, and only where the vector is a direction."""
-    if e.scale_by not in SCALE_BY:
-        raise ConfigError(f"{prefix}.scale_by", f"{e.scale_by!r} is not one of {', '.join(SCALE_BY)}")
-    if e.scale_by != "vector" and e.kind == EditKind.scale:
-        raise ConfigError(f"{prefix}.scale_by", "edit.kind=scale multiplies the stream, whose vector is a centre, "
+    """An edit's `scale_by` (what its scale multiplies) other than `vector` only where the vector is a direction."""
+    if e.scale_by != ScaleBy.vector and e.kind == EditKind.rescale:
+        raise ConfigError(f"{prefix}.scale_by", "edit.kind=rescale multiplies the stream, whose vector is a centre, "
                                                 "not a direction; leave scale_by=vector")
 
 
 def when(prefix: str, e, prompts: Optional[PromptsConf] = None) -> None:
-    """An edit's condition (`edit.when`): its choices, its threshold (a cosine), and a direction to read from a file
-    or from the condition prompts (`prompts`: None where there are none, as in a server's preset)."""
-    from steer.edits.condition import COMPARE, REDUCE, SCORE
-
+    """An edit's condition (`edit.when`): its threshold (a cosine), and a direction to read from a file or from the
+    condition prompts (`prompts`: None where there are none, as in a server's preset)."""
     w, field = e.when, f"{prefix}.when"
-    for name, allowed in (("reduce", REDUCE), ("score", SCORE), ("compare", COMPARE)):
-        if getattr(w, name) not in allowed:
-            raise ConfigError(f"{field}.{name}", f"{getattr(w, name)!r} is not one of {', '.join(allowed)}")
     if not (isinstance(w.threshold, (int, float)) and -1.0 <= w.threshold <= 1.0):
         raise ConfigError(f"{field}.threshold", f"must be in [-1, 1] (both scores are cosines), got {w.threshold}")
     if w.layer is None:
@@ -341,10 +365,6 @@ def condition_task(cfg: SteerConf, layers: Optional[int] = None) -> None:
             raise ConfigError(f"prompts.{side}", f"task=condition scores held-out prompts of both sides; give at "
                                                  f"least {least}")
     check_texts(cfg.prompts, ("condition_positive", "condition_negative"))
-    for name, allowed in (("reduce", ("mean", "last")), ("score", ("cast", "cosine"))):
-        if getattr(cfg.edit.when, name) not in allowed:
-            raise ConfigError(f"edit.when.{name}", f"{getattr(cfg.edit.when, name)!r} is not one of "
-                                                   f"{', '.join(allowed)}")
 
 
 def extract_layers(cfg: SteerConf, layers: int) -> None:
@@ -367,7 +387,7 @@ def eval_task(cfg: SteerConf) -> None:
     if not 0 <= e.split < 1:
         raise ConfigError("eval.split", f"must be in [0, 1) (the share of items the direction is extracted from), "
                                         f"got {e.split}")
-    if e.split == 0 and cfg.edit.vector.path is None and cfg.edit.kind != EditKind.scale:
+    if e.split == 0 and cfg.edit.vector.path is None and cfg.edit.kind != EditKind.rescale:
         raise ConfigError("eval.split", "is 0, but edit.vector.path is null: the direction comes from the dataset's "
                                         "own pairs and needs a share of them (e.g. 0.5), or give a vector file")
 
@@ -388,19 +408,17 @@ def select_grid(cfg: SteerConf, layers: int) -> None:
     # one cell twice, or two whose directories' names (runs/grid.py's cell_name) are one
     refuse_repeats("select.layers", [int(x) for x in s.layers], " (as a pair's directory names it)")
     refuse_repeats("select.scales", [f"{float(x):g}" for x in s.scales], " (as a pair's directory names it)")
-    if cfg.edit.kind == EditKind.scale and cfg.edit.vector.path is None:
+    if cfg.edit.kind == EditKind.rescale and cfg.edit.vector.path is None:
         raise ConfigError("edit.vector.path", "task=select scores each pair by the concept along the edit's "
-                                              "direction, and edit.kind=scale without a vector scales the whole "
+                                              "direction, and edit.kind=rescale without a vector scales the whole "
                                               "stream: give it a direction (edit.vector.path)")
     at_least("select.max_bad_prompts", s.max_bad_prompts, 0, " (prompts a kept pair may damage)")
     if not 0 <= s.split < 1:
         raise ConfigError("select.split", f"must be in [0, 1) (the share of prompts.steer the pair is chosen on; 0: "
                                           f"chosen and reported on all), got {s.split}")
-    if s.rank_by not in RANK_BY:
-        raise ConfigError("select.rank_by", f"{s.rank_by!r} is not one of {', '.join(RANK_BY)}")
-    if s.rank_by == "judge" and not cfg.eval.judge.base_url:
-        raise ConfigError("select.rank_by", "is judge, but eval.judge.base_url is unset: name an OpenAI-compatible "
-                                            "endpoint (eval.judge.base_url, eval.judge.model), or rank_by=probe")
+    if s.rank_by == RankBy.judge and not cfg.metrics.judge.base_url:
+        raise ConfigError("select.rank_by", "is judge, but metrics.judge.base_url is unset: name an OpenAI-compatible "
+                                            "endpoint (metrics.judge.base_url, metrics.judge.model), or rank_by=probe")
     if s.probe_layer is not None and not 0 <= s.probe_layer < layers:
         raise ConfigError("select.probe_layer", f"{s.probe_layer} out of range: the model has {layers} decoder "
                                                 f"layers (0..{layers - 1})")
@@ -447,6 +465,4 @@ def serve(conf, engine: str) -> None:
     if not s.max_steer_scale > 0:
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     at_least("serve.chat_max_tokens", s.chat_max_tokens, 1)
-    if s.log_level not in LOG_LEVELS:
-        raise ConfigError("serve.log_level", f"{s.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     at_least("serve.keep_alive_s", s.keep_alive_s, 1, " (seconds)")

@@ -1,5 +1,6 @@
 """The typed config schema. Hydra merges every YAML file onto these dataclasses, so an unknown key, a wrong
-type or an unknown edit kind fails at composition, before anything is loaded."""
+type or a value outside a closed choice (an edit kind, extract.method, ...: the enums below) fails at composition,
+before anything is loaded."""
 
 import dataclasses
 from dataclasses import dataclass, field
@@ -10,8 +11,39 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from steer.errors import ConfigError, unknown_setting
+from steer.errors import ConfigError, unknown_setting, value_error
 from interleaver.kinds import EditKind, Tokens  # noqa: F401  (defined Hydra-free; callers also name them from here)
+
+
+class Choice(str, Enum):
+    """A closed choice of the config. OmegaConf reads and writes a member by its name, which is its value; as a str
+    it compares equal to that value, and str() and f-strings give the value too (a plain str Enum's str() is
+    `Class.member`)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def choices(kind) -> str:
+    """The members of an enum as a message lists them: `a, b, c`."""
+    return ", ".join(kind.__members__)
+
+
+class EngineName(Choice):
+    auto = "auto"  # vllm where CUDA and vLLM are available, else hf
+    hf = "hf"
+    vllm = "vllm"
+
+
+class Dtype(Choice):
+    """The dtype weights load in."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class Task(str, Enum):
@@ -27,7 +59,7 @@ class Task(str, Enum):
 class TinyConf:
     """Shape and recipe of the embedded model; it is written once per distinct recipe and cached."""
 
-    layers: int = 4
+    num_layers: int = 4
     hidden: int = 256
     heads: int = 4
     kv_heads: int = 4
@@ -56,7 +88,7 @@ class ModelConf:
     # otherwise a local directory or a Hugging Face hub id ("hub": the hub id in `name`).
     source: str = "tiny"
     revision: Optional[str] = None
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.float32
     tiny: TinyConf = field(default_factory=TinyConf)
     gguf: GgufConf = field(default_factory=GgufConf)
 
@@ -86,6 +118,21 @@ class VectorConf:
     any_layer: bool = False  # use an SAE at another layer than the one it was trained on
 
 
+class Reduce(Choice):
+    mean = "mean"  # over the prompt's rows
+    last = "last"  # the prompt's last row
+
+
+class Score(Choice):
+    cast = "cast"  # cos(h, tanh(P h)), P = v v^T / (v^T v), as CAST
+    cosine = "cosine"  # cos(h, v)
+
+
+class Compare(Choice):
+    above = "above"
+    below = "below"
+
+
 @dataclass
 class WhenConf:
     """A condition on the prompt (CAST; steer/edits/condition.py): the edit acts on a request's rows only where its
@@ -96,10 +143,16 @@ class WhenConf:
     vector: Optional[str] = None
     key: str = "direction"  # the tensor of `vector` to read
     layer: Optional[int] = None  # the decoder layer whose output (after its own edits) the prompt is read at
-    reduce: str = "mean"  # over the prompt's rows: "mean", or the "last" one
-    score: str = "cast"  # "cast": cos(h, tanh(P h)), P = v v^T / (v^T v), as CAST; "cosine": cos(h, v)
-    compare: str = "above"  # the condition holds where the score is "above" the threshold, or "below" it
+    reduce: Reduce = Reduce.mean  # over the prompt's rows: mean, or the last one
+    score: Score = Score.cast  # cast: cos(h, tanh(P h)), P = v v^T / (v^T v), as CAST; cosine: cos(h, v)
+    compare: Compare = Compare.above  # the condition holds where the score is above the threshold, or below it
     threshold: float = 0.0  # in [-1, 1]: both scores are cosines
+
+
+class ScaleBy(Choice):
+    vector = "vector"
+    unit = "unit"
+    resid = "resid"
 
 
 @dataclass
@@ -114,7 +167,7 @@ class EditConf:
     # What `scale` multiplies (add): "vector", the vector as it is; "unit", its unit direction; "resid", its unit
     # direction times the mean residual norm at its tap that extraction recorded in the vector's metadata
     # (diag.resid_norm), so scale 0.5 is half a typical activation whatever the vector's length (docs/configs.md)
-    scale_by: str = "vector"
+    scale_by: ScaleBy = ScaleBy.vector
     when: WhenConf = field(default_factory=WhenConf)  # apply only to requests whose prompt meets a condition
     # Where in the sequence, beside `tokens`: all | last_prompt | first_generated (one row, or {select: last_prompt,
     # last_k: k} / {select: first_generated, n: n}) | {from: i, to: j}, absolute positions (steer/edits/positions.py)
@@ -136,10 +189,10 @@ class PromptsConf:
     # A prompt that does not fit the model's positions (with gen.max_new_tokens) is an error; true keeps its last
     # tokens that fit instead, and says so.
     truncate: bool = False
-    # "auto": where the tokenizer has a chat template, every prompt (steer and contrastive) is fed as a user turn
-    # followed by the assistant's generation prompt; "true": the same, and a tokenizer without one is an error;
-    # "false": the raw text (steer/models/prompt.py).
-    chat: str = "auto"
+    # null: where the tokenizer has a chat template, every prompt (steer and contrastive) is fed as a user turn
+    # followed by the assistant's generation prompt; true: the same, and a tokenizer without one is an error;
+    # false: the raw text (steer/models/prompt.py). A bool, since YAML and overrides read true and false as one.
+    chat: Optional[bool] = None
     # Prompts and pairs from files (steer/runs/data.py); a file replaces the list it stands for.
     steer_file: Optional[str] = None  # .txt (one a line), .jsonl/.json/.csv (field `field`) or a datasets directory
     field: str = "text"
@@ -164,23 +217,35 @@ class GenConf:
     seed: int = 0
 
 
-EXTRACT_METHODS = ("diffmean", "pca")  # extract.method's choices
-EXTRACT_POSITIONS = ("mean", "last")  # extract.position's, beside "auto"
-EXTRACT_SPANS = ("user", "all")  # extract.span's, beside "auto"
+class ExtractMethod(Choice):
+    diffmean = "diffmean"
+    pca = "pca"
+
+
+class ExtractPosition(Choice):
+    auto = "auto"
+    mean = "mean"
+    last = "last"
+
+
+class ExtractSpan(Choice):
+    auto = "auto"
+    user = "user"
+    all = "all"
 
 
 @dataclass
 class ExtractConf:
     # "diffmean": mean(positive) - mean(negative); "pca": the first principal component of the paired differences
     # positive_i - negative_i, pointing toward the positive set (steer/runs/extract.py)
-    method: str = "diffmean"
+    method: ExtractMethod = ExtractMethod.diffmean
     # "mean" over the span's tokens, its "last" token, or "auto": last where the pairs are CAA A/B items (a pairs
     # file of them, task=eval's dataset), whose prompts differ only in the answer, which a mean would drown
-    position: str = "auto"
+    position: ExtractPosition = ExtractPosition.auto
     # The tokens a row is read from: "all", every token fed; "user", the prompt's own text (in a chat rendering, the
     # user turn's content, not the system prompt, turn markers or generation prompt that every prompt shares);
     # "auto": user for CAA A/B pairs (their last token is then the answer's, not the generation prompt's), else all
-    span: str = "auto"
+    span: ExtractSpan = ExtractSpan.auto
     # Take out of the direction its part along the rows' mean (the midpoint of the two sets' means): a direction
     # that shares the mean every token has moves every token when it is ablated (steer/runs/extract.py)
     orthogonal_to_mean: bool = True
@@ -195,12 +260,17 @@ class ExtractConf:
     folds: int = 5  # k of the held-out separation the diagnostics report (steer/runs/diagnostics.py)
 
 
+class ExportFormat(Choice):
+    gguf = "gguf"  # a llama.cpp control vector
+    safetensors = "safetensors"  # steer's multi-layer file
+
+
 @dataclass
 class ExportConf:
     """task=export: the run's add edits written for another tool, one direction per decoder layer with each edit's
     scale in it (edits at one layer summed), so the file at strength 1 steers as the run does."""
 
-    format: str = "gguf"  # gguf: a llama.cpp control vector; safetensors: steer's multi-layer file
+    format: ExportFormat = ExportFormat.gguf  # gguf: a llama.cpp control vector; safetensors: steer's multi-layer file
     out: Optional[str] = None  # null: vector.<format> in the run dir
 
 
@@ -226,8 +296,9 @@ class VllmConf:
     edits_in_graph: bool = False
     # edits_in_graph under vLLM's own torch.compile pipeline and CUDA graphs instead of breakable graphs: each tap is
     # one custom op inside the compiled graph (interleaver/compiled.py), so an unsteered step runs the stock, fused
-    # model. Implies edits_in_graph.
-    compiled_edits: bool = False
+    # model. Implies edits_in_graph. null: steer picks, as off for a run (it scores with the tap's values); the server
+    # turns it on for engine=vllm unless another mode or requests' own vectors need the breaks (serve/start.py).
+    compiled_edits: Optional[bool] = None
     # Replay each tap's compiled edits at its break as a small CUDA graph of its own (one launch instead of
     # Python and a kernel per op); a step that keeps a tap's value or serves a trace there runs them eagerly.
     tap_graphs: bool = False
@@ -275,9 +346,16 @@ class JudgeConf:
 
 
 @dataclass
-class EvalConf:
+class MetricsConf:
+    """What a run measures beside its own metrics (steer/runs/metrics.py): set per prompts group (conf/metrics/)."""
+
     # VADER compound sentiment of baseline and steered text (the vaderSentiment package; its lexicon ships with it)
     sentiment: bool = False
+    judge: JudgeConf = field(default_factory=JudgeConf)
+
+
+@dataclass
+class EvalConf:
     # task=eval: a CAA A/B dataset (a shipped name from steer/data/, or a path, read as prompts.pairs_file is)
     dataset: str = "optimism"
     scales: List[float] = field(default_factory=lambda: [-8.0, -4.0, 4.0, 8.0])  # edit.scale at each point
@@ -285,7 +363,11 @@ class EvalConf:
     # are scored; with a vector file every item is scored
     split: float = 0.5
     seed: int = 0  # which items fall on either side of the split
-    judge: JudgeConf = field(default_factory=JudgeConf)
+
+
+class RankBy(Choice):
+    probe = "probe"  # the gain read by the probe
+    judge = "judge"  # metrics.judge's score
 
 
 @dataclass
@@ -313,8 +395,8 @@ class SelectConf:
     # fewer than 4 prompts there is no split). split_seed: which prompts fall on either side.
     split: float = 0.5
     split_seed: int = 0
-    # What ranks the kept pairs: "probe" (the gain read by the probe) or "judge" (eval.judge's score)
-    rank_by: str = "probe"
+    # What ranks the kept pairs: probe (the gain read by the probe) or judge (metrics.judge's score)
+    rank_by: RankBy = RankBy.probe
 
 
 @dataclass
@@ -353,7 +435,7 @@ NOT_RESULTS = ("progress", "cache_dir")
 @dataclass
 class SteerConf:
     task: Task = Task.steer
-    engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
+    engine: EngineName = EngineName.auto  # vllm where CUDA and vLLM are available, else hf
     model: ModelConf = MISSING
     tap: TapConf = MISSING
     edit: EditConf = MISSING
@@ -366,6 +448,7 @@ class SteerConf:
     extract: ExtractConf = field(default_factory=ExtractConf)
     export: ExportConf = field(default_factory=ExportConf)
     eval: EvalConf = field(default_factory=EvalConf)
+    metrics: MetricsConf = field(default_factory=MetricsConf)
     select: SelectConf = field(default_factory=SelectConf)
     condition: ConditionConf = field(default_factory=ConditionConf)
     cache_dir: str = MISSING
@@ -389,6 +472,9 @@ def to_object(cfg: DictConfig):
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # an interpolation that does not resolve (`v${tap.layr}`), a missing value
+        refused = value_error(e)
+        if refused is not None:
+            raise refused from e
         if not getattr(e, "full_key", None):
             raise
         raise ConfigError(e.full_key, str(e).splitlines()[0]) from e

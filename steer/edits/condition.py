@@ -22,8 +22,6 @@ import torch
 from interleaver import select
 from interleaver.select import score
 
-REDUCE, SCORE, COMPARE = select.REDUCES, select.SCORES, select.COMPARES
-
 
 @dataclass(frozen=True, eq=False)
 class Condition:
@@ -32,7 +30,7 @@ class Condition:
 
     path: str
     vector: torch.Tensor
-    reduce: str = "mean"
+    reduce: str = "mean"  # the choices of steer.config.schema's Reduce, Score and Compare (edit.when)
     score: str = "cast"
     compare: str = "above"
     threshold: float = 0.0

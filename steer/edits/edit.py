@@ -6,7 +6,6 @@ step that mixes prompt and generated rows, and an engine that only sees a sum of
 `hidden + residual`) can compute `delta` on the sum and land it on one of them. Nothing here knows an engine.
 """
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -15,13 +14,12 @@ import torch
 from steer.config.schema import EditKind, Tokens
 from steer.edits.condition import Condition
 from steer.edits.positions import EVERY, Positions
-from steer.edits.vector import F32_MAX
 
 
 @dataclass(frozen=True, eq=False)
 class Edit:
     """One compiled edit. `basis` is float32 `[k, hidden]`: the raw vector for `add` and the centre for
-    `scale`; orthonormal rows for `ablate`; one unit row for `clamp` and `set`."""
+    `rescale`; orthonormal rows for `ablate`; one unit row for `clamp` and `set`."""
 
     kind: EditKind
     scale: float
@@ -36,7 +34,7 @@ class Edit:
     @property
     def is_noop(self) -> bool:
         """True when the edit changes nothing, so an engine may skip it (the math is exact either way)."""
-        if self.kind == EditKind.scale:
+        if self.kind == EditKind.rescale:
             return self.scale == 1.0
         if self.kind == EditKind.clamp and self.lo is None and self.hi is None:
             return True
@@ -44,13 +42,13 @@ class Edit:
 
     @property
     def strength(self) -> float:
-        """The factor `delta` is linear in: `scale`, or `scale - 1` for the `scale` kind."""
-        return self.scale - 1.0 if self.kind == EditKind.scale else self.scale
+        """The factor `delta` is linear in: `scale`, or `scale - 1` for the `rescale` kind."""
+        return self.scale - 1.0 if self.kind == EditKind.rescale else self.scale
 
     def unit(self) -> "Edit":
         """The same edit at strength 1, so `delta(h) == strength * unit().delta(h)`; engines that batch
         requests with different scales run the unit edit once with a per-row weight of `strength`."""
-        return replace(self, scale=2.0 if self.kind == EditKind.scale else 1.0)
+        return replace(self, scale=2.0 if self.kind == EditKind.rescale else 1.0)
 
     def to(self, device) -> "Edit":
         """The same edit with its vectors on `device` (so applying it does no host-to-device copy)."""
@@ -69,7 +67,7 @@ class Edit:
             return (self.scale * b[0]).expand_as(h)
         if self.kind == EditKind.ablate:
             return -self.scale * (h @ b.T) @ b
-        if self.kind == EditKind.scale:
+        if self.kind == EditKind.rescale:
             centre = b[0] if b is not None else 0.0
             return (self.scale - 1.0) * (h - centre)
         d = b[0]
@@ -112,30 +110,12 @@ def orthonormal(vectors: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
 def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], *, tokens: Tokens = Tokens.both,
                  lo: Optional[float] = None, hi: Optional[float] = None, value: float = 0.0,
                  field: str = "edit", when: Optional[Condition] = None, positions: Positions = EVERY) -> Edit:
-    """Turn an edit's config and its float32 `[k, hidden]` vectors into an Edit, checking they fit the kind."""
-    from steer.errors import ConfigError
+    """Turn an edit's config and its float32 `[k, hidden]` vectors into an Edit, checking they fit the kind
+    (steer.config.checks: edit_numbers, edit_vectors)."""
+    from steer.config import checks
 
-    if kind != EditKind.scale and vectors is None:
-        raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} needs a vector")
-    for name, x in (("scale", scale), ("lo", lo), ("hi", hi), ("value", value)):
-        if x is not None and not math.isfinite(x):  # a NaN edit would turn every steered token into NaN logits
-            raise ConfigError(f"{field}.{name}", f"must be a finite number, got {x}")
-        if x is not None and abs(x) > F32_MAX:  # the edits run in float32, where this is inf
-            raise ConfigError(f"{field}.{name}", f"{x:g} is beyond float32's range (|x| <= {F32_MAX:.3g})")
-    if lo is not None and hi is not None and lo > hi:
-        raise ConfigError(f"{field}.lo", f"clamp bounds are reversed: lo={lo} > hi={hi}")
-    if kind == EditKind.add and vectors is not None:
-        push = abs(scale) * float(vectors.abs().max())
-        if not push <= F32_MAX:
-            raise ConfigError(f"{field}.scale", f"scale {scale:g} times the vector's largest entry is {push:.3g}, "
-                                                f"beyond float32's range ({F32_MAX:.3g})")
-    if vectors is not None:
-        k = vectors.shape[0]
-        if kind in (EditKind.add, EditKind.clamp, EditKind.set, EditKind.scale) and k != 1:
-            raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} takes one vector [hidden], got {k} "
-                                                 "rows (only `ablate` takes a [k, hidden] subspace)")
-        if kind != EditKind.add and kind != EditKind.scale:
-            if float(vectors.norm(dim=-1).min()) == 0.0:
-                raise ConfigError(f"{field}.vector", "a direction of norm 0 has no direction")
-            vectors = orthonormal(vectors)
+    checks.edit_numbers(field, scale, lo, hi, value)
+    checks.edit_vectors(field, kind, scale, vectors)
+    if vectors is not None and kind not in (EditKind.add, EditKind.rescale):
+        vectors = orthonormal(vectors)
     return Edit(kind, float(scale), vectors, tokens, lo, hi, value, when, positions)

@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from steer.config.checks import SCALE_BY
 from steer.edits import formats, positions, vector
 from steer.errors import ConfigError
 from steer.edits.condition import Condition
@@ -103,7 +102,7 @@ def entries(cfg: SteerConf) -> List[Tuple[str, object, EditConf]]:
 
 
 def needs_default_vector(e: EditConf) -> bool:
-    return e.vector.path is None and e.kind != EditKind.scale
+    return e.vector.path is None and e.kind != EditKind.rescale
 
 
 def build(cfg: SteerConf, spec: ModelSpec, default_vector: Callable[[Tap], torch.Tensor] | None = None) -> Plan:
@@ -169,9 +168,10 @@ def _condition(e: EditConf, spec: ModelSpec, prefix: str, plan: Plan, made: Dict
         if v.shape[0] != 1:
             raise ConfigError(f"{field}.vector", f"a condition reads one direction [hidden]; {w.vector!r} holds "
                                                  f"{v.shape[0]} rows")
-        c = Condition(tap.path, v[0].float(), w.reduce, w.score, w.compare, float(w.threshold))
+        c = Condition(tap.path, v[0].float(), str(w.reduce), str(w.score), str(w.compare), float(w.threshold))
     else:
-        c = Condition(tap.path, torch.ones(spec.hidden), w.reduce, w.score, w.compare, float(w.threshold))
+        c = Condition(tap.path, torch.ones(spec.hidden), str(w.reduce), str(w.score), str(w.compare),
+                      float(w.threshold))
         plan.pending_when.append((c, tap, field))
     plan.condition_taps.setdefault(tap.path, tap)
     made[key] = c
@@ -237,8 +237,6 @@ def scaled(e: EditConf, vecs: torch.Tensor, meta: Optional[Dict[str, str]], key:
     its strength whatever the run's prompts, and a run resumed with the same file (inputs.json holds its sha256)
     adds exactly what it added before. Other kinds use the direction alone, so scale_by changes nothing there."""
     field = f"{prefix}edit.scale_by"
-    if e.scale_by not in SCALE_BY:  # what checks.scale_by says for a run; said here too for the server's presets
-        raise ConfigError(field, f"{e.scale_by!r} is not one of {', '.join(SCALE_BY)}")
     if e.scale_by == "vector" or e.kind != EditKind.add:
         return vecs
     unit = vecs / vecs.norm(dim=-1, keepdim=True)

@@ -14,7 +14,9 @@ ENGINES = ("auto", "hf", "vllm")
 
 
 def resolve(name: str) -> str:
-    """The engine a config's `engine` names: `auto` is vllm where CUDA and vLLM are available, else hf."""
+    """The engine a config's `engine` names (a plain str): `auto` is vllm where CUDA and vLLM are available, else
+    hf."""
+    name = str(name)  # a config's EngineName is its value
     if name not in ENGINES:
         raise ConfigError("engine", f"unknown engine {name!r}; expected one of {list(ENGINES)}")
     if name == "auto":

@@ -10,12 +10,13 @@ from typing import List, Optional, Tuple
 
 from steer.errors import ConfigError
 
-CHAT_MODES = ("auto", "true", "false")
+CHAT_MODES = ("auto", "true", "false")  # what an engine's `chat` argument names; prompts.chat's null is auto
 
 
 def chat_mode(chat, field: str = "prompts.chat") -> str:
-    """`chat` as one of auto / true / false (Hydra may hand a YAML boolean over as "True"), or a ConfigError."""
-    mode = str(chat).strip().lower()
+    """`chat` (prompts.chat: None, True or False; or a mode's name) as one of auto / true / false, or a
+    ConfigError."""
+    mode = "auto" if chat is None else str(chat).strip().lower()
     if mode not in CHAT_MODES:
         raise ConfigError(field, f"{chat!r} is not one of {', '.join(CHAT_MODES)}")
     return mode
@@ -37,7 +38,7 @@ def uses_chat(tokenizer, chat) -> bool:
     template = has_template(tokenizer)
     if chat_mode(chat) == "true" and not template:
         raise ConfigError("prompts.chat", f"true, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} "
-                                          "has no chat template; use prompts.chat=auto or false")
+                                          "has no chat template; use prompts.chat=null or false")
     return renders_chat(chat, template)
 
 
@@ -104,7 +105,7 @@ def check(chat, chat_template: Optional[bool]) -> str:
     mode = chat_mode(chat)
     if mode == "true" and chat_template is False:
         raise ConfigError("prompts.chat", "true, but the model's tokenizer has no chat template; use "
-                                          "prompts.chat=auto or false")
+                                          "prompts.chat=null or false")
     return mode
 
 

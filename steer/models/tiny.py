@@ -93,7 +93,7 @@ def llama_config(conf: TinyConf, vocab: int | None = None, bos: int = 0, eos: in
         vocab_size=vocab or conf.vocab,
         hidden_size=conf.hidden,
         intermediate_size=conf.intermediate,
-        num_hidden_layers=conf.layers,
+        num_hidden_layers=conf.num_layers,
         num_attention_heads=conf.heads,
         num_key_value_heads=conf.kv_heads,
         head_dim=conf.hidden // conf.heads,

@@ -154,23 +154,19 @@ def ab_text(question: str, answer: str) -> str:
 def fill_prompts(p) -> bool:
     """Replace `prompts.steer` / `positive` / `negative` (a PromptsConf) by what the files it names hold; whether
     the pairs are CAA A/B items (from `pairs_file`)."""
+    from steer.config import checks
+
+    checks.prompt_files(p)
     if p.steer_file is not None:
         p.steer = load_texts(p.steer_file, p.field)
     for side in ("positive", "negative"):  # an edit's condition prompts (edit.when, task=condition)
         path = getattr(p, f"condition_{side}_file")
         if path is not None:
             setattr(p, f"condition_{side}", load_texts(path, p.field, f"prompts.condition_{side}_file"))
-    if p.pairs_file is not None and (p.positive_file is not None or p.negative_file is not None):
-        raise ConfigError("prompts.pairs_file", "and prompts.positive_file / prompts.negative_file both give the "
-                                                "contrastive pairs; set one")
     if p.pairs_file is not None:
         rows = records(p.pairs_file, "prompts.pairs_file")  # read once: the pairs, and whether they are A/B items
         p.positive, p.negative = _pairs(rows, p.pairs_file, p.positive_field, p.negative_field, "prompts.pairs_file")
         return _is_caa(rows)
-    if (p.positive_file is None) != (p.negative_file is None):
-        missing = "prompts.negative_file" if p.negative_file is None else "prompts.positive_file"
-        raise ConfigError(missing, "is unset; the .txt pairs need both files (as cvector-generator's --positive-file "
-                                   "and --negative-file)")
     if p.positive_file is not None:
         p.positive, p.negative = load_txt_pairs(p.positive_file, p.negative_file)
     return False

@@ -61,7 +61,7 @@ class Recipe:
 
     method: str = "diffmean"
     position: str = "mean"
-    chat: str = "false"  # auto / true / false, as prompts.chat
+    chat: str = "false"  # auto / true / false: prompts.chat null / true / false (steer.models.prompt.chat_mode)
     skip_first: bool = True
     skip_special: bool = True
     normalize: bool = False
@@ -70,16 +70,16 @@ class Recipe:
 
     @classmethod
     def from_conf(cls, conf: ExtractConf, chat="false", ab: bool = False, templated: bool = False) -> "Recipe":
-        """The recipe of a run's `extract` settings and `prompts.chat`, validated, "auto" as `auto` resolves it."""
+        """The recipe of a run's `extract` settings and `prompts.chat`, "auto" as `auto` resolves it."""
         position, span = auto(ab, templated)
-        return cls(conf.method, position if conf.position == "auto" else conf.position, str(chat),
+        return cls(str(conf.method), str(position if conf.position == "auto" else conf.position), chat_mode(chat),
                    bool(conf.skip_first), bool(conf.skip_special), bool(conf.normalize),
-                   span if conf.span == "auto" else conf.span, bool(conf.orthogonal_to_mean)).check()
+                   str(span if conf.span == "auto" else conf.span), bool(conf.orthogonal_to_mean)).check()
 
     def check(self, positive: Optional[Sequence[str]] = None, negative: Optional[Sequence[str]] = None) -> "Recipe":
-        """Validate (before any engine starts): ConfigError naming the field. With the prompt sets, also that pca
-        can pair them."""
-        checks.extraction(self.method, self.position, self.span, self.chat, positive, negative)
+        """The recipe with "auto" resolved and its chat mode normalised; with the prompt sets, also that its method
+        can pair them (steer.config.checks.extraction: a ConfigError naming the field)."""
+        checks.extraction(self.method, positive, negative)
         plain = auto(False, False)  # "auto" given here, not through from_conf: pairs that are not A/B
         position = plain[0] if self.position == "auto" else self.position
         span = plain[1] if self.span == "auto" else self.span

@@ -22,7 +22,7 @@ from steer.runs.extract import Recipe
 from steer.models.spec import ModelSpec, spec as model_spec
 from steer.edits import vector
 from steer.edits.plan import Plan, build, entries, when_vector
-from steer.config.schema import NOT_RESULTS, SteerConf, TapConf, Task
+from steer.config.schema import NOT_RESULTS, ExtractPosition, ExtractSpan, SteerConf, TapConf, Task
 from steer.edits.tap import Tap, resolve
 
 
@@ -71,8 +71,7 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     engine = engines.resolve(cfg.engine)
     checks.run(cfg, engine)
     # checked before the model's files are read; "auto" is resolved below, once the chat rendering is known
-    e = cfg.extract
-    checks.extraction(e.method, e.position, e.span, cfg.prompts.chat, cfg.prompts.positive, cfg.prompts.negative)
+    checks.extraction(cfg.extract.method, cfg.prompts.positive, cfg.prompts.negative)
     if cfg.task != Task.extract:
         for prefix, _, e in entries(cfg):
             if e.vector.path is not None:
@@ -86,7 +85,8 @@ def prepare(cfg: SteerConf, out_dir: Path) -> Job:
     # task=eval renders its pairs itself and reads them raw, so only a pairs file's are in a chat rendering
     templated = cfg.task != Task.eval and prompt.renders_chat(cfg.prompts.chat, spec.chat_template)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, data.reads_ab(cfg.task, caa), templated)
-    cfg.extract.position, cfg.extract.span = recipe.position, recipe.span  # "auto" resolved once for the job
+    # "auto" resolved once for the job
+    cfg.extract.position, cfg.extract.span = ExtractPosition(recipe.position), ExtractSpan(recipe.span)
     if cfg.task == Task.select:
         checks.select_grid(cfg, spec.layers)
     if cfg.task == Task.condition:

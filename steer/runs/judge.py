@@ -1,15 +1,15 @@
-"""An LLM judge of steered text (`eval.judge`), as AxBench (Wu et al. 2025) scores steering: any OpenAI-compatible
+"""An LLM judge of steered text (`metrics.judge`), as AxBench (Wu et al. 2025) scores steering: any OpenAI-compatible
 endpoint rates each steered continuation 0, 1 or 2 on three criteria, each asked in a request of its own:
 
-- concept: how clearly the text shows the concept (`eval.judge.concept`);
+- concept: how clearly the text shows the concept (`metrics.judge.concept`);
 - instruction: how well it follows on from the prompt (a continuation that answers or carries on from it);
 - fluency: how fluent and coherent it is.
 
 A text's score is the harmonic mean of the three, 0 where any is 0 (a text that shows the concept by breaking down
 scores 0). A reply the judge gives without a rating in the asked form (`Rating: [[N]]`) is recorded as unparsed
 (`judge_unparsed` names the criteria) and the text gets no score; the run goes on. Nothing is sent anywhere unless a
-user names an endpoint (`eval.judge.base_url`); the key, where one is needed, is read from the environment variable
-`eval.judge.api_key_env`, never from the config.
+user names an endpoint (`metrics.judge.base_url`); the key, where one is needed, is read from the environment variable
+`metrics.judge.api_key_env`, never from the config.
 """
 
 import json
@@ -63,8 +63,8 @@ def _key(conf) -> Optional[str]:
         return None
     key = os.environ.get(conf.api_key_env)
     if not key:
-        raise ConfigError("eval.judge.api_key_env", f"names the environment variable {conf.api_key_env!r}, which is "
-                                                    "unset or empty; export it with the endpoint's key")
+        raise ConfigError("metrics.judge.api_key_env", f"names the environment variable {conf.api_key_env!r}, which "
+                                                       "is unset or empty; export it with the endpoint's key")
     return key
 
 
@@ -95,8 +95,8 @@ def rate(conf, rows: Sequence[Dict]) -> None:
             try:
                 reply = request(conf, content, key)
             except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
-                raise ConfigError("eval.judge.base_url", f"{conf.base_url!r} did not answer a chat completion "
-                                                         f"({type(e).__name__}: {e})") from e
+                raise ConfigError("metrics.judge.base_url", f"{conf.base_url!r} did not answer a chat completion "
+                                                            f"({type(e).__name__}: {e})") from e
             replies[c], ratings[c] = reply, parse(reply)
             if ratings[c] is None:
                 unparsed.append(c)

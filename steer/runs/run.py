@@ -173,10 +173,10 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         try:
             rows = _score(engine, w, conts, baselines)
             agg = metrics.aggregate(rows, tokens_per_s)
-            if w.job.cfg.eval.judge.base_url:  # off unless an endpoint is named: nothing leaves the machine
+            if w.job.cfg.metrics.judge.base_url:  # off unless an endpoint is named: nothing leaves the machine
                 from steer.runs import judge
 
-                judge.rate(w.job.cfg.eval.judge, rows)
+                judge.rate(w.job.cfg.metrics.judge, rows)
                 agg.update(judge.counts(rows))
             inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data, w.job.settings)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
@@ -523,7 +523,7 @@ def _row(engine, w: _Work, i: int, conts: Dict[tuple, List[int]], basis: Optiona
         row["probe_baseline"] = metrics.concept(reread.captured[probe.tap.path][n:], probe.direction)
         row["probe_steered"] = metrics.concept(base.captured[probe.tap.path][n:], probe.direction)
     row.update(damage.judge(row, damage.Rules.from_conf(w.job.cfg.select)))
-    if w.job.cfg.eval.sentiment:
+    if w.job.cfg.metrics.sentiment:
         row["sentiment_baseline"] = metrics.sentiment(baseline)
         row["sentiment_steered"] = metrics.sentiment(steered)
     row.update(_decisions(w.plan, steer.captured, n))

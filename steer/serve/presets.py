@@ -19,7 +19,7 @@ from steer.config.preset import edits_for
 from steer.edits import vector
 from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
-from steer.errors import ConfigError
+from steer.errors import ConfigError, value_error
 from steer.models.spec import ModelSpec
 from steer.edits import formats
 from steer.edits.plan import Plan, compile_entries, needs_default_vector
@@ -119,7 +119,8 @@ def _parse(name: str, path: Path) -> PresetConf:
                 parsed[part].append(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TapEditConf), item)))
     except (OmegaConfBaseException, YAMLError) as e:
         key = getattr(e, "full_key", None)
-        first = " ".join(str(e).split("\n")[0].split())
+        refused = value_error(e)  # a value outside a choice, or an old spelling: the message says which
+        first = str(refused)[len(refused.field) + 2:] if refused else " ".join(str(e).split("\n")[0].split())
         field = f"preset {name}: {where}{key}" if key else f"preset {name}"
         raise ConfigError(field, f"{first} ({path})") from e
     top.edits = parsed.pop("edits")
@@ -167,10 +168,10 @@ def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector,
 
 
 def scaled(e: Edit, k: float) -> Edit:
-    """`e` with its strength multiplied by `k` (the `scale` kind's strength is scale - 1)."""
+    """`e` with its strength multiplied by `k` (the `rescale` kind's strength is scale - 1)."""
     if k == 1.0:
         return e
-    if e.kind == EditKind.scale:
+    if e.kind == EditKind.rescale:
         return replace(e, scale=1.0 + k * (e.scale - 1.0))
     return replace(e, scale=e.scale * k)
 

@@ -8,7 +8,19 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from steer.config.schema import ExtractConf, HfConf, ModelConf, PresetConf, PromptsConf, VllmConf  # noqa: F401
+from steer.config.schema import (Choice, EngineName, ExtractConf, HfConf, ModelConf, PresetConf,  # noqa: F401
+                                 PromptsConf, VllmConf)
+
+
+class LogLevel(Choice):
+    """uvicorn's and vLLM's --uvicorn-log-level."""
+
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
 
 
 @dataclass
@@ -29,7 +41,7 @@ class ServeOptions:
     inline_layers: List[int] = field(default_factory=list)
     # engine=hf: max_tokens when a chat request gives none (a completion's default is OpenAI's, 16).
     chat_max_tokens: int = 256
-    log_level: str = "info"
+    log_level: LogLevel = LogLevel.info
     # Seconds an idle connection stays open. Longer than clients' own (httpx's, and with it the openai client's:
     # 5 s): at uvicorn's and vLLM's default of 5 both sides close together, and a client that reuses the
     # connection the server is closing gets "connection reset" (seen under 12 concurrent requests on 2 CPUs).
@@ -40,23 +52,18 @@ class ServeOptions:
 
 
 @dataclass
-class ServeVllmConf(VllmConf):
-    # null: the server picks. engine=vllm compiles the presets' edits into vLLM's own torch.compile'd graphs, the
-    # fastest mode (docs/benchmark.md, "Serving"), unless vllm.edits_in_graph, vllm.tap_graphs or
-    # serve.inline_layers ask for another (requests' own vectors need replay mode); engine=hf has no graphs.
-    compiled_edits: Optional[bool] = None
-
-
-@dataclass
 class ServeConf:
-    engine: str = "auto"  # vllm where CUDA and vLLM are available, else hf
+    engine: EngineName = EngineName.auto  # vllm where CUDA and vLLM are available, else hf
     model: ModelConf = MISSING
     # The contrastive sets of presets whose vector path is null (the default direction, as in `python -m steer`).
     prompts: PromptsConf = MISSING
     # How those default directions are made (extract.* as in `python -m steer`, with prompts.chat).
     extract: ExtractConf = field(default_factory=ExtractConf)
     device: str = "cpu"  # engine=hf: where the model runs; engine=vllm: where default directions are extracted
-    vllm: ServeVllmConf = field(default_factory=ServeVllmConf)
+    # vllm.compiled_edits null: engine=vllm compiles the presets' edits into vLLM's own torch.compile'd graphs, the
+    # fastest mode (docs/benchmark.md, "Serving"), unless vllm.edits_in_graph, vllm.tap_graphs or
+    # serve.inline_layers ask for another (requests' own vectors need replay mode); engine=hf has no graphs.
+    vllm: VllmConf = field(default_factory=VllmConf)
     hf: HfConf = field(default_factory=HfConf)
     serve: ServeOptions = field(default_factory=ServeOptions)
     cache_dir: str = MISSING

@@ -38,9 +38,7 @@ def prepare(conf: ServeConf) -> Tuple[str, ModelSpec, Dict[str, PresetConf], Dic
     if presets.needs_default(confs):
         checks.prompt_sets(conf.prompts, ("positive", "negative"), "presets with a null vector path use the default "
                            "direction, extracted from prompts.positive and prompts.negative")
-        e = conf.extract
-        checks.extraction(e.method, e.position, e.span, conf.prompts.chat, conf.prompts.positive,
-                          conf.prompts.negative)
+        checks.extraction(conf.extract.method, conf.prompts.positive, conf.prompts.negative)
     refused = bind_error(s.host, s.port)  # last: a config error says more than a busy port
     if refused is not None:
         raise ConfigError(*refused)

@@ -109,7 +109,7 @@ def test_one_engine_serves_every_call_and_select_agrees_with_a_single_run(lab, l
     assert extra["edit"]["kind"] == "clamp" and (extra["edit"]["lo"], extra["edit"]["hi"]) == (-1, 1)
 
     lab.close()
-    lab.generate(PROMPTS[:1], edits=[steer.scale(0.5, layer=1)])  # a closed Lab starts another engine
+    lab.generate(PROMPTS[:1], edits=[steer.rescale(0.5, layer=1)])  # a closed Lab starts another engine
     assert loads == ["hf", "hf"]
 
 
@@ -255,3 +255,35 @@ def test_a_calls_edit_overrides_refine_the_edit_it_builds(lab):
     plain = lab.generate(PROMPTS, [steer.add(None, layer=1, scale=0.5)])
     assert plain.config["edit"]["scale_by"] != "resid"
     assert [r["steered"] for r in got.rows] != [r["steered"] for r in plain.rows]
+
+
+@pytest.mark.parametrize("overrides,key,says", [
+    (["extract.method=pcx"], "extract.method", "'pcx' is not one of diffmean, pca"),
+    (["serve_x=1"], "serve_x", "is not a setting"),
+    (["edit.kind=scale"], "edit.kind", "did you mean 'rescale'"),
+    (["edit=scale"], "edit", "did you mean edit=rescale"),
+    (["eval.sentiment=true"], "eval.sentiment", "did you mean metrics.sentiment"),
+    (["model.tiny.layers=2"], "model.tiny.layers", "did you mean model.tiny.num_layers")])
+def test_a_value_outside_its_choices_or_an_old_name_is_one_line_naming_the_key(cache_dir, loads, overrides, key,
+                                                                               says):
+    with pytest.raises(ConfigError) as e:
+        steer.Lab(model="tiny", overrides=overrides)
+    assert f"{key}: " in str(e.value) and says in str(e.value) and "\n" not in str(e.value), e.value
+    assert loads == []
+
+
+def test_a_calls_value_outside_its_choices_names_the_key_and_the_choices(lab, loads):
+    with pytest.raises(ConfigError) as e:
+        lab.generate(PROMPTS, [steer.add(None, layer=1)], overrides=["edit.scale_by=raw"])
+    assert "edit.scale_by: 'raw' is not one of vector, unit, resid" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        lab.generate(PROMPTS, [steer.add(None, layer=1, tokens="sideways")])
+    assert e.value.field == "edit.tokens" and "is not one of both, prompt, generated" in str(e.value)
+    assert loads == []
+
+
+@pytest.mark.parametrize("old,new", [("scale", "rescale"), ("set", "set_projection")])
+def test_a_renamed_api_name_says_its_new_one(old, new):
+    with pytest.raises(AttributeError, match=f"did you mean steer.{new}"):
+        getattr(steer, old)
+    assert getattr(steer, new).__name__ == new and new in steer.__all__ and old not in dir(steer)

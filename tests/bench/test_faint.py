@@ -37,7 +37,7 @@ def test_the_faint_twin_is_each_edit_at_epsilon_of_its_strength(scen):
     # requests that shared an edit share its faint twin (the engines register an edit once)
     assert len({id(e) for e in faint.edits}) == len({id(e) for e in full.edits})
     if scen == "k8":  # scale's strength is its factor minus 1: the faint factor is 1 + epsilon (factor - 1)
-        e, f = next((e, f) for e, f in zip(full.edits, faint.edits) if e.kind == EditKind.scale)
+        e, f = next((e, f) for e, f in zip(full.edits, faint.edits) if e.kind == EditKind.rescale)
         assert e.scale == 0.85 and f.scale == pytest.approx(1 - EPS * 0.15, abs=1e-15)
 
 

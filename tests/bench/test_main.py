@@ -30,7 +30,8 @@ def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path):
     from helpers import cli_env
 
     # the schema's refusals and the bench's own checks alike, before any engine starts (none could start here)
-    for override, says in (("bogus=1", "error bogus: is not a setting of this config"), ("repeats=abc", "repeats=abc"),
+    for override, says in (("bogus=1", "error bogus: is not a setting of this config"),
+                           ("repeats=abc", "error repeats: Value 'abc'"),
                            ("repeats=0", "error repeats: must be at least 1, got 0"),
                            ("configs=[a,q]", "error configs[1]: unknown configuration 'q'")):
         res = subprocess.run([sys.executable, "-m", "steer.bench", "run=[tiny]", override], cwd=tmp_path,

@@ -71,7 +71,7 @@ def test_the_path_must_hold_easysteer_s_vllm_and_kn_edits_it_can_run(tmp_path):
     assert e.value.field == "peers.easysteer.pythonpath"
     path = f"peers.easysteer.pythonpath={fork(tmp_path)}:{tmp_path}"
     # kN's default kinds include clamp, set and scale, which EasySteer has no algorithm for
-    with pytest.raises(ConfigError, match=r"\['clamp', 'set', 'scale'\] have no EasySteer algorithm") as e:
+    with pytest.raises(ConfigError, match=r"\['clamp', 'set', 'rescale'\] have no EasySteer algorithm") as e:
         workload.check(bench_conf("configs=[a,easysteer]", path))
     assert e.value.field == "k_kinds"
     workload.check(bench_conf("configs=[a,easysteer]", path, "k_kinds=[add,ablate]"))

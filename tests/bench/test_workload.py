@@ -130,7 +130,7 @@ def test_scenarios_give_every_request_its_edit():
     distinct = {id(e) for e in k8.edits}
     assert len(distinct) == 8 and k8.edits[8] is k8.edits[0]
     assert [e.kind for e in k8.edits[:5]] == [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set,
-                                              EditKind.scale]
+                                              EditKind.rescale]
     assert not torch.equal(k8.edits[0].basis, k8.edits[5].basis)  # same kind, its own vector
     assert workload.scenario("k8", 16, 4, 20, 0).edits[3].basis.equal(k8.edits[3].basis)  # deterministic
 

@@ -104,14 +104,21 @@ BAD = [
     (["edit.vector.path={d}/small.safetensors"], "the model's hidden size is 256, the vector's last dimension 128"),
     (["edit.vector.path={d}/nan.safetensors"], "entries are 1 NaN"),
     (["edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
-    (["edit=scale", "edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
+    (["edit=rescale", "edit.vector.path={d}/zero.safetensors"], "the vector is all zeros"),
     (["tap.layer=12"], "tap.layer: layer 12 is out of range: tiny has 4 decoder layers"),
     (["tap.path=model.layers.1.mpl"], "tap.path: 'model.layers.1.mpl' names no module"),
-    (["edit.kind=steer"], "Invalid value 'steer', expected one of [add, ablate, clamp, set, scale]"),
+    (["edit.kind=steer"], "edit.kind: 'steer' is not one of add, ablate, clamp, set, rescale"),
     (["edit.scale=big"], "Value 'big' of type 'str' could not be converted to Float"),
     (["edit.scale=nan"], "edit.scale: must be a finite number, got nan"),
     (["edit=clamp", "edit.lo=-inf", "edit.hi=2"], "edit.lo: must be a finite number, got -inf"),
-    (["engine=nope"], "engine: unknown engine 'nope'"),
+    (["engine=nope"], "engine: 'nope' is not one of auto, hf, vllm"),
+    (["extract.method=pcx"], "extract.method: 'pcx' is not one of diffmean, pca"),
+    (["prompts.chat=maybe"], "prompts.chat: 'maybe' is not one of true, false, null"),
+    (["edit.kind=scale"], "edit.kind: 'scale' was renamed; did you mean 'rescale'?"),
+    (["edit=scale"], "edit: 'scale' was renamed; did you mean edit=rescale?"),
+    (["model.tiny.layers=2"], "model.tiny.layers: was renamed; did you mean model.tiny.num_layers?"),
+    (["eval.sentiment=true"], "eval.sentiment: was renamed; did you mean metrics.sentiment?"),
+    (["prompts.chat=auto"], "prompts.chat: 'auto' was renamed; did you mean null?"),
     (["task=extract", "extract.layers=[1,7]"], "extract.layers: [7] out of range: the model has 4 decoder layers"),
     (["edit.scale_by=raw"], "edit.scale_by: 'raw' is not one of vector, unit, resid"),
     (["edit.scale_by=resid", "edit.vector.path={d}/ab.safetensors", "edit.vector.key=a"],
@@ -153,7 +160,9 @@ SCAL = "edit.scal: is not a setting of this config; did you mean edit.scale? the
                                        (["-m", "edit.scale=range(0,4,0)"], "range() arg 3 must not be zero"),
                                        (["+edit.scal=3"], SCAL),  # added to the typed node, then refused
                                        (["gen.max_new_tokns=3"], "gen.max_new_tokns: is not a setting of this "
-                                                                 "config; did you mean gen.max_new_tokens?")])
+                                                                 "config; did you mean gen.max_new_tokens?"),
+                                       (["edit.kind=scale"], "edit.kind: 'scale' was renamed; did you mean 'rescale'"),
+                                       (["extract.span=some"], "extract.span: 'some' is not one of auto, user, all")])
 def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says):
     res = run_cli(args, tmp_path, cache_dir)
     assert res.returncode == 2
@@ -169,6 +178,15 @@ def test_a_misspelt_key_in_a_config_file_of_ones_own_names_the_file_and_the_near
     [line] = res.stderr.strip().splitlines()
     assert line.startswith("error prompts/calm: prompts.postive: is not a setting of this config; did you mean "
                            "prompts.positive?")
+
+
+def test_an_old_spelling_in_a_config_file_of_ones_own_names_the_file_and_the_new_one(tmp_path, cache_dir):
+    (tmp_path / "my_conf" / "edit").mkdir(parents=True)
+    (tmp_path / "my_conf" / "edit" / "half.yaml").write_text("kind: scale\nscale: 0.5\n")
+    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), "edit=half"], tmp_path, cache_dir)
+    assert res.returncode == 2
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith("error edit/half: edit.kind: 'scale' was renamed; did you mean 'rescale'?")
 
 
 def test_a_second_run_into_a_held_run_dir_refuses(cli, tmp_path):

@@ -17,7 +17,7 @@ def test_default_composes():
     cfg = compose(tiny=False)
     assert isinstance(cfg, SteerConf)
     assert cfg.model.name == "smollm2" and cfg.tap.layer == 12 and cfg.edit.kind == EditKind.add
-    assert cfg.edit.scale == 4.0 and cfg.prompts.chat == "auto" and cfg.eval.sentiment
+    assert cfg.edit.scale == 4.0 and cfg.prompts.chat is None and cfg.metrics.sentiment
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)
@@ -48,6 +48,26 @@ def test_a_group_option_and_a_field_override_compose_together():
 def test_bad_overrides_fail_at_composition(override):
     with pytest.raises((ConfigCompositionException, ValidationError)):
         compose(override)
+
+
+@pytest.mark.parametrize("override,line", [
+    ("extract.method=svd", "extract.method: 'svd' is not one of diffmean, pca"),
+    ("extract.position=first", "extract.position: 'first' is not one of auto, mean, last"),
+    ("edit.when.reduce=max", "edit.when.reduce: 'max' is not one of mean, last"),
+    ("edit.when.compare=over", "edit.when.compare: 'over' is not one of above, below"),
+    ("select.rank_by=votes", "select.rank_by: 'votes' is not one of probe, judge"),
+    ("model.dtype=fp8", "model.dtype: 'fp8' is not one of float32, bfloat16, float16"),
+])
+def test_a_value_outside_its_choices_fails_at_composition_naming_the_key_and_the_choices(override, line):
+    from steer.errors import config_error_line
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_conf("config", on_tiny([override]))
+    assert config_error_line(e.value) == line
+
+
+def test_prompts_chat_takes_true_false_and_null():
+    assert [compose(f"prompts.chat={v}").prompts.chat for v in ("true", "false", "null")] == [True, False, None]
 
 
 @pytest.mark.parametrize("name,overrides,near", [

@@ -92,12 +92,12 @@ def test_set(h, v):
     torch.testing.assert_close(x - (x @ d)[:, None] * d, h - (h @ d)[:, None] * d, atol=1e-5, rtol=1e-5)
 
 
-def test_scale_and_mean_ablation(h, v):
+def test_rescale_and_mean_ablation(h, v):
     x = h.clone()
-    compile_edit(EditKind.scale, 0.5, None).apply_(x)
+    compile_edit(EditKind.rescale, 0.5, None).apply_(x)
     torch.testing.assert_close(x, 0.5 * h)
     x = h.clone()
-    compile_edit(EditKind.scale, 0.0, v).apply_(x)  # mean ablation: every row becomes the centre
+    compile_edit(EditKind.rescale, 0.0, v).apply_(x)  # mean ablation: every row becomes the centre
     torch.testing.assert_close(x, v[0].expand_as(h))
 
 
@@ -114,7 +114,7 @@ def test_scale_zero_is_exact_noop(h, v, kind, dtype):
 
 def test_empty_clamp_and_unit_scale_are_noops(h, v):
     assert compile_edit(EditKind.clamp, 1.0, v).is_noop
-    assert compile_edit(EditKind.scale, 1.0, None).is_noop
+    assert compile_edit(EditKind.rescale, 1.0, None).is_noop
     assert not compile_edit(EditKind.clamp, 1.0, v, hi=0.0).is_noop
     x = h.clone()
     compile_edit(EditKind.clamp, 1.0, v).apply_(x)
@@ -185,7 +185,7 @@ def test_reversed_clamp_bounds(v):
 
 
 @pytest.mark.parametrize("kind,scale", [(EditKind.add, 3.0), (EditKind.ablate, 0.5), (EditKind.clamp, 2.0),
-                                        (EditKind.set, -1.0), (EditKind.scale, 0.25)])
+                                        (EditKind.set, -1.0), (EditKind.rescale, 0.25)])
 def test_delta_is_strength_times_unit_delta(h, v, kind, scale):
     e = compile_edit(kind, scale, v, lo=-0.2, hi=0.3, value=1.5)
     torch.testing.assert_close(e.delta(h), e.strength * e.unit().delta(h), atol=1e-5, rtol=1e-5)

@@ -12,10 +12,10 @@ def test_edits_group_by_tap_in_config_order(tiny_spec, tmp_path):
     p = vector.save(tmp_path / "v.safetensors", {"d": torch.randn(tiny_spec.hidden)}, model="t", tap="x", method="m")
     cfg = compose("tap=layer1", "edit=add", f"edit.vector.path={p}", "edit.vector.key=d",
                   f"+extra_edits=[{{tap: {{layer: 2}}, edit: {{kind: ablate, vector: {{path: '{p}', key: d}}}}}},"
-                  f"{{tap: {{layer: 1}}, edit: {{kind: scale, scale: 0.5}}}}]")
+                  f"{{tap: {{layer: 1}}, edit: {{kind: rescale, scale: 0.5}}}}]")
     plan = build(cfg, tiny_spec)
     assert list(plan.edits) == ["model.layers.1", "model.layers.2"]
-    assert [e.kind for e in plan.edits["model.layers.1"]] == [EditKind.add, EditKind.scale]
+    assert [e.kind for e in plan.edits["model.layers.1"]] == [EditKind.add, EditKind.rescale]
     assert plan.primary[0].name == "layer1" and plan.primary[1].kind == EditKind.add
 
 

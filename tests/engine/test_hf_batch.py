@@ -29,8 +29,8 @@ def every_kind(spec):
         plan_of(spec, 1, compile_edit(EditKind.ablate, 1.0, sub)),
         plan_of(spec, 2, compile_edit(EditKind.clamp, 1.0, v, lo=-0.5, hi=0.5)),
         plan_of(spec, 1, compile_edit(EditKind.set, 1.0, v, value=3.0, tokens=Tokens.generated)),
-        plan_of(spec, 2, compile_edit(EditKind.scale, 1.7, v)),
-        plan_of(spec, 0, compile_edit(EditKind.scale, 0.5, None, tokens=Tokens.prompt)),
+        plan_of(spec, 2, compile_edit(EditKind.rescale, 1.7, v)),
+        plan_of(spec, 0, compile_edit(EditKind.rescale, 0.5, None, tokens=Tokens.prompt)),
     ]
     two = plan_of(spec, 0, compile_edit(EditKind.add, 3.0, v))
     two.add(plans[3].taps["model.layers.1"], compile_edit(EditKind.clamp, 1.0, v, lo=0.0, hi=1.0))

@@ -64,7 +64,7 @@ def test_a_head_edited_at_the_projection_input_equals_a_pre_hook(smol, smollm2_s
     if case == "ablate":  # no vector: the head's whole slice
         edit, change = EditConf(kind=EditKind.ablate, scale=1.0), torch.zeros_like
     elif case == "scale":
-        edit, change = EditConf(kind=EditKind.scale, scale=0.25), lambda x: 0.25 * x
+        edit, change = EditConf(kind=EditKind.rescale, scale=0.25), lambda x: 0.25 * x
     else:
         vector.save(tmp_path / "v.safetensors", {"direction": v}, model="smollm2", tap="head", method="test")
         edit = EditConf(kind=EditKind.add, scale=2.0)

@@ -24,7 +24,7 @@ def edits(direction):
         "ablate": compile_edit(EditKind.ablate, 1.0, direction),
         "clamp": compile_edit(EditKind.clamp, 1.0, direction, lo=-5.0, hi=5.0),
         "set": compile_edit(EditKind.set, 1.0, direction, value=20.0),
-        "scale": compile_edit(EditKind.scale, 0.5, None),
+        "rescale": compile_edit(EditKind.rescale, 0.5, None),
         "add_generated": compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated),
     }
 

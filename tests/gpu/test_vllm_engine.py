@@ -33,7 +33,7 @@ def eager(tiny_spec, taps):
     return vllm_engine(tiny_spec, taps, enforce_eager=True)
 
 
-@pytest.mark.parametrize("name", ["add", "ablate", "clamp", "set", "scale", "add_generated"])
+@pytest.mark.parametrize("name", ["add", "ablate", "clamp", "set", "rescale", "add_generated"])
 def test_edit_graph_equals_eager_and_hf(graph, eager, hf, tiny_spec, direction, name):
     p = plan(tiny_spec, 1, edits(direction)[name])
     ids = [hf.encode(x) for x in PROMPTS]

@@ -170,8 +170,8 @@ def test_residual_pair_edits_the_sum_and_lands_on_hidden():
     pair = Residual()(h_in)
     d = torch.randn(1, H)
     for kind, kw in [(EditKind.ablate, {}), (EditKind.clamp, {"lo": -0.1, "hi": 0.1}), (EditKind.set, {"value": 2.0}),
-                     (EditKind.add, {}), (EditKind.scale, {})]:
-        e = compile_edit(kind, 0.5 if kind == EditKind.scale else 1.0, None if kind == EditKind.scale else d, **kw)
+                     (EditKind.add, {}), (EditKind.rescale, {})]:
+        e = compile_edit(kind, 0.5 if kind == EditKind.rescale else 1.0, None if kind == EditKind.rescale else d, **kw)
         bank = EditBank()
         req = RequestEdits(bank.register(TAP, stage_edits([e])))
         from interleaver import StepRows

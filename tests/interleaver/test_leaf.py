@@ -44,14 +44,14 @@ d = torch.nn.functional.normalize(torch.randn(1, H, generator=g), dim=1)
 asks = [StageEdit(EditKind.add, v, strength=2.0), StageEdit(EditKind.ablate, d, rows=Tokens.generated),
         StageEdit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5),
         StageEdit(EditKind.set, d, value=1.5, rows=Tokens.prompt),
-        StageEdit(EditKind.scale, c, strength=-0.5), None]
+        StageEdit(EditKind.rescale, c, strength=-0.5), None]
 
 
 def delta(e, x):
     """The edit's change to float32 rows `x`, computed directly from its definition."""
     if e.kind == EditKind.add:
         return e.strength * e.basis[0].expand_as(x)
-    if e.kind == EditKind.scale:
+    if e.kind == EditKind.rescale:
         return e.strength * (x - e.basis[0])
     p = x @ e.basis.T
     if e.kind == EditKind.ablate:

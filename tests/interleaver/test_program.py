@@ -16,13 +16,13 @@ TAP = "model.layers.1.output"
 
 def _mixed_edits(k, g, hidden=H, centred=True):
     """k edits, the kinds in turn; `centred=False`: the scales have no centre (they scale about 0)."""
-    kinds = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.scale]
+    kinds = [EditKind.add, EditKind.ablate, EditKind.clamp, EditKind.set, EditKind.rescale]
     out = []
     for i in range(k):
         kind = kinds[i % len(kinds)]
         v = torch.randn(2 if kind == EditKind.ablate and i % 2 else 1, hidden, generator=g)
         kw = {"lo": -0.2, "hi": 0.3} if kind == EditKind.clamp else {"value": 1.5} if kind == EditKind.set else {}
-        if kind == EditKind.scale and not centred:
+        if kind == EditKind.rescale and not centred:
             v = None
         out.append(compile_edit(kind, 0.5 + i / k, v, **kw))
     return out

@@ -10,7 +10,7 @@ from steer.config.schema import ModelConf, TinyConf
 
 
 def test_tiny_spec_needs_no_weights(tmp_path):
-    s = spec(ModelConf(name="tiny", tiny=TinyConf(layers=3, hidden=128, heads=2, kv_heads=2)), str(tmp_path))
+    s = spec(ModelConf(name="tiny", tiny=TinyConf(num_layers=3, hidden=128, heads=2, kv_heads=2)), str(tmp_path))
     assert (s.layers, s.hidden, s.layers_path) == (3, 128, "model.layers")
     assert "model.layers.2.mlp" in s.modules
     assert not (tmp_path / "models").exists()

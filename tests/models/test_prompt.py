@@ -15,12 +15,13 @@ def tokenizer(tiny_spec):
     return AutoTokenizer.from_pretrained(tiny_spec.source)
 
 
-@pytest.mark.parametrize("given, mode", [("auto", "auto"), ("True", "true"), (False, "false"), (" AUTO ", "auto")])
+@pytest.mark.parametrize("given, mode", [("auto", "auto"), ("True", "true"), (False, "false"), (" AUTO ", "auto"),
+                                         (None, "auto")])
 def test_chat_mode_normalises(given, mode):
     assert prompt.chat_mode(given) == mode
 
 
-@pytest.mark.parametrize("bad", ["yes", "", "chat", None])
+@pytest.mark.parametrize("bad", ["yes", "", "chat"])
 def test_bad_chat_mode_names_the_field(bad):
     with pytest.raises(ConfigError) as e:
         prompt.chat_mode(bad)

@@ -32,7 +32,7 @@ def test_the_committed_joy_experiment_steers_without_damage(smollm2_spec, tmp_pa
     assert m["sentiment_steered"] > m["sentiment_baseline"], m
     assert m["ppl_steered"] <= 2 * m["ppl_baseline"], m
     rows = [json.loads(line) for line in (tmp_path / "0" / "results.jsonl").read_text().splitlines()]
-    assert all(r["fed"].startswith("<|im_start|>") for r in rows)  # chat template applied (prompts.chat=auto)
+    assert all(r["fed"].startswith("<|im_start|>") for r in rows)  # chat template applied (prompts.chat null)
 
 
 def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smollm2_spec, tmp_path):
@@ -53,7 +53,7 @@ def test_ablating_the_default_direction_at_any_middle_layer_keeps_the_text(smoll
 def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2_spec, tmp_path, caplog):
     import logging
 
-    cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "eval.sentiment=true")
+    cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "metrics.sentiment=true")
     with caplog.at_level(logging.INFO, logger="steer.runs.select"):
         summary = run.main(cfg, tmp_path, Console(file=io.StringIO()))
     said = [r.getMessage() for r in caplog.records if r.name == "steer.runs.select"]
@@ -73,7 +73,7 @@ def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2_spec, tmp_path, c
                                             ("select.layers=[40]", "select.layers"),
                                             ("select.layers=[3,3]", "select.layers"),
                                             ("select.scales=[2,2.0]", "select.scales"),
-                                            ("edit=scale", "edit.vector.path")])
+                                            ("edit=rescale", "edit.vector.path")])
 def test_select_bad_grid_fails_before_any_engine(smollm2_spec, tmp_path, override, field):
     from steer.errors import ConfigError
 

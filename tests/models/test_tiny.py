@@ -5,7 +5,7 @@ from steer.config.schema import TinyConf
 
 
 def test_building_the_tiny_model_prints_no_tokenizer_warning(tmp_path, capfd):
-    conf = TinyConf(layers=1, hidden=64, heads=1, kv_heads=1, intermediate=64, train_steps=1)
+    conf = TinyConf(num_layers=1, hidden=64, heads=1, kv_heads=1, intermediate=64, train_steps=1)
     d = tiny.ensure_tiny(str(tmp_path), conf)
     out, err = capfd.readouterr()
     assert (d / "config.json").exists()
@@ -19,7 +19,7 @@ def test_the_cache_directory_honours_the_umask(tmp_path):
 
     old = os.umask(0o022)
     try:
-        d = tiny.ensure_tiny(str(tmp_path), TinyConf(layers=1, hidden=64, heads=1, kv_heads=1, intermediate=64,
+        d = tiny.ensure_tiny(str(tmp_path), TinyConf(num_layers=1, hidden=64, heads=1, kv_heads=1, intermediate=64,
                                                      train_steps=1))
     finally:
         os.umask(old)

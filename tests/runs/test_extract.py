@@ -116,16 +116,6 @@ def test_pca_points_toward_the_positive_set(hf_engine, tiny_spec):
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("conf, field", [
-    (ExtractConf(method="svd"), "extract.method"),
-    (ExtractConf(position="first"), "extract.position"),
-])
-def test_unknown_method_or_position_is_a_config_error(conf, field):
-    with pytest.raises(ConfigError) as e:
-        Recipe.from_conf(conf, "auto")
-    assert e.value.field == field
-
-
 def test_bad_recipes_fail_before_the_engine_runs(hf_engine, tiny_spec):
     tap = resolve(TapConf(layer=1), tiny_spec)
     with pytest.raises(ConfigError) as e:

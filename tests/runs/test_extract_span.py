@@ -8,9 +8,8 @@ import torch
 from steer.models import prompt
 
 from steer.edits import vector
-from steer.errors import ConfigError
 from steer.runs.extract import Recipe, cached_default, direction, extract_to, prompt_rows
-from steer.config.schema import ExtractConf, TapConf
+from steer.config.schema import ExtractConf, ExtractSpan, TapConf
 from steer.edits.tap import resolve
 
 POS = ["I am happy and glad", "What a lovely bright day, we laughed"]
@@ -103,8 +102,13 @@ def test_span_is_in_the_metadata_and_the_cache_key(chat_engine, tiny_spec, tmp_p
     torch.testing.assert_close(user[0], vector.load(p, "joy", tiny_spec.hidden)[0])
 
 
-def test_a_bad_span_is_a_config_error():
-    with pytest.raises(ConfigError) as e:
-        Recipe.from_conf(ExtractConf(span="prompt"), "auto")
-    assert e.value.field == "extract.span" and "user, all" in str(e.value)
-    assert Recipe.from_conf(ExtractConf(span="user"), "auto").span == "user"
+def test_a_bad_span_is_refused_as_the_config_composes():
+    from hydra.errors import ConfigCompositionException
+
+    from helpers import compose_conf, on_tiny
+    from steer.errors import config_error_line
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_conf("config", on_tiny(["extract.span=prompt"]))
+    assert config_error_line(e.value).startswith("extract.span: 'prompt' is not one of auto, user, all")
+    assert Recipe.from_conf(ExtractConf(span=ExtractSpan.user), "auto").span == "user"

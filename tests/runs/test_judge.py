@@ -1,4 +1,4 @@
-"""The optional judge (eval.judge) against steer's own CPU server on the tiny model as the endpoint: the requests it
+"""The optional judge (metrics.judge) against steer's own CPU server on the tiny model as the endpoint: the requests it
 sends, what it records of the replies (the tiny model's hold no rating: recorded as unparsed, and the run goes on),
 the parsing of replies, and no request at all where no endpoint is named. The judge's quality is not tested here."""
 
@@ -29,8 +29,8 @@ def test_the_judge_asks_the_endpoint_and_a_reply_without_a_rating_is_recorded_an
     out = tmp_path / "run"
     out.mkdir()
     with server([], cache_dir, tmp_path / "server") as url:
-        cfg = compose(*RUN, f"eval.judge.base_url={url}/v1", f"eval.judge.model={MODEL}", "eval.judge.concept=joy",
-                      "eval.judge.max_tokens=6")
+        cfg = compose(*RUN, f"metrics.judge.base_url={url}/v1", f"metrics.judge.model={MODEL}",
+                      "metrics.judge.concept=joy", "metrics.judge.max_tokens=6")
         agg = run.main(cfg, out, console)
         rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
         c = client(url)
@@ -60,10 +60,10 @@ def test_no_request_leaves_the_machine_without_an_endpoint(tmp_path, cache_dir, 
 def test_a_judge_without_its_model_or_concept_is_refused_before_any_engine(tmp_path):
     from steer.errors import ConfigError
 
-    for over, field in ((["eval.judge.base_url=http://127.0.0.1:9/v1", "eval.judge.concept=joy"], "eval.judge.model"),
-                        (["eval.judge.base_url=http://127.0.0.1:9/v1", "eval.judge.model=m", "eval.judge.concept=null"],
-                         "eval.judge.concept"),
-                        (["eval.judge.base_url=localhost:8000"], "eval.judge.base_url"),
+    url = "metrics.judge.base_url=http://127.0.0.1:9/v1"
+    for over, field in (([url, "metrics.judge.concept=joy"], "metrics.judge.model"),
+                        ([url, "metrics.judge.model=m", "metrics.judge.concept=null"], "metrics.judge.concept"),
+                        (["metrics.judge.base_url=localhost:8000"], "metrics.judge.base_url"),
                         (["task=select", "select.layers=[1,2]", "select.rank_by=judge"], "select.rank_by")):
         with pytest.raises(ConfigError) as e:
             run.prepare(compose(*RUN, *over), tmp_path)

@@ -89,7 +89,7 @@ def test_every_metric_of_a_steered_run_matches_a_direct_recomputation(tmp_path, 
     save_file({"direction": vector}, str(path))
     out = tmp_path / "run"
     out.mkdir()
-    cfg = compose("engine=hf", "edit=add", f"edit.scale={SCALE}", f"edit.vector.path={path}", "eval.sentiment=false",
+    cfg = compose("engine=hf", "edit=add", f"edit.scale={SCALE}", f"edit.vector.path={path}", "metrics.sentiment=false",
                   f"gen.max_new_tokens={NEW}", TWO_PROMPTS, "progress=false")
     [agg] = run.execute([run.prepare(cfg, out)], console)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ def cli_edits(steer, scale):
         for te in confs[name].edits:
             te = copy.deepcopy(te)
             k = 1.0 if scale is None else scale
-            te.edit.scale = 1.0 + k * (te.edit.scale - 1.0) if te.edit.kind.value == "scale" else te.edit.scale * k
+            te.edit.scale = 1.0 + k * (te.edit.scale - 1.0) if te.edit.kind.value == "rescale" else te.edit.scale * k
             out.append(te)
     return out
 

@@ -138,7 +138,7 @@ def test_a_config_hydra_rejects_is_one_line_and_exit_2(tmp_path, cache_dir):
                f"hydra.run.dir={tmp_path / 'run'}"],
               cwd=tmp_path, env=cli_env(cache_dir), timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
-    assert res.stderr.strip().splitlines()[-1].startswith("error ") and "serve.port=abc" in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error serve.port: ") and "'abc'" in res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -149,7 +149,7 @@ def test_compose_is_the_cli_edit_list(tiny_spec):
     assert {p: [(e.kind, e.scale) for e in es] for p, es in plan.edits.items()} == {
         "model.layers.1": [(EditKind.add, 3.0), (EditKind.add, 2.0)], "model.layers.2": [(EditKind.clamp, 0.5)]}
     assert presets.compose(compiled, ["joy", "gloom"], 0.0) is None  # scale 0: an unsteered request
-    scale = presets.scaled(Edit(EditKind.scale, 0.5, None), 2.0)
+    scale = presets.scaled(Edit(EditKind.rescale, 0.5, None), 2.0)
     assert scale.scale == 0.0 and scale.strength == -1.0  # a scale edit's strength (scale - 1) doubles
 
 
@@ -232,12 +232,10 @@ def test_bad_inline_layers_stop_the_start(layers, mode, field, says, cache_dir):
     ("serve.max_steer_scale=0", "serve.max_steer_scale", "must be positive, got 0"),
     ("serve.chat_max_tokens=0", "serve.chat_max_tokens", "must be at least 1, got 0"),
     ("serve.keep_alive_s=0", "serve.keep_alive_s", "must be at least 1 (seconds), got 0"),
-    ("serve.log_level=verbose", "serve.log_level", "'verbose' is not one of critical, error, warning, info, debug"),
     ("serve.chat_max_tokens=2048", "serve.chat_max_tokens", "2048 new tokens leave no room for a prompt: tiny has "
                                                             "2048 positions"),
     ("vllm.gpu_memory_utilization=1.5", "vllm.gpu_memory_utilization", "must be a share in (0, 1], got 1.5"),
     ("vllm.kv_cache_memory_bytes=0", "vllm.kv_cache_memory_bytes", "must be a positive number of bytes or null"),
-    ("extract.method=bogus", "extract.method", "'bogus' is not one of diffmean, pca"),
 ])
 def test_bad_server_settings_stop_the_start(override, field, says, cache_dir):
     from steer.serve.start import prepare
@@ -246,6 +244,21 @@ def test_bad_server_settings_stop_the_start(override, field, says, cache_dir):
     with pytest.raises(ConfigError) as e:
         prepare(conf)
     assert e.value.field == field and says in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("serve.log_level=verbose", "serve.log_level: 'verbose' is not one of critical, error, warning, info, debug"),
+    ("extract.method=bogus", "extract.method: 'bogus' is not one of diffmean, pca"),
+    ("prompts.chat=auto", "prompts.chat: 'auto' was renamed; did you mean null?"),
+])
+def test_a_server_setting_outside_its_choices_is_refused_as_the_config_composes(override, line):
+    from hydra.errors import ConfigCompositionException
+
+    from steer.errors import config_error_line
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_serve("engine=hf", override)
+    assert config_error_line(e.value).startswith(line)
 
 
 def test_a_port_in_use_stops_the_start_before_any_model_loads(cache_dir):

@@ -27,7 +27,7 @@ def test_presets_serve_smollm2s_layer_and_equal_the_cli(smol_url, tmp_path):
     check_listing(smol_url, hidden=576, model="smollm2")
     c = client(smol_url)
     steered, plain = chat(c, PROMPT, "joy", max_tokens=TOKENS), chat(c, PROMPT, max_tokens=TOKENS)
-    cfg = compose("+experiment=smollm2_joy", "engine=hf", "progress=false", "eval.sentiment=false",
+    cfg = compose("+experiment=smollm2_joy", "engine=hf", "progress=false", "metrics.sentiment=false",
                   f"gen.max_new_tokens={TOKENS}", f"prompts.steer=['{PROMPT}']", tiny=False)
     run.execute([run.prepare(cfg, tmp_path)], Console(file=io.StringIO()))
     row = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
