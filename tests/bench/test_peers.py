@@ -83,10 +83,12 @@ def test_the_easysteer_stage_of_the_gpu_check_passes_the_checks(tmp_path):
     # tests/gpu/run.sh's `easysteer` stage is docs/benchmark.md's EasySteer table: its arguments compose and check
     text = (ROOT / "tests" / "gpu" / "run.sh").read_text()
     body = text[text.index("\neasysteer() {"):]
-    scen = body[body.index('local s="') + len('local s="'):].split('"')[0].split(",")
+    scen = body[body.index("local s=${EASYSTEER_SCENARIOS:-") + len("local s=${EASYSTEER_SCENARIOS:-"):].split("}")[0]
+    scen = scen.split(",")
     args = body[body.index('BENCH_ARGS="') + len('BENCH_ARGS="'):body.index('" \\\n    bench bench-easysteer')]
     args = args.replace("\\\n", "").replace("${BENCH_ARGS:-}", "").replace("${EASYSTEER_MODELS:-qwen2_1p5b}",
                                                                            "qwen2_1p5b")
+    args = args.replace("${EASYSTEER_CONFIGS:-a,f,h,easysteer}", "a,f,h,easysteer")
     args = args.replace("$s,${s//,/@eps,}@eps", ",".join(scen + [f"{s}@eps" for s in scen]))
     args = args.replace("${EASYSTEER_PYTHONPATH:-}", str(fork(tmp_path)))
     cfg = bench_conf(*args.split())

@@ -218,7 +218,7 @@ def test_declared_plans_name_every_edit_of_the_group(bench_model):
     group = one_tap(cfg, "f")
     spec = workload.spec(cfg.models["tiny"], "tiny", Path(bench_model))
     seen = []
-    plans = engines.declared(cfg, spec, group, lambda e, at: seen.append((e, tuple(at))) or Plan())
+    plans = engines.declared(cfg, spec, group, lambda e, at, read=None: seen.append((e, tuple(at))) or Plan())
     # add, k1, k8, k64, add@eps for 16 requests each: 1 + 1 + 8 + 16 + 1 distinct edits, all at the one tap
     assert len(plans) == 5 * 16 and len({id(e) for e, _ in seen}) == 27 and {at for _, at in seen} == {(2,)}
     faint = [e for e, _ in seen[-16:]]
