@@ -25,9 +25,11 @@ PACKED = "hydra_plugins.steer_launcher.packed.PackedLauncher"
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def app(cfg: DictConfig):
-    """One job. Under the packed launcher a steer or extract job comes back validated (Hydra hands the return
-    value to the launcher), to run with the other jobs that share its engine."""
-    from steer.runs import run  # heavy imports (torch, transformers) after Hydra has parsed the command line
+    """One job. Under the packed launcher a job of a task that packs (steer, extract) comes back validated (Hydra
+    hands the return value to the launcher), to run with the other jobs that share its engine."""
+    # heavy imports (torch, transformers) after Hydra has parsed the command line
+    from steer.runs import run
+    from steer.tasks import registry
 
     console = Console(stderr=True, soft_wrap=True)
     hc = HydraConfig.get()
@@ -36,7 +38,7 @@ def app(cfg: DictConfig):
     try:
         conf = preset.apply(schema.to_object(cfg), [o.split("=")[0].lstrip("+~") for o in hc.overrides.task])
         packed = multirun and OmegaConf.select(hc, "launcher._target_") == PACKED
-        return run.main(conf, out_dir, console, defer=packed, hold=_claimer(hc) if multirun else None)
+        return registry.main(conf, out_dir, console, defer=packed, hold=_claimer(hc) if multirun else None)
     except ConfigError as e:
         # Bad input: a single run's directory made for it goes (the line says why); a sweep's job keeps error.txt,
         # which its report and resume read, as does a directory that was there before

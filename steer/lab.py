@@ -1,9 +1,9 @@
 """steer.Lab: the CLI's runs from Python, on one engine that stays loaded across calls.
 
 A Lab composes conf/ as `python -m steer` does (Hydra's compose API, with the same overrides), and each call sets
-the config fields the call names (prompts, tap, edit, extra_edits, task) on that composition, then runs it through
-steer.runs: `job.prepare` checks it (every check the CLI makes, a ConfigError naming the field before any engine
-loads) and `run.execute` / `select.run` run it into a run directory, which the call reads back. So a Lab call and
+the config fields the call names (prompts, tap, edit, extra_edits, task) on that composition, then runs it as its
+task: `registry.prepare` checks it (every check the CLI makes, a ConfigError naming the field before any engine
+loads) and the task's run (steer/tasks/) runs it into a run directory, which the call reads back. So a Lab call and
 the command with the same config write the same files, token for token.
 
 The engine starts on the first call that needs it (one load per Lab) and is closed by `close()` or on leaving a
@@ -54,7 +54,6 @@ class Lab:
         weakref.finalize(self, self._stack.close)  # at the latest as the interpreter exits, while torch is still there
         self._engine: Optional[object] = None
         self._engine_key: Optional[str] = None
-        self._model_files = None
         self._hidden_size: Optional[int] = None
         self.engine_loads = 0
 
@@ -72,15 +71,14 @@ class Lab:
             values["prompts.positive"] = _texts("prompts.positive", positive)
         if negative is not None:
             values["prompts.negative"] = _texts("prompts.negative", negative)
-        from steer.runs import run
+        from steer.tasks import registry
 
         cfg, conf = self._config(overrides, values)
         out = RunDir("steer-extract-")
-        job = run.prepare(conf, out.path)
+        job = registry.prepare(conf, out.path)
         self._write_config(out.path, cfg)
-        self._execute(job)
-        assert job.result is not None  # _execute raised where the job wrote nothing
-        return Vector.load(job.result["vector"], conf.extract.key)
+        wrote = self._execute(job)
+        return Vector.load(wrote["vector"], conf.extract.key)
 
     def generate(self, prompts: Union[str, Sequence[str]], edits: Union[EditSpec, Iterable[EditSpec]] = (),
                  *, overrides: Sequence[str] = ()) -> Generation:
@@ -88,11 +86,11 @@ class Lab:
         the first is the run's `edit`, the others its `extra_edits`), with the run's metrics: a steer run."""
         values: Dict[str, object] = {"task": "steer", "prompts.steer": _texts("prompts.steer", prompts)}
         values.update(self._edit_values(_edits(edits)))
-        from steer.runs import run
+        from steer.tasks import registry
 
         cfg, conf = self._config(overrides, values)
         out = RunDir("steer-run-")
-        job = run.prepare(conf, out.path)
+        job = registry.prepare(conf, out.path)
         self._write_config(out.path, cfg)
         self._execute(job)
         return Generation.read(out, _dict(cfg, resolve=True))
@@ -119,12 +117,11 @@ class Lab:
         values.update(self._edit_values([EditSpec(spec.kind, spec.vector, first, None, spec.fields)]))
         if first is None:
             del values["tap"]  # the grid sets each pair's tap; the config's own stands until then
-        from steer import report
-        from steer.runs import run, select
+        from steer.tasks import registry, select
 
         cfg, conf = self._config(overrides, values)
         out = RunDir("steer-select-")
-        job = run.prepare(conf, out.path)
+        job = registry.prepare(conf, out.path)
         self._write_config(out.path, cfg)
         engine = self._engine_for(job.cells)
 
@@ -135,8 +132,7 @@ class Lab:
             kept.update(task="steer", tap={"layer": best["layer"], "path": None}, edit={**edit, "scale": best["scale"]})
             return self.command(kept, overrides)
 
-        select.run(job, self.console, run.execute_packs, engine=engine, command=rerun)
-        report.write_quietly(job.out_dir)  # the selection's page, as the CLI writes it
+        select.run(job, self.console, engine=engine, command=rerun)  # its page too, as the CLI writes it
         got = Selection.read(out)
         if got.best:
             got.command = rerun(got.best)
@@ -158,7 +154,7 @@ class Lab:
     def close(self) -> None:
         """Close the engine (a later call starts another)."""
         self._stack.close()
-        self._engine, self._engine_key, self._model_files = None, None, None
+        self._engine, self._engine_key = None, None
 
     def __enter__(self) -> "Lab":
         return self
@@ -166,21 +162,20 @@ class Lab:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _execute(self, job) -> None:
-        from steer.runs import run
+    def _execute(self, job) -> Dict:
+        """Run a prepared job on the Lab's engine; what it wrote (a failure raises)."""
+        from steer.tasks import registry
 
-        run.execute([job], self.console, engine=self._engine_for([job]))
-        if job.error is not None:
-            raise job.error
+        return registry.run(job, self.console, engine=self._engine_for([job]))
 
-    def _engine_for(self, jobs: List) -> object:
+    def _engine_for(self, jobs: Sequence) -> object:
         """The Lab's engine, started for these jobs if none is yet (steer.runs.job.engine_for)."""
         from steer.runs.job import ENGINE_FIELDS, engine_for, engine_key
 
         key = engine_key(jobs[0])
         if self._engine is None:
             self._engine = self._stack.enter_context(engine_for(jobs))
-            self._engine_key, self._model_files = key, jobs[0].model_files
+            self._engine_key = key
             self.engine_loads += 1
         elif key != self._engine_key:  # _config refuses such a call first, naming the settings it changes
             raise ConfigError("overrides", f"the engine's settings ({ENGINE_FIELDS}) are the Lab's own: make another "
@@ -192,8 +187,6 @@ class Lab:
             if new:
                 raise ConfigError("tap", f"{', '.join(new)} is not among the taps this Lab's vLLM engine started "
                                          "with (those of its first call); make another Lab for it, or engine=hf")
-        for job in jobs:
-            job.model_files = self._model_files
         return self._engine
 
     # --- configs
@@ -214,12 +207,12 @@ class Lab:
             raise ConfigError("overrides", line) from e
 
     def _checked(self, cfg: DictConfig):
-        """The config as its dataclasses, with the checks that need no model (steer.config.checks.run)."""
+        """The config as its dataclasses, with the checks that need no model (its task's: registry.check)."""
         from steer import engine as engines
-        from steer.config import checks
+        from steer.tasks import registry
 
         conf = schema.to_object(cfg)
-        checks.run(conf, engines.resolve(conf.engine))
+        registry.check(conf, engines.resolve(conf.engine))
         return conf
 
     def _config(self, overrides: Sequence[str], values: Mapping[str, object]):

@@ -9,9 +9,13 @@ import torch
 from helpers import compose
 from steer import results
 from steer.edits.tap import Tap
-from steer.runs import grid, metrics, select
+from steer.runs import grid, metrics
 from steer.runs import job as jobs_mod
 from steer.runs import probe as probes
+from steer.runs import run as runner
+from steer.runs.extract import Recipe
+from steer.runs.job import Job
+from steer.tasks import select
 
 PROBE = probes.Probe(1, Tap("layer1", "model.layers.1", True), torch.ones(4), "select.probe_layer")
 
@@ -35,25 +39,26 @@ def run_grid(tmp_path, console, rows, *overrides, monkeypatch=None, layers=(1, 2
     cfg = compose("task=select", f"select.layers=[{','.join(map(str, layers))}]",
                   f"select.scales=[{','.join(map(str, scales))}]", "progress=false",
                   f"prompts.steer=[{','.join(repr(p) for p in prompts)}]", *overrides)
-    cells = [SimpleNamespace(cfg=c, out_dir=tmp_path / grid.cell_name(c), result=None, probe=None)
-             for c in grid.cells(cfg)]
+    cells = [Job(c, None, tmp_path / grid.cell_name(c), "hf", Recipe()) for c in grid.cells(cfg)]
 
     @contextmanager
     def no_engine(jobs):
         yield None
 
     def execute(jobs, console, summary=None, engine=None):
+        out = []
         for j in jobs:
             got = [{**r, "prompt": p} for r, p in zip(rows[(j.cfg.tap.layer, j.cfg.edit.scale)], prompts)]
             j.out_dir.mkdir(parents=True, exist_ok=True)
             results.write_jsonl(j.out_dir / "results.jsonl", got)
-            j.result = metrics.aggregate(got, 1.0)
-            results.write_json(j.out_dir / "metrics.json", j.result)
-        return [j.result for j in jobs]
+            out.append(metrics.aggregate(got, 1.0))
+            results.write_json(j.out_dir / "metrics.json", out[-1])
+        return out
 
-    saved = jobs_mod.engine_for, probes.choose
+    saved = jobs_mod.engine_for, probes.choose, runner.execute
     jobs_mod.engine_for, probes.choose = no_engine, lambda cfg, spec, engine: PROBE
+    runner.execute = execute
     try:
-        return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells, spec=None), console, execute)
+        return select.run(SimpleNamespace(cfg=cfg, out_dir=tmp_path, cells=cells, spec=None), console)
     finally:
-        jobs_mod.engine_for, probes.choose = saved
+        jobs_mod.engine_for, probes.choose, runner.execute = saved

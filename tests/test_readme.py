@@ -1,7 +1,7 @@
 """The README a new user reads: every `python -m steer` command it shows composes and passes the run's checks (the
-ones that run before any engine starts, steer.runs.job.prepare), its group file and `--config-dir` work as shown, its
-fresh-machine commands are the ones CI runs, and every page it links to exists. A command on engine=vllm is
-checked on the HF engine (no GPU here; the engine is the one thing that changes), a sweep at its first value, and
+ones that run before any engine starts, steer.tasks.registry.prepare), its group file and `--config-dir` work as
+shown, its fresh-machine commands are the ones CI runs, and every page it links to exists. A command on engine=vllm
+is checked on the HF engine (no GPU here; the engine is the one thing that changes), a sweep at its first value, and
 SmolLM2's commands on the tests' shared cache, where the model is converted once."""
 
 import re
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from helpers import compose_conf
 from steer.edits import vector
 from steer.errors import ConfigError
-from steer.runs.job import prepare
+from steer.tasks.registry import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

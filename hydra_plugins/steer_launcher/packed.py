@@ -66,7 +66,7 @@ def settings_of(cfg: DictConfig) -> Optional[str]:
     """The settings digest of a job of the sweep as it would run (steer.runs.job.Job.settings); None where it cannot
     be prepared (its run then says why)."""
     from steer.config import preset, schema
-    from steer.runs.job import prepare
+    from steer.tasks.registry import prepare
 
     try:
         overrides = OmegaConf.select(cfg, "hydra.overrides.task")  # as written: one may hold an interpolation
@@ -88,13 +88,14 @@ def resume_note(job_dir: Path, cfg: DictConfig, force: bool = False, settings: O
         if force:
             return ""
         from steer.runs import inputs
+        from steer.tasks import registry
 
-        if cfg.get("task") == "select":  # its pairs hold the record of their settings and inputs, kept where current
+        if _resumes_itself(cfg):  # a select: its pairs hold the record of their settings and inputs
             changed = config_changes(job_dir, cfg)
             return (f" (config changed: {changed}, rerunning)" if changed is not None
                     else " (a select: run again, keeping its pairs that are current)")
         settings = settings if settings is not None else settings_of(cfg)
-        changed = inputs.recorded_changes(job_dir, inputs.data_paths(cfg))  # vectors, data files, the model's
+        changed = inputs.recorded_changes(job_dir, registry.data_paths(cfg))  # vectors, data files, the model's
         if settings is not None and inputs.recorded_settings(job_dir) == settings:
             return None if changed is None else f" (inputs changed: {changed}, rerunning)"
         config = config_changes(job_dir, cfg)
@@ -263,7 +264,7 @@ class PackedLauncher(Launcher):
             with open_dict(cfg):
                 cfg.hydra.job.id = cfg.hydra.job.num = idx
             job_dir = sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
-            settings = settings_of(cfg) if resuming and cfg.get("task") != "select" else None
+            settings = settings_of(cfg) if resuming and not _resumes_itself(cfg) else None
             jobs.append((cfg, job_dir, " ".join(filter_overrides(overrides)), settings))
         if resuming:
             relocate(sweep_dir, [(job_dir, settings) for _, job_dir, _, settings in jobs])
@@ -357,8 +358,8 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
     from rich.console import Console
 
     from steer import progress as progress_bar
-    from steer.runs import run
     from steer.runs.job import engine_for
+    from steer.tasks import registry
 
     console = Console(stderr=True)
     out = []
@@ -366,8 +367,8 @@ def run_group(jobs: list, pack_size: int) -> List[dict]:
         task = progress.add_task("sweep jobs", total=len(jobs))
         try:
             with engine_for(jobs) as engine:
-                out = run.execute_packs(jobs, console, engine, pack_size, on_done=lambda job: progress.advance(task),
-                                        on_pack_error=_pack_failed)
+                out = registry.execute_packs(jobs, console, engine, pack_size,
+                                             on_done=lambda job: progress.advance(task), on_pack_error=_pack_failed)
         except Exception as e:  # the engine did not start (or did not close): the jobs not yet done fail
             if len(out) == len(jobs):
                 log.warning(f"the engine did not close cleanly: {type(e).__name__}: {e}")
@@ -447,12 +448,14 @@ def _group_child(jobs: list, pack_size: int, send) -> None:
 
 
 def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> None:
-    """A finished extraction skipped on resume holds the file it wrote (steer.runs.sweep.claim), as it did when it ran:
-    a job of the sweep that would write it over is refused."""
+    """A finished job skipped on resume that wrote a file outside its directory (an extraction's vector) holds it
+    (steer.runs.sweep.claim), as it did when it ran: a job of the sweep that would write it over is refused."""
     from steer.errors import ConfigError
     from steer.runs.sweep import claim
+    from steer.tasks import registry
 
-    if cfg.get("task") != "extract":
+    key = registry.of(cfg.get("task")).writes
+    if key is None:
         return
     vector = metrics(job_dir).get("vector")
     if not vector:
@@ -461,9 +464,16 @@ def _hold_done(sweep_dir: Path, idx: int, cfg: DictConfig, job_dir: Path) -> Non
     if not path.expanduser().is_absolute() and OmegaConf.select(cfg, "hydra.job.chdir"):
         path = job_dir / path  # written from the job's directory
     try:
-        claim(sweep_dir.resolve(), idx, "extract.out", path)
+        claim(sweep_dir.resolve(), idx, key, path)
     except ConfigError:  # two finished jobs hold it (one wrote what the other had): neither writes it again
         pass
+
+
+def _resumes_itself(cfg: DictConfig) -> bool:
+    """Whether a finished job of this config runs again, keeping what it finds current (a select's pairs)."""
+    from steer.tasks import registry
+
+    return registry.of(cfg.get("task")).resumes_itself
 
 
 def _done(cfg: DictConfig, overrides: Sequence[str], job_dir: Path) -> JobReturn:

@@ -1,6 +1,6 @@
 """Edits as Python calls: `steer.add(v, layer=12, scale=4)` is the config's `{tap: {layer: 12}, edit: {kind: add,
 scale: 4, vector: ...}}`. A field left out keeps its default from conf/edit/<kind>.yaml, as `edit=<kind>` on the
-command line does; everything is checked where the CLI checks it (steer.runs.job.prepare)."""
+command line does; everything is checked where the CLI checks it (steer.tasks.registry.prepare)."""
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Optional, Union

@@ -37,7 +37,8 @@ def main_job(tokens: int, out_dir: Path):
 
     from steer.config.schema import register, to_object
     from steer.runs import run
-    from steer.runs.job import engine_for, prepare
+    from steer.runs.job import engine_for
+    from steer.tasks.registry import prepare
 
     register()
     conf_dir = str(Path(__file__).resolve().parents[2] / "conf")

@@ -207,8 +207,10 @@ def judge(j) -> None:
     at_least("metrics.judge.max_tokens", j.max_tokens, 1)
 
 
-def run(cfg: SteerConf, engine: str) -> None:
-    """What a run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to)."""
+def run(cfg: SteerConf, engine: str, conditions: bool = True) -> None:
+    """What every run's config must hold before its model is looked at (`engine`: what `cfg.engine` resolves to;
+    `conditions`: check each edit's condition, unless the task chooses it); a task adds its own rules
+    (steer/tasks/)."""
     # A steer run scores with the tap's values (projection metrics), which an engine with its edits in the graph
     # cannot keep: those modes are for the bench, the server and the API.
     if cfg.vllm.fold_norm:
@@ -230,7 +232,7 @@ def run(cfg: SteerConf, engine: str) -> None:
     for (prefix, e), (tap_field, tap) in zip(edits, taps):
         edit_numbers(prefix, e.scale, e.lo, e.hi, e.value)
         scale_by(prefix, e)
-        if cfg.task != Task.condition:  # which task=condition chooses the layer and threshold of
+        if conditions:
             when(prefix, e, cfg.prompts)
         positions.parse(e.positions, f"{prefix}.positions")
         if tap.input:  # the vLLM engine's taps read modules' outputs: an input tap runs on the HF engine
@@ -238,14 +240,6 @@ def run(cfg: SteerConf, engine: str) -> None:
     at_least("extract.folds", cfg.extract.folds, 2)
     damage(cfg)
     judge(cfg.metrics.judge)
-    if cfg.task == Task.extract and cfg.extract.out:
-        writable("extract.out", Path(cfg.extract.out).expanduser())
-    if cfg.task == Task.export:
-        export(cfg)
-    if cfg.task == Task.eval:
-        eval_task(cfg)
-    if cfg.task == Task.condition:
-        condition_task(cfg)
 
 
 def export(cfg: SteerConf) -> None:
@@ -377,7 +371,7 @@ def extract_layers(cfg: SteerConf, layers: int) -> None:
 
 
 def eval_task(cfg: SteerConf) -> None:
-    """task=eval's scales and split (the dataset itself is read, and checked, by steer.runs.evaluate.load)."""
+    """task=eval's scales and split (the dataset itself is read, and checked, by steer.tasks.evaluate.load)."""
     e = cfg.eval
     if not e.scales:
         raise ConfigError("eval.scales", "is empty; give at least one scale")

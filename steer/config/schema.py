@@ -51,8 +51,8 @@ class Task(str, Enum):
     extract = "extract"
     select = "select"  # a layer x scale sweep of the config's edit, scored by one probe under per-prompt damage rules
     export = "export"  # the config's edits written as a file other tools load (export.format; docs/vectors.md)
-    eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/runs/evaluate.py)
-    condition = "condition"  # edit.when's layer and threshold by F1 on held-out condition prompts (runs/condition.py)
+    eval = "eval"  # p(matching answer) on an A/B dataset across eval.scales (steer/tasks/evaluate.py)
+    condition = "condition"  # edit.when's layer and threshold by F1 on held-out condition prompts (tasks/condition.py)
 
 
 @dataclass
@@ -375,7 +375,7 @@ class SelectConf:
     """task=select: every (layer, scale) pair of the grid runs the config's `edit` at that layer, in one packed
     sweep; the best pair has the highest gain, read by one probe for every pair toward the pole its scale's sign
     points to, among those whose prompts keep their perplexity within the cap and their text free of loops
-    (steer/runs/select.py). Every run flags its prompts with the damage thresholds (steer/runs/damage.py)."""
+    (steer/tasks/select.py). Every run flags its prompts with the damage thresholds (steer/runs/damage.py)."""
 
     layers: List[int] = field(default_factory=lambda: [3, 6, 9, 12, 15])
     scales: List[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])

@@ -172,11 +172,6 @@ def fill_prompts(p) -> bool:
     return False
 
 
-def reads_ab(task, caa_pairs: bool) -> bool:
-    """Whether a job extracts from CAA A/B items: task=eval's dataset, or a pairs file of them (`caa_pairs`)."""
-    return task == "eval" or caa_pairs  # a Task is a str: Task.eval == "eval"
-
-
 def is_caa_file(path) -> bool:
     """Whether a pairs file holds CAA A/B items (read as fill_prompts reads it)."""
     return _is_caa(records(path, "prompts.pairs_file"))

@@ -16,30 +16,27 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from steer.models.spec import ModelSpec, cached_snapshot
 from steer.edits.plan import entries
-from steer.config.schema import SteerConf, Task
+from steer.config.schema import SteerConf
 
 FILE = "inputs.json"
 _HASHED = 1 << 20  # model files up to this size (configs, tokenizers) are hashed too, not only stat'ed
 
 
 def vectors(cfg: SteerConf) -> Dict[str, Optional[str]]:
-    """Each vector file's sha256 by its configured path: taken when the job is validated, just before its vectors
-    load (a file rewritten while a sweep runs is then told apart from the one the job read)."""
-    paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None] if cfg.task != Task.extract else []
+    """Each vector file's sha256 by its configured path, for a job that runs its edits (an extraction records the
+    file it writes instead): taken when the job is validated, just before its vectors load (a file rewritten while a
+    sweep runs is then told apart from the one the job read)."""
+    paths = [e.vector.path for _, _, e in entries(cfg) if e.vector.path is not None]
     paths += [e.when.vector for _, _, e in entries(cfg) if e.when.vector is not None and e.when.layer is not None]
     return {p: digest(p) for p in dict.fromkeys(paths)}
 
 
-def data_paths(cfg: SteerConf) -> List[str]:
-    """The data files a job reads: its prompts and pairs files, and task=eval's A/B dataset (a job config, typed or
-    as Hydra composed it)."""
-    from steer.runs.data import dataset_path
-
+def data_paths(cfg: SteerConf, more: Iterable[str] = ()) -> List[str]:
+    """The data files a job reads: its prompts and pairs files, and `more` (its task's own: task=eval's A/B dataset,
+    steer.tasks.registry.data_paths); a job config, typed or as Hydra composed it."""
     p = cfg.prompts
     paths = [p.steer_file, p.pairs_file, p.positive_file, p.negative_file, p.condition_positive_file,
-             p.condition_negative_file]
-    if cfg.task == Task.eval:
-        paths.append(str(dataset_path(cfg.eval.dataset)))
+             p.condition_negative_file, *more]
     return [str(x) for x in dict.fromkeys(paths) if x is not None]
 
 

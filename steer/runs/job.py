@@ -1,53 +1,66 @@
 """A job: one run's config validated once, before any weights load, with what running it needs (the model's
-spec, the engine it resolves to, the taps it touches, its edits compiled from their files). Jobs that can share
-an engine (`engine_key`) run together on one engine, held for the group and closed after it (`engine_for`).
+spec, the engine it resolves to, the taps it touches, its edits compiled from their files): steer.tasks.registry
+prepares it, each task its own part. Jobs that can share an engine (`engine_key`) run together on one engine, held
+for the group and closed after it (`engine_for`).
 """
 
-import copy
 import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from steer import engine as engines
-from steer.errors import ConfigError
 from steer.runs import inputs
-from steer.models import prompt
 from steer.models import tiny
-from steer.config import checks
-from steer.runs import data, evaluate, grid
 from steer.runs.extract import Recipe
-from steer.models.spec import ModelSpec, spec as model_spec
-from steer.edits import vector
-from steer.edits.plan import Plan, build, entries, when_vector
-from steer.config.schema import NOT_RESULTS, ExtractPosition, ExtractSpan, SteerConf, TapConf, Task
-from steer.edits.tap import Tap, resolve
+from steer.models.spec import ModelSpec
+from steer.edits.plan import Plan
+from steer.config.schema import NOT_RESULTS, SteerConf
+from steer.edits.tap import Tap
 
 
-@dataclass
+class ReadOnly(dict):
+    """A dict that refuses changes: what a job recorded as prepare took it."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a prepared job's mapping is read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):  # pickled (a spawned engine group's jobs) and copied whole, not key by key
+        return type(self), (dict(self),)
+
+
+@dataclass(frozen=True)
 class Job:
-    """A validated job. `cfg`: its settings resolved (prompts and pairs read from the files they name, "auto"
-    extraction settings as `recipe` resolves them), a copy: the config it was prepared from stays as composed.
-    `plan` holds the edits with vectors from files (a default direction is filled in once an engine can extract
-    it); `taps` every tap the job touches, in config order."""
+    """A validated job, read-only once prepared: later steps read it and none rewrites it (a select's pairs take
+    their probe as new jobs, dataclasses.replace). `cfg`: its settings resolved (prompts and pairs read from the files
+    they name, "auto" extraction settings as `recipe` resolves them), a copy: the config it was prepared from stays
+    as composed. `plan` holds the edits with vectors from files (a default direction is filled in once an engine can
+    extract it); `taps` every tap the job touches, in config order. What running it gives is not part of it
+    (steer.runs.run.Outcome)."""
 
     cfg: SteerConf
     spec: ModelSpec
     out_dir: Path
     engine: str  # the engine `cfg.engine` resolves to
     recipe: Recipe  # how its default directions are extracted (extract.* and prompts.chat, resolved once)
-    taps: List[Tap] = field(default_factory=list)
-    plan: Optional[Plan] = None  # task=steer
-    cells: List["Job"] = field(default_factory=list)  # task=select: a steer job per (layer, scale) of the grid
-    items: Optional[tuple] = None  # task=eval: (A/B items to extract from, items to score) (steer/runs/evaluate.py)
-    result: Optional[Dict] = None  # what it wrote once it ran, or {"error": message}
-    vectors: Dict[str, Optional[str]] = field(default_factory=dict)  # its vector files' sha256, taken before loading
-    data: Dict[str, Optional[str]] = field(default_factory=dict)  # its data files' sha256, taken before reading
-    model_files: Optional[Dict] = None  # its model's files (inputs.model), taken as its engine starts
+    taps: Tuple[Tap, ...] = ()
+    plan: Optional[Plan] = None  # task=steer's edits (and task=eval's, task=export's)
+    cells: Tuple["Job", ...] = ()  # task=select: a steer job per (layer, scale) of the grid
+    items: Optional[tuple] = None  # task=eval: (A/B items to extract from, items to score) (steer/tasks/evaluate.py)
+    vectors: Mapping[str, Optional[str]] = field(default_factory=ReadOnly)  # its vector files' sha256, before loading
+    data: Mapping[str, Optional[str]] = field(default_factory=ReadOnly)  # its data files' sha256, before reading
     probe: Optional[object] = None  # a task=select pair's: the Probe that reads its concept (steer/runs/probe.py)
-    error: Optional[BaseException] = None
+
+    def __post_init__(self):
+        # sequences as tuples and digests read-only, whatever the caller built them as
+        for name in ("taps", "cells"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("vectors", "data"):
+            object.__setattr__(self, name, ReadOnly(getattr(self, name)))
 
     @property
     def settings(self) -> str:
@@ -59,96 +72,6 @@ class Job:
             out.pop(key, None)
         out["engine"] = self.engine
         return hashlib.sha256(json.dumps(out, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def prepare(cfg: SteerConf, out_dir: Path) -> Job:
-    """The job, ready to run: its config checked (steer.config.checks) with everything that needs no weights, then
-    its plan built (vectors loaded and checked against the model). `cfg` itself is left as it is: the job resolves a
-    copy of it."""
-    data_files = inputs.data(inputs.data_paths(cfg))  # first: a file rewritten while it loads then reads as changed
-    cfg = copy.deepcopy(cfg)
-    caa = data.fill_prompts(cfg.prompts)  # prompts and pairs from files replace the lists they stand for
-    engine = engines.resolve(cfg.engine)
-    checks.run(cfg, engine)
-    # checked before the model's files are read; "auto" is resolved below, once the chat rendering is known
-    checks.extraction(cfg.extract.method, cfg.prompts.positive, cfg.prompts.negative)
-    if cfg.task != Task.extract:
-        for prefix, _, e in entries(cfg):
-            if e.vector.path is not None:
-                vector.require(e.vector.path, f"{prefix}edit.vector")
-            if e.when.vector is not None and e.when.layer is not None and not Path(e.when.vector).expanduser().exists():
-                raise ConfigError(f"{prefix}edit.when.vector", f"vector file {e.when.vector!r} does not exist")
-    spec = model_spec(cfg.model, cfg.cache_dir)
-    limit = cfg.vllm.max_model_len if engine == "vllm" and cfg.vllm.max_model_len else spec.positions
-    checks.room_for_a_prompt("gen.max_new_tokens", cfg.gen.max_new_tokens, limit, spec.name)
-    prompt.check(cfg.prompts.chat, spec.chat_template)
-    # task=eval renders its pairs itself and reads them raw, so only a pairs file's are in a chat rendering
-    templated = cfg.task != Task.eval and prompt.renders_chat(cfg.prompts.chat, spec.chat_template)
-    recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat, data.reads_ab(cfg.task, caa), templated)
-    # "auto" resolved once for the job
-    cfg.extract.position, cfg.extract.span = ExtractPosition(recipe.position), ExtractSpan(recipe.span)
-    if cfg.task == Task.select:
-        checks.select_grid(cfg, spec.layers)
-    if cfg.task == Task.condition:
-        checks.condition_task(cfg, spec.layers)
-    job = Job(cfg, spec, Path(out_dir), engine, recipe, data=data_files)
-    if cfg.task == Task.eval:
-        job.items = evaluate.load(cfg)
-        job.vectors = inputs.vectors(cfg)
-        job.plan = build(cfg, spec)
-        job.taps = list(job.plan.taps.values())
-    elif cfg.task == Task.steer:
-        job.vectors = inputs.vectors(cfg)  # first: a file rewritten while it loads then reads as changed on resume
-        job.plan = build(cfg, spec)
-        job.taps = list({**job.plan.taps, **job.plan.condition_taps}.values())
-    elif cfg.task == Task.select:
-        from steer.runs import probe
-
-        known = probe.tap(cfg, spec)  # a probe file or layer, checked now; else the grid's layers choose it
-        for cell in grid.cells(cfg):
-            digests = inputs.vectors(cell)
-            plan = build(cell, spec)
-            taps = list(plan.taps.values()) + ([known] if known and known.path not in plan.taps else [])
-            job.cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), engine, recipe,
-                                 taps, plan, vectors=digests, data=data_files))
-    elif cfg.task == Task.condition:
-        job.taps = [resolve(TapConf(layer=k), spec, "condition.layers") for k in cfg.condition.layers]
-        if cfg.edit.when.vector is not None:
-            for k in cfg.condition.layers:  # a file read now: a missing layer is said before the engine starts
-                when_vector(cfg.edit.when.vector, cfg.edit.when.key, spec.hidden, "edit.when", k)
-    elif cfg.task == Task.export:
-        from steer.runs import export
-
-        job.vectors = inputs.vectors(cfg)
-        job.plan = build(cfg, spec)
-        export.directions(job.plan, spec, cfg.export.format)  # checked now: nothing is written on a bad one
-    else:
-        if cfg.extract.layers:
-            checks.extract_layers(cfg, spec.layers)
-            job.taps = [resolve(TapConf(layer=k), spec, "extract.layers") for k in cfg.extract.layers]
-        else:
-            job.taps = [resolve(cfg.tap, spec)]
-        if cfg.task == Task.extract and gguf_out(cfg):
-            for tap in job.taps:
-                gguf_layer(tap, spec)
-    return job
-
-
-def gguf_out(cfg: SteerConf) -> bool:
-    """An extraction written as a llama.cpp control vector (extract.out ending in .gguf)."""
-    return bool(cfg.extract.out) and cfg.extract.out.lower().endswith(".gguf")
-
-
-def gguf_layer(tap: Tap, spec: ModelSpec) -> int:
-    """The decoder layer a control vector names `tap` by (its output, layer >= 1), or a ConfigError."""
-    from steer.edits.plan import spec_layer
-
-    layer = spec_layer(tap, spec)
-    if layer is None or layer == 0:
-        raise ConfigError("extract.out", f"ends in .gguf, a llama.cpp control vector, which steers the output of "
-                                         f"decoder layers 1..{spec.layers - 1}; the tap is {tap.name} (set "
-                                         "tap.layer=k, k >= 1, or write .safetensors)")
-    return layer
 
 
 ENGINE_FIELDS = "model, engine, device, vllm.* and hf.*"  # what engine_settings holds, as a message names it
@@ -194,9 +117,21 @@ def engine_for(jobs: Sequence[Job]) -> Iterator[object]:
                       first.cfg.hf) as engine:
         if files.get("kind") == "hub":
             files = inputs.model(first.cfg, first.spec)
-        for job in jobs:
-            job.model_files = files
-        yield engine
+        _FOUND[id(engine)] = files
+        try:
+            yield engine
+        finally:
+            _FOUND.pop(id(engine), None)
+
+
+_FOUND: Dict[int, Dict] = {}  # each engine engine_for holds open, by id: its model's files as found at its start
+
+
+def model_files(job: Job, engine) -> Dict:
+    """The model's files (inputs.model) as `engine` found them at its start (engine_for), else as they are now (an
+    engine a caller made itself): what the job's inputs.json records."""
+    found = _FOUND.get(id(engine))
+    return found if found is not None else inputs.model(job.cfg, job.spec)
 
 
 def _weights_bar(on: bool) -> None:

@@ -1,17 +1,19 @@
-"""Runs: check the config, start the engine, generate baseline and steered continuations, write results.
+"""Running jobs on an engine: the machinery every task shares. Steer jobs (task=steer, a select's pairs) generate
+baseline and steered continuations together, are scored and write their run directories; a job's failure, its log
+and what it gave (`Outcome`) are kept here for every task.
 
-Everything a user can get wrong is checked in `prepare`, before any weights load; result files are written
-atomically at the end (metrics.json last), so a run that fails leaves no results.jsonl behind. `execute` runs
-one job or a packed group of jobs that share an engine, through the same code.
+Everything a user can get wrong is checked when the job is prepared (steer.tasks.registry.prepare), before any
+weights load; result files are written atomically at the end (metrics.json last), so a run that fails leaves no
+results.jsonl behind. `run_jobs` runs one job or a packed group of jobs that share an engine, through the same code.
 """
 
 import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -20,117 +22,34 @@ from rich.table import Table
 
 from steer import report, results
 from steer.config import checks
-from steer.config.schema import PACK, SteerConf, Task
-from steer.edits import condition, formats
+from steer.config.schema import SteerConf
+from steer.edits import condition
 from steer.edits.tap import head_rows
 from steer.engine.base import Scores
 from steer.edits.plan import Plan
 from steer.errors import ConfigError
 from steer.progress import bar as progress_bar
-from steer.runs import damage, diagnostics, export, inputs, metrics, rundir
-from steer.runs.extract import cache_defaults, cached_default, extract, write, write_layers
-from steer.runs.job import Job, engine_for, gguf_layer, gguf_out, prepare
+from steer.runs import damage, diagnostics, inputs, metrics
+from steer.runs.extract import cache_defaults, cached_default
+from steer.runs.job import Job, model_files
 
 log = logging.getLogger(__name__)
 
 
-def main(cfg: SteerConf, out_dir: Path, console: Console, defer: bool = False,
-         hold: Optional[Callable[[Path], None]] = None) -> Union[Dict, Job]:
-    """Run the configured task into `out_dir`; return what it wrote as a dict (metrics, or the vector path).
-    With `defer` (the packed launcher), a steer or extract job is returned validated, for the launcher to run
-    with the other jobs that share its engine. `hold`: called, once the job is valid, with the file it will
-    write outside `out_dir` (a sweep's jobs must not share one: steer.runs.sweep.claim)."""
-    rundir.clear_stale(out_dir)  # a run into a directory that held one: none of its results may stand beside ours
-    job = prepare(cfg, out_dir)
-    if hold is not None and cfg.task == Task.extract and cfg.extract.out:
-        hold(Path(cfg.extract.out))
-    if cfg.task == Task.select:
-        from steer.runs import select
+@dataclass
+class Outcome:
+    """What running one job gave: its result (its metrics, an extraction's vector, or `{"error": message}`) and,
+    where it failed, the exception."""
 
-        out = select.run(job, console, execute_packs)
-        if report.write_quietly(out_dir):  # here, not in select: the page reads selection.json's pairs back
-            console.print(f"report: [bold]{out_dir / report.FILE}[/] (the heat map, each pair's texts)")
-        return out
-    if cfg.task == Task.export:
-        return _export(job, console)
-    if cfg.task == Task.eval:
-        from steer.runs import evaluate
+    result: Optional[Dict] = None
+    error: Optional[BaseException] = None
 
-        out = evaluate.run(job, console, engine_for)
-        report.write_quietly(out_dir)  # here, not in evaluate: the page reads eval.json and eval.png back
-        return out
-    if cfg.task == Task.condition:
-        from steer.runs import condition as find_condition
-
-        return find_condition.run(job, console, engine_for)
-    if defer:
-        return job
-    out = execute([job], console)[0]
-    if job.error is not None:
-        raise job.error
-    return out
-
-
-def _export(job: Job, console: Console) -> Dict:
-    """task=export: the run's edits written as export.format, no engine started."""
-    out = export.out_path(job.cfg, job.out_dir)
-    result = export.write(job.cfg, job.plan, job.spec, out)
-    results.write_json(job.out_dir / "metrics.json", result)
-    report.write_quietly(job.out_dir)
-    console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
-    return result
-
-
-def _extract(job: Job, engine, console: Console) -> Dict:
-    """task=extract: the default direction at the job's tap (or at each of extract.layers, read in one pass),
-    written to extract.out (or the run directory), its diagnostics printed and in the file's metadata. An out
-    ending in .gguf is a llama.cpp control vector (direction.<layer> for each layer)."""
-    cfg = job.cfg
-    out = Path(cfg.extract.out).expanduser() if cfg.extract.out else job.out_dir / "vector.safetensors"
-    pos, neg, recipe = list(cfg.prompts.positive), list(cfg.prompts.negative), job.recipe
-    found = extract(engine, job.taps, pos, neg, recipe, cfg.extract.folds)
-    diags = [ex.diagnostics for ex in found]
-    chosen = diagnostics.best(diags)
-    console.print(diagnostics.table([ex.tap.name for ex in found], diags, chosen))
-    if gguf_out(cfg):
-        dirs = {gguf_layer(ex.tap, job.spec): ex.direction for ex in found}
-        formats.write_gguf(out, dirs, export.model_hint(job.spec))
-        keys = ",".join(f"direction.{k}" for k in dirs)
-        console.print(f"wrote [bold]{escape(str(out))}[/] ({keys})")
-        return {"vector": str(out), "keys": keys, "taps": [ex.tap.name for ex in found],
-                **{f"diag.{k}.{name}": v for k, ex in zip(dirs, found) for name, v in ex.diagnostics.items()}}
-    if cfg.extract.layers:
-        layers = [int(k) for k in cfg.extract.layers]
-        result = {"vector": str(out), **{f"diag.{k}.{name}": v for k, d in zip(layers, diags) for name, v in d.items()}}
-        write_layers(out, engine, layers, found, pos, neg, recipe)
-        best = None if chosen is None else layers[chosen]
-        if best is not None:
-            console.print(f"best separation: layer {best} (held-out AUC {diags[chosen]['heldout_auc']:.3g})")
-        console.print(f"wrote [bold]{escape(str(out))}[/] (keys direction.<k> for layers "
-                      f"{','.join(map(str, layers))})")
-        job_log(job).info("extracted layers %s, best separation %s: %s", layers, best, json.dumps(result))
-        return {**result, "layers": layers, "best_layer": best}
-    result = {"vector": str(out), **{f"diag.{name}": v for name, v in diags[0].items()}}
-    write(out, cfg.extract.key, engine, found[0], pos, neg, recipe)
-    console.print(f"wrote [bold]{escape(str(out))}[/] (key {cfg.extract.key!r}, tap {found[0].tap.name})")
-    job_log(job).info("extracted at %s: %s", found[0].tap.name, json.dumps(result))
-    return {**result, "key": cfg.extract.key, "tap": found[0].tap.name}
-
-
-def _record_extraction(job: Job) -> None:
-    """An extraction's record, as a steer job's: inputs.json (the model's files, its pairs' data files, and the vector
-    it wrote: a sweep resumed after that file was changed or removed extracts it again), then metrics.json (where it
-    wrote what), whose presence marks the job complete."""
-    out = job.result["vector"]
-    inputs.write(job.out_dir, {out: inputs.digest(out)}, _model_files(job), job.data, job.settings)
-    results.write_json(job.out_dir / "metrics.json", job.result)
-    report.write_quietly(job.out_dir)
-
-
-def _model_files(job: Job) -> Dict:
-    """The model's files as the job's engine found them at its start (job.engine_for), else as they are now (an
-    engine a caller made itself)."""
-    return job.model_files if job.model_files is not None else inputs.model(job.cfg, job.spec)
+    def value(self) -> Dict:
+        """The result; the failure raised, where the job failed."""
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
 
 
 @dataclass
@@ -142,21 +61,31 @@ class _Work:
     fed: List[str]  # the exact text fed for each prompt (its chat rendering, or itself)
     encoded: List[List[int]]
     seeds: List[int]
+    outcome: Outcome = field(default_factory=Outcome)  # what the job gives, once it has run
 
 
 def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None,
             summary: Optional[bool] = None, engine=None) -> List[Dict]:
-    """Run jobs that share an engine (see `engine_key`; `engine`: one already started for them, else one held
-    for this call), every steer job's requests in the same batches, and write each job's run directory as if it
-    had run alone. Returns each job's metrics (an extraction's vector path), or `{"error": message}` for a job
-    that failed: its directory gets error.txt and the others complete. `summary`: print each job's texts and
-    metrics (default: when there is one job)."""
+    """`run_jobs`, each job's result: its metrics, or `{"error": message}` for a job that failed."""
+    return [o.result for o in run_jobs(jobs, console, on_done, summary, engine)]
+
+
+def run_jobs(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None,
+             summary: Optional[bool] = None, engine=None, say: Optional[bool] = None) -> List[Outcome]:
+    """Run steer jobs that share an engine (see `engine_key`; `engine`: one already started for them, else one held
+    for this call), every job's requests in the same batches, and write each job's run directory as if it had run
+    alone. A job that fails gets error.txt in its directory and the others complete. `summary`: print each job's
+    texts and metrics (default: when there is one job); `say`: print each failure (default: when there are
+    several, where a failure does not end the run)."""
     if engine is None:
+        from steer.runs.job import engine_for  # looked up when called: a stand-in for it stands in everywhere
+
         with engine_for(jobs) as engine:
-            return execute(jobs, console, on_done, summary, engine)
+            return run_jobs(jobs, console, on_done, summary, engine, say)
     summary = len(jobs) == 1 if summary is None else summary
-    say = len(jobs) > 1  # a failure is printed where it would not end the run
-    work = _start(jobs, engine, console, on_done, say, summary)
+    say = len(jobs) > 1 if say is None else say
+    outcomes = [Outcome() for _ in jobs]
+    work = _start(jobs, engine, console, say, summary, outcomes)
     conts: Dict[tuple, List[int]] = {}
     t0 = time.perf_counter()
     baselines: Dict[tuple, Scores] = {}
@@ -166,7 +95,7 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
         baselines = _reread_baselines(engine, work, conts)
     except Exception as e:  # the engine failed for the whole batch: every job of it says so
         for w in work:
-            fail(w.job, e, console, say)
+            fail(w.job, e, console, say, w.outcome)
         work, elapsed = [], time.perf_counter() - t0
     tokens_per_s = sum(len(o) for o in conts.values()) / elapsed if elapsed > 0 else 0.0
     for w in work:
@@ -178,61 +107,48 @@ def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[J
 
                 judge.rate(w.job.cfg.metrics.judge, rows)
                 agg.update(judge.counts(rows))
-            inputs.write(w.job.out_dir, w.job.vectors, _model_files(w.job), w.job.data, w.job.settings)
+            inputs.write(w.job.out_dir, w.job.vectors, model_files(w.job, engine), w.job.data, w.job.settings)
             results.write_jsonl(w.job.out_dir / "results.jsonl", rows)
             results.write_json(w.job.out_dir / "metrics.json", agg)  # last: its presence marks the job complete
         except Exception as e:
-            fail(w.job, e, console, say)
+            fail(w.job, e, console, say, w.outcome)
             continue
         report.write_quietly(w.job.out_dir)
         job_log(w.job).info("%d prompts generated in %.1f s (%.0f tok/s, the pack's); wrote results.jsonl and "
                             "metrics.json: %s", len(rows), elapsed, tokens_per_s, json.dumps(agg))
-        w.job.result = agg
+        w.outcome.result = agg
         if summary:
             _summary(console, w.job.spec.name, w.plan, agg, rows, w.job.out_dir)
         if on_done:
             on_done(w.job)
     for job in jobs:  # a sweep of thousands of jobs in one process must not hold a file open for each
         close_log(job.out_dir)
-    return [job.result for job in jobs]
+    return outcomes
 
 
-def execute_packs(jobs: Sequence[Job], console: Console, engine, pack_size: int = PACK,
-                  on_done: Optional[Callable[[Job], None]] = None,
-                  on_pack_error: Optional[Callable[[Job, Exception], Dict]] = None) -> List[Dict]:
-    """`execute` on one engine, `pack_size` jobs at a time (each pack's files are written when it finishes), without
-    printing each job's summary. A pack that raises as a whole raises, or with `on_pack_error` gives each of its jobs
-    what that returns, and the next pack runs."""
-    out: List[Dict] = []
-    for start in range(0, len(jobs), pack_size):
-        pack = jobs[start : start + pack_size]
-        try:
-            out += execute(pack, console, on_done=on_done, summary=False, engine=engine)
-        except Exception as e:
-            if on_pack_error is None:
-                raise
-            out += [on_pack_error(job, e) for job in pack]
-    return out
-
-
-def _start(jobs: Sequence[Job], engine, console: Console, on_done, say: bool, summary: bool) -> List[_Work]:
-    """Run the extractions; set up each steer job's generation (a job that cannot be set up fails alone).
-    `summary`: each job's default directions are printed (else only in its steer.log)."""
-    taps = sorted({t.path for job in jobs for t in job.taps})  # the pack's: its requests share the batches
-    _cache_defaults(jobs, engine)
-    work = []
+def started(jobs: Sequence[Job], engine) -> None:
+    """Say in each job's steer.log which engine runs it, where, and the taps of its pack (whose requests share the
+    batches)."""
+    taps = sorted({t.path for job in jobs for t in job.taps})
     for job in jobs:
         job_log(job).info("engine %s on %s in pid %d, taps %s", engine.name, job.spec.source, os.getpid(), taps)
+
+
+def _start(jobs: Sequence[Job], engine, console: Console, say: bool, summary: bool,
+           outcomes: List[Outcome]) -> List[_Work]:
+    """Set up each job's generation (a job that cannot be set up fails alone, in `outcomes`). `summary`: each job's
+    default directions are printed (else only in its steer.log)."""
+    started(jobs, engine)
+    _cache_defaults(jobs, engine)
+    work = []
+    for job, outcome in zip(jobs, outcomes):
         try:
-            if job.cfg.task == Task.extract:
-                job.result = _extract(job, engine, console)
-                _record_extraction(job)
-                if on_done:
-                    on_done(job)
-            else:
-                work.append(_setup(job, engine, console, summary))
+            w = _setup(job, engine, console, summary)
         except Exception as e:
-            fail(job, e, console, say)
+            fail(job, e, console, say, outcome)
+            continue
+        w.outcome = outcome
+        work.append(w)
     return work
 
 
@@ -243,7 +159,7 @@ def _cache_defaults(jobs: Sequence[Job], engine) -> None:
     groups: Dict[str, tuple] = {}
     for job in jobs:
         cfg = job.cfg
-        if cfg.task == Task.extract or not job.plan.pending:
+        if not job.plan.pending:
             continue
         recipe = job.recipe
         pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
@@ -362,14 +278,16 @@ def _generate(engine, work: List[_Work], conts: Dict[tuple, List[int]], console:
         progress.update(task, completed=progress.tasks[task].total)
 
 
-def fail(job: Job, e: BaseException, console: Console, say: bool = True) -> Dict:
-    """Record a job's failure: error.txt in its directory, the log, and `{"error": ...}` as its result."""
+def fail(job: Job, e: BaseException, console: Console, say: bool = True, outcome: Optional[Outcome] = None) -> Outcome:
+    """Record a job's failure: error.txt in its directory, the log, and in `outcome` (else a new one) the error and
+    `{"error": ...}` as its result."""
     msg = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-    job.error, job.result = e, {"error": msg}
+    outcome = outcome if outcome is not None else Outcome()
+    outcome.error, outcome.result = e, {"error": msg}
     record_failure(job.out_dir, e)
     if say:
         console.print(f"[bold red]job failed[/] {job.out_dir}: {escape(msg)}", highlight=False)
-    return job.result
+    return outcome
 
 
 def record_failure(out_dir: Path, e: BaseException) -> None:

@@ -78,7 +78,7 @@ class RunDirLock(Callback):
         except ConfigError as e:
             print(f"error {e}", file=sys.stderr)
             sys.exit(2)
-        # Before Hydra writes this run's config there: stopped before run.main clears them, an earlier run's
+        # Before Hydra writes this run's config there: stopped before registry.main clears them, an earlier run's
         # results would stand beside it as if they were this run's
         clear_stale(run_dir)
 

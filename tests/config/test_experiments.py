@@ -44,10 +44,10 @@ def check_greedy(job_dir, cfg, engine):
     tokens the argmax of the unsteered model's log-probs, the steered ones' of the model with the job's edits (to
     1e-4 in log-prob: a near tie may go either way). A generation that left out an edit its scoring applied fails
     wherever that edit moves a greedy token."""
-    from steer.runs import run
+    from steer.tasks import registry
     from steer.runs.extract import Recipe, cached_default
 
-    job = run.prepare(cfg, job_dir)
+    job = registry.prepare(cfg, job_dir)
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
     recipe = Recipe.from_conf(cfg.extract, cfg.prompts.chat)
     plan = job.plan.with_defaults(lambda tap: cached_default(cfg.cache_dir, engine, tap, pos, neg, recipe),

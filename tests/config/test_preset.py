@@ -17,7 +17,7 @@ def _rows(path):
 
 
 def test_a_preset_runs_as_its_edits_written_out(tmp_path, cache_dir):
-    from steer.runs import run
+    from steer.tasks import registry
 
     res = run_cli(["preset=joy_two_taps", "gen.max_new_tokens=4", TWO_PROMPTS, "hydra.run.dir=preset"], tmp_path,
                   cache_dir)
@@ -28,7 +28,7 @@ def test_a_preset_runs_as_its_edits_written_out(tmp_path, cache_dir):
     cfg.extra_edits = [TapEditConf(TapConf(layer=2), EditConf(kind=EditKind.clamp, scale=1.0, lo=-40.0, hi=40.0,
                                                               tokens=Tokens.generated))]
     (tmp_path / "written").mkdir()
-    run.main(cfg, tmp_path / "written", Console(file=io.StringIO()))
+    registry.main(cfg, tmp_path / "written", Console(file=io.StringIO()))
     got, want = _rows(tmp_path / "preset" / "results.jsonl"), _rows(tmp_path / "written" / "results.jsonl")
     keys = ("prompt", "baseline_ids", "steered_ids", "kl", "concept_steered")
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]

@@ -14,6 +14,7 @@ from gpu_common import near_tie
 from helpers import compose
 from steer import engine as engines
 from steer.runs import run
+from steer.tasks import registry
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ def _jobs(engine, tmp_path, device):
         cfg = compose("model=smollm2", f"engine={engine}", f"device={device}", "progress=false", *over)
         d = tmp_path / f"{engine}-{name}"
         d.mkdir()
-        jobs.append(run.prepare(cfg, d))
+        jobs.append(registry.prepare(cfg, d))
     return jobs
 
 

@@ -182,7 +182,10 @@ def test_resume_reruns_jobs_whose_record_predates_data_fingerprints(cli, tmp_pat
 def _stand_in_jobs(tmp_path, n):
     from types import SimpleNamespace
 
-    js = [SimpleNamespace(cfg=SimpleNamespace(progress=False), out_dir=tmp_path / str(i)) for i in range(n)]
+    from steer.config.schema import Task
+
+    js = [SimpleNamespace(cfg=SimpleNamespace(progress=False, task=Task.steer), out_dir=tmp_path / str(i))
+          for i in range(n)]
     for j in js:
         j.out_dir.mkdir()
     return js
@@ -192,21 +195,20 @@ def test_run_group_fails_a_pack_that_raises_and_runs_the_next(tmp_path, monkeypa
     from contextlib import nullcontext
 
     from steer.runs import job
-
     from steer.runs import run
 
     js = _stand_in_jobs(tmp_path, 4)
     engine = object()
 
-    def execute(pack, console, on_done=None, summary=None, engine=None):
+    def run_jobs(pack, console, on_done=None, summary=None, engine=None, say=None):
         assert engine is held  # every pack runs on the group's one engine
         if js[0] in pack:
             raise RuntimeError("the engine failed mid-pack")
-        return [{"kl_mean": 1.0} for _ in pack]
+        return [run.Outcome({"kl_mean": 1.0}) for _ in pack]
 
     held = engine
     monkeypatch.setattr(job, "engine_for", lambda jobs: nullcontext(engine))
-    monkeypatch.setattr(run, "execute", execute)
+    monkeypatch.setattr(run, "run_jobs", run_jobs)
     out = packed.run_group(js, 2)
     assert out == [{"error": "RuntimeError: the engine failed mid-pack"}] * 2 + [{"kl_mean": 1.0}] * 2
     assert "RuntimeError: the engine failed mid-pack" in (js[0].out_dir / "error.txt").read_text()
@@ -286,7 +288,7 @@ def test_a_validated_job_crosses_into_a_spawned_process(tmp_path, cache_dir, tin
     import pickle
 
     from helpers import compose
-    from steer.runs.job import prepare
+    from steer.tasks.registry import prepare
 
     job = prepare(compose("tap.path=model.layers.1.mlp"), tmp_path)
     assert job.spec.outputs and pickle.loads(pickle.dumps(job)).spec.outputs == job.spec.outputs

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from helpers import compose
 from steer.runs import run
+from steer.tasks import registry
 
 # Three of the default prompts, short continuations: enough to measure, quick on two cores.
 QUICK = ["model=smollm2", "engine=hf", "progress=false", "gen.max_new_tokens=16",
@@ -20,7 +21,7 @@ def _run(cfgs, tmp_path):
     jobs = []
     for i, cfg in enumerate(cfgs):
         (tmp_path / str(i)).mkdir()
-        jobs.append(run.prepare(cfg, tmp_path / str(i)))
+        jobs.append(registry.prepare(cfg, tmp_path / str(i)))
     out = run.execute(jobs, Console(file=io.StringIO()))
     assert not [m for m in out if "error" in m], out
     return out
@@ -54,9 +55,9 @@ def test_select_on_a_3x3_grid_picks_a_pair_that_passes(smollm2_spec, tmp_path, c
     import logging
 
     cfg = compose(*QUICK, "task=select", "select.layers=[3,6,12]", "select.scales=[2,4,16]", "metrics.sentiment=true")
-    with caplog.at_level(logging.INFO, logger="steer.runs.select"):
-        summary = run.main(cfg, tmp_path, Console(file=io.StringIO()))
-    said = [r.getMessage() for r in caplog.records if r.name == "steer.runs.select"]
+    with caplog.at_level(logging.INFO, logger="steer.tasks.select"):
+        summary = registry.main(cfg, tmp_path, Console(file=io.StringIO()))
+    said = [r.getMessage() for r in caplog.records if r.name == "steer.tasks.select"]
     assert said[0].startswith("select: 9 pairs") and said[-1].endswith(summary["command"])
     best = summary["best"]
     assert best is not None and best["ppl_ratio"] <= 2.0 and best["gain"] > 0
@@ -78,5 +79,5 @@ def test_select_bad_grid_fails_before_any_engine(smollm2_spec, tmp_path, overrid
     from steer.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        run.prepare(compose(*QUICK, "task=select", override), tmp_path)
+        registry.prepare(compose(*QUICK, "task=select", override), tmp_path)
     assert e.value.field == field

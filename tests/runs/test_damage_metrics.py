@@ -26,12 +26,12 @@ def test_a_run_flags_each_prompt_and_counts_them(tmp_path, cache_dir, console):
     import json
 
     from helpers import TWO_PROMPTS, compose
-    from steer.runs import run
+    from steer.tasks import registry
 
     cfg = compose("gen.max_new_tokens=12", "edit.scale=8", TWO_PROMPTS, "select.max_run=2",
                   "select.min_distinct_ratio=1.01", "select.max_ppl_ratio=1.01", "progress=false")
     (tmp_path / "run").mkdir()
-    agg = run.main(cfg, tmp_path / "run", console)
+    agg = registry.main(cfg, tmp_path / "run", console)
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
 
     def runs(ids):  # the longest run of one token, by hand (units of two and more tokens aside)

@@ -165,7 +165,7 @@ def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_pa
     prompt drowns, and whose last token in a chat rendering is the generation prompt's, not the answer's."""
     from helpers import compose
 
-    from steer.runs import run
+    from steer.tasks import registry
 
     ab = write(tmp_path / "ab.json", json.dumps(CAA))
     plain = write(tmp_path / "pairs.jsonl", '{"positive": "glad", "negative": "sad"}\n')
@@ -177,7 +177,7 @@ def test_ab_pairs_are_read_at_their_last_token_unless_the_config_says_how(tmp_pa
                        # SmolLM2 renders the pairs as chat: the last token of the user turn is the answer's
                        (["model=smollm2", f"prompts.pairs_file={ab}"], ("last", "user")),
                        (["model=smollm2", "task=eval"], ("last", "all"))):  # eval renders its pairs itself
-        job = run.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
+        job = registry.prepare(compose(*args, f"cache_dir={cache_dir}"), tmp_path / "out")
         assert (job.cfg.extract.position, job.cfg.extract.span) == want, args
 
 

@@ -66,16 +66,23 @@ def test_a_record_without_data_fingerprints_cannot_vouch_for_the_data_files_its_
 
 def test_task_eval_fingerprints_its_ab_dataset_shipped_or_a_path(tmp_path):
     from steer.runs.data import dataset_path
-    assert inputs.data_paths(compose("task=eval"))[-1] == str(dataset_path("optimism"))
-    assert inputs.data(inputs.data_paths(compose("task=eval")))[str(dataset_path("optimism"))] is not None
+    from steer.tasks import registry
+
+    assert registry.data_paths(compose("task=eval"))[-1] == str(dataset_path("optimism"))
+    assert inputs.data(registry.data_paths(compose("task=eval")))[str(dataset_path("optimism"))] is not None
     mine = tmp_path / "mine.json"
-    assert inputs.data_paths(compose("task=eval", f"eval.dataset={mine}"))[-1] == str(mine)
-    assert inputs.data_paths(compose()) == []  # the built-in prompts: no file
+    assert registry.data_paths(compose("task=eval", f"eval.dataset={mine}"))[-1] == str(mine)
+    assert registry.data_paths(compose()) == []  # the built-in prompts: no file
 
 
-def test_the_default_direction_and_an_extraction_read_no_vector_file():
+def test_the_default_direction_and_an_extraction_read_no_vector_file(tmp_path, cache_dir):
+    from steer.tasks import registry
+
     assert inputs.vectors(compose()) == {}
-    assert inputs.vectors(compose("task=extract")) == {}
+    v = tmp_path / "v.safetensors"  # an extraction writes its vector: an edit's file, set or not, it does not read
+    v.write_bytes(b"")
+    assert registry.prepare(compose("task=extract", f"edit.vector.path={v}", f"cache_dir={cache_dir}"),
+                            tmp_path).vectors == {}
 
 
 def test_a_local_checkpoint_changed_in_place_is_named(tmp_path, tiny_spec, cache_dir):
@@ -139,6 +146,7 @@ def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_pat
     from rich.console import Console
 
     from steer.runs import run
+    from steer.tasks import registry
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_spec.source, ckpt)
@@ -155,7 +163,7 @@ def test_a_checkpoint_saved_in_place_while_its_job_runs_reads_as_changed(tmp_pat
 
     monkeypatch.setattr(run, "_score", score_then_save)
     (tmp_path / "job").mkdir()
-    run.main(cfg, tmp_path / "job", Console(file=io.StringIO()))
+    registry.main(cfg, tmp_path / "job", Console(file=io.StringIO()))
     assert inputs.recorded_changes(tmp_path / "job") == f"model {ckpt}"
 
 
@@ -180,7 +188,7 @@ def test_a_hub_models_record_holds_the_files_its_engine_fetched(tmp_path, monkey
     monkeypatch.setattr(job_mod.engines, "make", fetching_engine)
     cfg = compose("model.source=org/name", "model.name=org/name", "engine=hf")
     job = Job(cfg, tiny_spec, tmp_path, "hf", Recipe.from_conf(cfg.extract, cfg.prompts.chat))
-    with job_mod.engine_for([job]):
-        pass
-    assert set(job.model_files["files"]) == {"config.json", "model.safetensors"}
-    assert inputs.changes({"vectors": {}, "model": job.model_files}) is None  # a resume finds it as it was
+    with job_mod.engine_for([job]) as engine:
+        files = job_mod.model_files(job, engine)
+    assert set(files["files"]) == {"config.json", "model.safetensors"}
+    assert inputs.changes({"vectors": {}, "model": files}) is None  # a resume finds it as it was

@@ -1,5 +1,6 @@
-"""steer.runs.job.prepare: the config it is handed stays as composed (the job resolves a copy: prompts read from
-files, "auto" extraction settings resolved), for every task and for the Lab, and the job holds what it resolved."""
+"""A Job: prepare (steer.tasks.registry.prepare) leaves the config it is handed as composed (the job resolves a copy:
+prompts read from files, "auto" extraction settings resolved), for every task and for the Lab; the job holds what it
+resolved, and nothing rewrites it once prepared."""
 
 import copy
 from dataclasses import asdict
@@ -11,7 +12,8 @@ from omegaconf import OmegaConf
 import steer
 from helpers import compose_conf, on_tiny
 from steer.edits import vector
-from steer.runs.job import prepare
+from steer.config.schema import Task
+from steer.tasks.registry import prepare
 
 PAIRS = '{"positive": "I am glad", "negative": "I am sad"}\n{"positive": "What joy", "negative": "What grief"}\n'
 
@@ -27,7 +29,13 @@ def _files(tmp_path, tiny_spec):
 TASKS = {"steer": ["tap=layer1"], "extract": ["task=extract", "tap=layer1"],
          "export": ["task=export", "tap=layer1", "edit.vector.path={v}"],
          "select": ["task=select", "select.layers=[1,2]", "select.scales=[2,4]"],
-         "eval": ["task=eval", "tap.layer=2", "eval.scales=[4]"]}
+         "eval": ["task=eval", "tap.layer=2", "eval.scales=[4]"],
+         "condition": ["task=condition", "condition.layers=[1,2]", "prompts.condition_positive=[a,b,c]",
+                       "prompts.condition_negative=[d,e,f]"]}
+
+
+def test_every_task_is_checked_here():
+    assert set(TASKS) == {t.value for t in Task}
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -47,11 +55,11 @@ def test_prepare_leaves_the_composed_config_as_it_was(task, cache_dir, tiny_spec
 
 
 def test_a_lab_call_leaves_the_labs_config_and_the_calls_as_they_were(cache_dir, tiny_spec, tmp_path, monkeypatch):
-    from steer.runs import run
+    from steer.tasks import registry
 
     files, _ = _files(tmp_path, tiny_spec)
     seen = []
-    real = run.prepare
+    real = registry.prepare
 
     def prepare_(conf, out_dir):
         before = copy.deepcopy(conf)
@@ -59,7 +67,7 @@ def test_a_lab_call_leaves_the_labs_config_and_the_calls_as_they_were(cache_dir,
         seen.append((asdict(before), asdict(conf), job.cfg.prompts.steer))
         raise KeyboardInterrupt  # stop before the engine: prepare is what is checked
 
-    monkeypatch.setattr(run, "prepare", prepare_)
+    monkeypatch.setattr(registry, "prepare", prepare_)
     lab = steer.Lab(model="tiny", overrides=["engine=hf", *files], quiet=True)
     base, config = copy.deepcopy(lab._base), copy.deepcopy(lab.config)
     with pytest.raises(KeyboardInterrupt):
@@ -67,3 +75,28 @@ def test_a_lab_call_leaves_the_labs_config_and_the_calls_as_they_were(cache_dir,
     assert lab._base == base and asdict(lab.config) == asdict(config)
     [(before, after, steered)] = seen
     assert before == after and steered == ["The weather today is", "My friend said"]
+
+
+def test_a_prepared_job_cannot_be_rewritten(cache_dir, tiny_spec, tmp_path):
+    """Every later step reads the job as prepared: its fields, its sequences and its digests refuse changes, and a
+    job made from it (a select's pair given its probe) is a new one."""
+    import dataclasses
+    import pickle
+
+    files, v = _files(tmp_path, tiny_spec)
+    job = prepare(OmegaConf.to_object(compose_conf("config", on_tiny([*TASKS["select"], *files,
+                                                                       f"cache_dir={cache_dir}"]))), tmp_path)
+    for name, value in (("plan", None), ("taps", ()), ("out_dir", tmp_path / "elsewhere"), ("cfg", job.cfg)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(job, name, value)
+    with pytest.raises(AttributeError):
+        job.cells.append(job)  # a tuple
+    cell = job.cells[0]
+    for change in (lambda d: d.update(x="y"), lambda d: d.__setitem__("x", "y"), lambda d: d.pop("x", None)):
+        with pytest.raises(TypeError):
+            change(cell.data)
+        with pytest.raises(TypeError):
+            change(cell.vectors)
+    assert cell.data and dict(pickle.loads(pickle.dumps(cell)).data) == dict(cell.data)  # still crosses processes
+    probed = dataclasses.replace(cell, probe="a probe")
+    assert probed.probe == "a probe" and cell.probe is None and probed.settings == cell.settings

@@ -8,7 +8,8 @@ import pytest
 
 from helpers import TWO_PROMPTS, compose
 from serve_common import MODEL, client, server
-from steer.runs import judge, run
+from steer.runs import judge
+from steer.tasks import registry
 
 RUN = [TWO_PROMPTS, "gen.max_new_tokens=4", "progress=false"]
 
@@ -31,7 +32,7 @@ def test_the_judge_asks_the_endpoint_and_a_reply_without_a_rating_is_recorded_an
     with server([], cache_dir, tmp_path / "server") as url:
         cfg = compose(*RUN, f"metrics.judge.base_url={url}/v1", f"metrics.judge.model={MODEL}",
                       "metrics.judge.concept=joy", "metrics.judge.max_tokens=6")
-        agg = run.main(cfg, out, console)
+        agg = registry.main(cfg, out, console)
         rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
         c = client(url)
         for r in rows:  # each reply is the endpoint's own answer to the request the judge describes
@@ -52,7 +53,7 @@ def test_no_request_leaves_the_machine_without_an_endpoint(tmp_path, cache_dir, 
 
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **kw: pytest.fail(f"a request was made: {a}"))
     (tmp_path / "run").mkdir()
-    agg = run.main(compose(*RUN), tmp_path / "run", console)
+    agg = registry.main(compose(*RUN), tmp_path / "run", console)
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert "judge" not in agg and not any(k.startswith("judge") for r in rows for k in r)
 
@@ -66,5 +67,5 @@ def test_a_judge_without_its_model_or_concept_is_refused_before_any_engine(tmp_p
                         (["metrics.judge.base_url=localhost:8000"], "metrics.judge.base_url"),
                         (["task=select", "select.layers=[1,2]", "select.rank_by=judge"], "select.rank_by")):
         with pytest.raises(ConfigError) as e:
-            run.prepare(compose(*RUN, *over), tmp_path)
+            registry.prepare(compose(*RUN, *over), tmp_path)
         assert e.value.field == field, (over, e.value)

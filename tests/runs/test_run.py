@@ -1,7 +1,9 @@
-"""`run.execute`: a pack of jobs gives each job exactly what it gives alone."""
+"""`run.execute`: a pack of jobs gives each job exactly what it gives alone; and what a run refuses before any
+engine starts (steer.tasks.registry.prepare)."""
 
 from helpers import TWO_PROMPTS, compose
 from steer.runs import run
+from steer.tasks import registry
 
 QUICK = [TWO_PROMPTS, "progress=false"]
 
@@ -13,7 +15,7 @@ def test_pack_with_different_generation_settings_equals_solo_runs(tmp_path, cach
 
     def job(cfg, name):
         (tmp_path / name).mkdir()
-        return run.prepare(cfg, tmp_path / name)
+        return registry.prepare(cfg, tmp_path / name)
 
     packed = run.execute([job(c, f"pack{i}") for i, c in enumerate(cfgs)], console)
     for i, c in enumerate(cfgs):
@@ -42,7 +44,7 @@ def test_engine_settings_are_checked_before_any_engine(cache_dir):
                            ("device=cuda:x", "expected cpu, cuda or cuda:N"),
                            ("device=cuda:4096", "CUDA device(s)")]:
         with pytest.raises(ConfigError) as e:
-            run.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
+            registry.prepare(compose(override, "engine=hf", f"cache_dir={cache_dir}"), cache_dir)
         assert e.value.field == override.split("=")[0] and says in str(e.value)
 
 
@@ -57,7 +59,7 @@ def test_a_run_into_a_directory_that_held_one_keeps_none_of_its_results(tmp_path
     for name in STALE:
         (d / name).write_text("the last run's")
     with pytest.raises(ConfigError):  # fails validation: its error.txt must not stand beside the old metrics
-        run.main(compose("tap.layer=99", *QUICK), d, console)
+        registry.main(compose("tap.layer=99", *QUICK), d, console)
     assert [name for name in STALE if (d / name).exists()] == []
 
 
@@ -70,7 +72,7 @@ def test_prompts_that_are_no_text_and_an_extract_out_that_is_a_directory_are_ref
                              (["prompts.steer=[[a,b]]"], "prompts.steer[0]"),
                              (["task=extract", f"extract.out={tmp_path}"], "extract.out")]:
         with pytest.raises(ConfigError) as e:
-            run.prepare(compose(*QUICK, *overrides), tmp_path)
+            registry.prepare(compose(*QUICK, *overrides), tmp_path)
         assert e.value.field == field, (overrides, e.value)
 
 
@@ -93,18 +95,17 @@ def test_a_missing_vector_file_is_said_before_the_models_files_are_read(tmp_path
     import pytest
 
     from steer.errors import ConfigError
-    from steer.runs import job
 
     def unread(*a, **kw):
         raise AssertionError("the model's files were read first")
 
-    monkeypatch.setattr(job, "model_spec", unread)
+    monkeypatch.setattr(registry, "model_spec", unread)
     for field in ("edit.vector", "extra_edits[0].edit.vector"):
         paths = {f: str(tmp_path / "other.safetensors") for f in ("edit.vector", "extra_edits[0].edit.vector")}
         paths[field] = str(tmp_path / "missing.safetensors")
         (tmp_path / "other.safetensors").write_bytes(b"")  # there: only the missing one is named
         with pytest.raises(ConfigError) as e:
-            job.prepare(compose(f"edit.vector.path={paths['edit.vector']}", "+experiment=joy_two_taps",
+            registry.prepare(compose(f"edit.vector.path={paths['edit.vector']}", "+experiment=joy_two_taps",
                                 f"extra_edits.0.edit.vector.path={paths['extra_edits[0].edit.vector']}",
                                 f"cache_dir={cache_dir}"), tmp_path / "out")
         assert e.value.field == f"{field}.path" and "missing.safetensors' does not exist" in str(e.value)
@@ -120,9 +121,9 @@ def test_a_continuation_longer_than_the_model_is_refused_before_any_weights(tmp_
     for limit, overrides in [(2048, ["gen.max_new_tokens=2048"]),
                              (64, ["model=tiny", "gen.max_new_tokens=64", "model.tiny.max_positions=64"])]:
         with pytest.raises(ConfigError) as e:
-            run.prepare(compose(*QUICK, *overrides), tmp_path)
+            registry.prepare(compose(*QUICK, *overrides), tmp_path)
         assert e.value.field == "gen.max_new_tokens" and f"tiny has {limit} positions" in str(e.value)
-    run.prepare(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
+    registry.prepare(compose("gen.max_new_tokens=2047", *QUICK), tmp_path)
 
 
 def test_a_pack_leaves_no_log_file_open_and_a_later_line_still_lands(tmp_path, cache_dir, console):
@@ -148,7 +149,7 @@ def test_a_pack_leaves_no_log_file_open_and_a_later_line_still_lands(tmp_path, c
 
 def _job(cfg, d):
     d.mkdir()
-    return run.prepare(cfg, d)
+    return registry.prepare(cfg, d)
 
 
 LONG = "the weather " * 1100  # about 2,200 tokens against the tiny model's 2,048 positions
@@ -159,9 +160,11 @@ def test_a_failing_job_does_not_lose_its_pack(tmp_path, cache_dir, console):
     bad = compose("gen.max_new_tokens=3", *QUICK)
     bad.prompts.steer = ["The weather today is", LONG]
     jobs = [_job(good, tmp_path / "0"), _job(bad, tmp_path / "1"), _job(good, tmp_path / "2")]
-    out = run.execute(jobs, console)
+    outcomes = run.run_jobs(jobs, console)
+    out = [o.result for o in outcomes]
     assert "error" not in out[0] and "error" not in out[2] and out[0]["prompts"] == 2
-    assert out[1] == {"error": jobs[1].result["error"]} and "prompts.steer[1]" in out[1]["error"]
+    assert outcomes[0].error is None and outcomes[2].error is None
+    assert out[1] == {"error": str(outcomes[1].error)} and "prompts.steer[1]" in out[1]["error"]
     for d in ("0", "2"):
         assert (tmp_path / d / "metrics.json").exists() and not (tmp_path / d / "error.txt").exists()
     assert not (tmp_path / "1" / "metrics.json").exists() and not (tmp_path / "1" / "results.jsonl").exists()
@@ -180,7 +183,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_generation(tmp_path,
     generated = []
     monkeypatch.setattr(run, "_generate", lambda engine, work, conts, console: generated.extend(work))
     with pytest.raises(ConfigError) as e:
-        run.main(cfg, job.out_dir, console)
+        registry.main(cfg, job.out_dir, console)
     assert e.value.field == "prompts.steer[1]" and not generated
     n = int(str(e.value).split(" is ")[1].split(" tokens")[0])
     assert n > 2045 and f"needs {n + 3} positions, but tiny has 2048" in str(e.value)
@@ -205,6 +208,7 @@ def test_a_sweep_over_layers_reads_its_pairs_once_and_each_baseline_once(tmp_pat
 
     from steer.edits import vector
     from steer.runs import extract
+    from steer.runs import job as job_mod
 
     # Pairs of this test's own: no other test has their directions in the shared cache
     pairs = ["prompts.positive=['A warm sunny morning','Laughing with old friends']",
@@ -216,11 +220,11 @@ def test_a_sweep_over_layers_reads_its_pairs_once_and_each_baseline_once(tmp_pat
 
     def job(name, layer):
         (tmp_path / name).mkdir()
-        return run.prepare(compose(f"tap.layer={layer}", *pairs, *QUICK), tmp_path / name)
+        return registry.prepare(compose(f"tap.layer={layer}", *pairs, *QUICK), tmp_path / name)
 
     layers = [1, 2, 3]
     pack = [job(f"pack{k}", k) for k in layers]
-    with run.engine_for(pack) as engine:
+    with job_mod.engine_for(pack) as engine:
         real = engine.score_many
         monkeypatch.setattr(engine, "score_many", lambda rows: scored.append(list(rows)) or real(rows))
         run.execute(pack, console, engine=engine)
@@ -250,9 +254,8 @@ def test_an_extract_out_the_kernel_refuses_is_said_before_any_engine(tmp_path, c
     from steer.errors import ConfigError
     from steer.runs import job
 
-    for where in (job, run):
-        monkeypatch.setattr(where, "engine_for", lambda jobs: pytest.fail("an engine started"))
+    monkeypatch.setattr(job, "engine_for", lambda jobs: pytest.fail("an engine started"))
     with pytest.raises(ConfigError) as e:
-        run.main(compose(*QUICK, "task=extract", "extract.out=/proc/nope/x.safetensors"), tmp_path, None)
+        registry.main(compose(*QUICK, "task=extract", "extract.out=/proc/nope/x.safetensors"), tmp_path, None)
     assert e.value.field == "extract.out" and "cannot be written" in str(e.value), e.value
     assert not list(tmp_path.glob("*.safetensors"))

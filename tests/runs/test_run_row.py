@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from helpers import TWO_PROMPTS, compose
 from steer.runs import run
+from steer.tasks import registry
 
 SCALE, NORM, NEW = 4.0, 15.0, 8  # norm 15: a projection on the raw vector, not the unit one, reads 15x
 
@@ -91,7 +92,7 @@ def test_every_metric_of_a_steered_run_matches_a_direct_recomputation(tmp_path, 
     out.mkdir()
     cfg = compose("engine=hf", "edit=add", f"edit.scale={SCALE}", f"edit.vector.path={path}", "metrics.sentiment=false",
                   f"gen.max_new_tokens={NEW}", TWO_PROMPTS, "progress=false")
-    [agg] = run.execute([run.prepare(cfg, out)], console)
+    [agg] = run.execute([registry.prepare(cfg, out)], console)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and agg == json.loads((out / "metrics.json").read_text())
 

@@ -1,5 +1,5 @@
 """The CLI side of the server tests: a request's presets and steer_scale as the `python -m steer` run with the same
-edits, run through steer.runs.run.main (what the CLI runs after Hydra composes its config)."""
+edits, run through steer.tasks.registry.main (what the CLI runs after Hydra composes its config)."""
 
 import copy
 import json
@@ -27,14 +27,14 @@ def cli_edits(steer, scale):
 
 
 def cli_run(edits, out_dir, *overrides):
-    """steer.runs.run.main (what `python -m steer engine=hf` runs) on PROMPTS with these edits as tap/edit and
+    """steer.tasks.registry.main (what `python -m steer engine=hf` runs) on PROMPTS with these edits as tap/edit and
     extra_edits; its results.jsonl rows."""
-    from steer.runs import run
+    from steer.tasks import registry
 
     quoted = ",".join("'" + p.replace("'", "\\'") + "'" for p in PROMPTS)
     cfg = compose("engine=hf", "progress=false", f"gen.max_new_tokens={MAX_TOKENS}", f"prompts.steer=[{quoted}]",
                   *overrides)
     cfg.tap, cfg.edit, cfg.extra_edits = edits[0].tap, edits[0].edit, list(edits[1:])
     out_dir.mkdir(parents=True, exist_ok=True)
-    run.main(cfg, out_dir, Console(quiet=True))
+    registry.main(cfg, out_dir, Console(quiet=True))
     return [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ from rich.console import Console
 from helpers import compose
 from serve_common import chat, check_listing, client, server
 from steer.runs import run
+from steer.tasks import registry
 
 PROMPT = "The weather today is"
 TOKENS = 12
@@ -29,7 +30,7 @@ def test_presets_serve_smollm2s_layer_and_equal_the_cli(smol_url, tmp_path):
     steered, plain = chat(c, PROMPT, "joy", max_tokens=TOKENS), chat(c, PROMPT, max_tokens=TOKENS)
     cfg = compose("+experiment=smollm2_joy", "engine=hf", "progress=false", "metrics.sentiment=false",
                   f"gen.max_new_tokens={TOKENS}", f"prompts.steer=['{PROMPT}']", tiny=False)
-    run.execute([run.prepare(cfg, tmp_path)], Console(file=io.StringIO()))
+    run.execute([registry.prepare(cfg, tmp_path)], Console(file=io.StringIO()))
     row = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
     assert (steered, plain) == (row["steered"], row["baseline"])
     assert steered != plain

@@ -6,16 +6,48 @@ scale x vector over the run's add edits there, so `--control-vector FILE` (stren
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict
 
 import torch
+from rich.console import Console
+from rich.markup import escape
 
-from steer.config.schema import SteerConf
+from steer import report, results
+from steer.config import checks
+from steer.config.schema import SteerConf, Task
 from steer.edits import formats, vector
-from steer.edits.plan import Plan, spec_layer
+from steer.edits.plan import Plan, build, spec_layer
 from steer.errors import ConfigError
 from steer.models.spec import ModelSpec
+from steer.runs import inputs
+from steer.runs.job import Job
+from steer.tasks.base import TaskDef
+
+
+def check(cfg: SteerConf, engine: str) -> None:
+    checks.run(cfg, engine)
+    checks.export(cfg)
+
+
+def prepare(job: Job) -> Job:
+    """Its plan, and the file it writes checked now: nothing is written on a bad one."""
+    vectors = inputs.vectors(job.cfg)
+    plan = build(job.cfg, job.spec)
+    directions(plan, job.spec, job.cfg.export.format)
+    return replace(job, vectors=vectors, plan=plan)
+
+
+def run(job: Job, console: Console, engine=None) -> Dict:
+    """The run's edits written as export.format (no engine: `engine` is not used)."""
+    out = out_path(job.cfg, job.out_dir)
+    result = write(job.cfg, job.plan, job.spec, out)
+    results.write_json(job.out_dir / "metrics.json", result)
+    report.write_quietly(job.out_dir)
+    console.print(f"wrote [bold]{escape(str(out))}[/] ({result['format']}, layers {result['layers']})")
+    return result
+
 
 def out_path(cfg: SteerConf, out_dir: Path) -> Path:
     fmt = cfg.export.format
@@ -60,3 +92,6 @@ def write(cfg: SteerConf, plan: Plan, spec: ModelSpec, out: Path) -> Dict:
         vector.save_layers(out, found, model=spec.name, tap=",".join(f"layer{k}" for k in found),
                                  method="export")
     return {"vector": str(out), "format": cfg.export.format, "layers": list(found)}
+
+
+TASK = TaskDef(Task.export, check, prepare, run)

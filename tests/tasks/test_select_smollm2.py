@@ -10,7 +10,7 @@ import pytest
 import steer
 from steer.edits import vector
 from steer.runs import metrics
-from steer.runs.select import read_rows
+from steer.tasks.select import read_rows
 
 JOY = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said",
        "The old house at the end of the street", "After the long journey we finally", "The music in the hall was"]

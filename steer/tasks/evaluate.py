@@ -23,6 +23,8 @@ import io
 import json
 import logging
 import random
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -31,17 +33,39 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from steer import results
-from steer.config.schema import SteerConf
+from steer import report, results
+from steer.config import checks
+from steer.config.schema import SteerConf, Task
 from steer.edits.plan import Plan, build
 from steer.errors import ConfigError
 from steer.runs import data, inputs
 from steer.runs.data import ABItem, dataset_path, shipped
+from steer.runs.extract import extract
+from steer.runs.job import Job, model_files
+from steer.tasks.base import TaskDef
 
 log = logging.getLogger(__name__)
 RESAMPLES = 10000
 CHUNK = 8  # items scored per engine call: each holds a [tokens, vocab] log-prob table until read
 FEW_ITEMS = 10  # scored items below which the bootstrap's intervals are said to mean little
+
+
+def check(cfg: SteerConf, engine: str) -> None:
+    checks.run(cfg, engine)
+    checks.eval_task(cfg)
+
+
+def prepare(job: Job) -> Job:
+    """Its items (the dataset read and split), and its plan."""
+    items = load(job.cfg)
+    vectors = inputs.vectors(job.cfg)
+    plan = build(job.cfg, job.spec)
+    return replace(job, items=items, vectors=vectors, plan=plan, taps=tuple(plan.taps.values()))
+
+
+def dataset_file(cfg) -> Sequence[str]:
+    """The A/B dataset it reads (a job config, typed or as Hydra composed it)."""
+    return [str(dataset_path(cfg.eval.dataset))]
 
 
 def load(cfg: SteerConf) -> Tuple[List[ABItem], List[ABItem]]:
@@ -150,16 +174,14 @@ def plans(cfg: SteerConf, spec, direction: Optional[torch.Tensor],
     return at
 
 
-def run(job, console: Console, engine_for: Callable) -> Dict:
-    """Run a prepared task=eval job into its run directory on the engine `engine_for([job])` gives
-    (steer.runs.job.engine_for); return its metrics."""
-    from dataclasses import replace
-
-    from steer.runs.extract import extract
+def run(job: Job, console: Console, engine=None) -> Dict:
+    """Run a prepared task=eval job into its run directory (on `engine`, else one it holds) and its report; return
+    its metrics."""
+    from steer.runs.job import engine_for
 
     cfg = job.cfg
     fit, held = job.items
-    with engine_for([job]) as engine:
+    with nullcontext(engine) if engine is not None else engine_for([job]) as engine:
         vec, meta, diag = None, None, None
         if job.plan.pending:
             pos, neg = pair_prompts(engine, fit, cfg.prompts.chat)
@@ -176,6 +198,7 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
             console.print(f"[yellow]warning[/] {few}", highlight=False)
             log.warning(few)
         out = evaluate(engine, held, plans(cfg, job.spec, vec, meta), cfg.eval.scales, cfg.prompts.chat, cfg.eval.seed)
+        files = model_files(job, engine)
     out = {"dataset": str(dataset_path(cfg.eval.dataset)), "tap": job.taps[0].name, "edit": cfg.edit.kind.value,
            "fit_items": len(fit), "direction_norm": float(vec.norm()) if vec is not None else None,
            "diagnostics": diag, **out}
@@ -184,13 +207,13 @@ def run(job, console: Console, engine_for: Callable) -> Dict:
         metrics[f"p_matching_scale{s['scale']:g}"] = s["p_matching"]
         metrics[f"shift_scale{s['scale']:g}"] = s["shift"]
     d = job.out_dir
-    inputs.write(d, job.vectors, job.model_files if job.model_files is not None else inputs.model(cfg, job.spec),
-                 job.data, job.settings)
+    inputs.write(d, job.vectors, files, job.data, job.settings)
     results.write_json(d / "eval.json", out)
     results.write_bytes(d / "eval.png", plot(out))
     results.write_json(d / "metrics.json", metrics)  # last: its presence marks the job complete
     _table(console, out)
     console.print(f"results in [bold]{d}[/]")
+    report.write_quietly(d)  # the page reads eval.json and eval.png back
     return metrics
 
 
@@ -235,3 +258,6 @@ def _table(console: Console, out: Dict) -> None:
         t.add_row(f"{s['scale']:g}", f"{s['p_matching']:.3f}", f"{s['shift']:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]")
     console.print(t)
     log.info("eval: %s", json.dumps({k: v for k, v in out.items() if k != "items"}))
+
+
+TASK = TaskDef(Task.eval, check, prepare, run, ab_items=True, data_files=dataset_file)

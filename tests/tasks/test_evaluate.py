@@ -1,4 +1,4 @@
-"""task=eval (steer/runs/evaluate.py): p(matching) checked against a direct transformers computation, the held-out
+"""task=eval (steer/tasks/evaluate.py): p(matching) checked against a direct transformers computation, the held-out
 split, and the run's files."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import compose, run_cli
-from steer.runs import evaluate
+from steer.tasks import evaluate
 from steer.runs.data import ABItem
 
 

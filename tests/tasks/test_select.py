@@ -9,18 +9,18 @@ from rich.console import Console
 from safetensors.torch import save_file
 
 from helpers import TWO_PROMPTS, compose
-from steer.runs import run
+from steer.tasks import registry
 
 GRID = ["task=select", "select.layers=[1,2]", "select.scales=[2,4]", "gen.max_new_tokens=3", TWO_PROMPTS,
         "progress=false"]
 
 
 def _select(tmp_path, caplog, *overrides):
-    with caplog.at_level(logging.INFO, logger="steer.runs.select"):
+    with caplog.at_level(logging.INFO, logger="steer.tasks.select"):
         caplog.clear()
-        summary = run.main(compose(*GRID, *overrides), tmp_path / "sel", Console(file=io.StringIO()))
+        summary = registry.main(compose(*GRID, *overrides), tmp_path / "sel", Console(file=io.StringIO()))
     said = [r.getMessage() for r in caplog.records
-            if r.name == "steer.runs.select" and r.getMessage().startswith("select")]
+            if r.name == "steer.tasks.select" and r.getMessage().startswith("select")]
     return summary, said[0]
 
 

@@ -11,6 +11,8 @@ threshold at each layer, the choice marked).
 """
 
 import random
+from contextlib import nullcontext
+from dataclasses import replace
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -19,11 +21,31 @@ from rich.console import Console
 from rich.table import Table
 
 from steer import results
-from steer.config.schema import SteerConf, TapConf
+from steer.config import checks
+from steer.config.schema import SteerConf, TapConf, Task
 from steer.edits.condition import Condition
 from steer.edits.plan import when_vector
 from steer.edits.tap import resolve
 from steer.runs.extract import Recipe, direction
+from steer.runs.job import Job
+from steer.tasks.base import TaskDef
+
+
+def check(cfg: SteerConf, engine: str) -> None:
+    checks.run(cfg, engine, conditions=False)  # the condition's layer and threshold are what it chooses
+    checks.condition_task(cfg)
+
+
+def prepare(job: Job) -> Job:
+    """Its grid checked against the model, a tap per layer of it, and a condition file's layers read now (a missing
+    one is said before the engine starts)."""
+    cfg, spec = job.cfg, job.spec
+    checks.condition_task(cfg, spec.layers)
+    taps = tuple(resolve(TapConf(layer=k), spec, "condition.layers") for k in cfg.condition.layers)
+    if cfg.edit.when.vector is not None:
+        for k in cfg.condition.layers:
+            when_vector(cfg.edit.when.vector, cfg.edit.when.key, spec.hidden, "edit.when", k)
+    return replace(job, taps=taps)
 
 
 def split(cfg: SteerConf) -> Tuple[Tuple[List[str], List[str]], Tuple[List[str], List[str]]]:
@@ -66,7 +88,11 @@ def grid(cfg: SteerConf) -> np.ndarray:
     return np.round(np.arange(-1.0, 1.0 + c.step / 2, c.step), 6)
 
 
-def run(job, console: Console, engine_for) -> Dict:
+def run(job: Job, console: Console, engine=None) -> Dict:
+    """Score the held-out prompts at every layer of the grid (on `engine`, else one it holds), write condition.json,
+    condition.png and metrics.json; the choice as metrics."""
+    from steer.runs.job import engine_for
+
     cfg = job.cfg
     w = cfg.edit.when
     (fit_pos, fit_neg), (held_pos, held_neg) = split(cfg)
@@ -74,7 +100,7 @@ def run(job, console: Console, engine_for) -> Dict:
     thresholds = grid(cfg)
     truth = np.array([True] * len(held_pos) + [False] * len(held_neg))
     layers: Dict[int, Dict] = {}
-    with engine_for([job]) as engine:
+    with nullcontext(engine) if engine is not None else engine_for([job]) as engine:
         held = held_pos + held_neg
         encoded = [engine.encode(p, cfg.prompts.chat) for p in held]
         taps = {k: resolve(TapConf(layer=k), job.spec, "condition.layers") for k in cfg.condition.layers}
@@ -136,3 +162,6 @@ def _plot(path, thresholds: np.ndarray, layers: Dict[int, Dict], choice: Dict) -
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+TASK = TaskDef(Task.condition, check, prepare, run)

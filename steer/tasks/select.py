@@ -22,6 +22,8 @@ import io
 import logging
 import random
 import shlex
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -29,13 +31,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from steer import results
+from steer import report as pages, results
 from steer.results import read_rows
 
+from steer.config import checks
+from steer.edits.plan import build
 from steer.report.heatmap import label_colour
-from steer.runs import damage, rundir
+from steer.runs import damage, grid, inputs, probe as probes, rundir, run as runner
 from steer.runs.grid import cell_name
-from steer.config.schema import NOT_RESULTS, SteerConf
+from steer.runs.job import Job
+from steer.config.schema import NOT_RESULTS, PACK, SteerConf, Task
+from steer.tasks.base import TaskDef
 
 log = logging.getLogger(__name__)
 MIN_SPLIT = 4  # prompts a split needs: two on either side
@@ -58,22 +64,39 @@ def _settings(cfg: SteerConf, probe=None) -> Dict:
     return out
 
 
-def _done(cell) -> bool:
-    """Whether a pair finished before with these settings and probe, and its vector files, data files and model read
-    as they did then; its metrics then stand as its result."""
-    from steer.runs import inputs
+def check(cfg: SteerConf, engine: str) -> None:
+    checks.run(cfg, engine)
 
+
+def prepare(job: Job) -> Job:
+    """Its grid checked against the model, and a steer job per pair (its plan, and the probe's tap where a probe
+    file or layer names it; else the grid's layers choose it once the engine runs)."""
+    cfg, spec = job.cfg, job.spec
+    checks.select_grid(cfg, spec.layers)
+    known = probes.tap(cfg, spec)
+    cells = []
+    for cell in grid.cells(cfg):
+        digests = inputs.vectors(cell)
+        plan = build(cell, spec)
+        taps = list(plan.taps.values()) + ([known] if known and known.path not in plan.taps else [])
+        cells.append(Job(cell, spec, job.out_dir / grid.cell_name(cell), job.engine, job.recipe, tuple(taps), plan,
+                         vectors=digests, data=job.data))
+    return replace(job, cells=tuple(cells))
+
+
+def _done(cell) -> Optional[Dict]:
+    """A pair's metrics where it finished before with these settings and probe, and its vector files, data files and
+    model read as they did then (they then stand as its result); else None."""
     d = cell.out_dir
     got = results.read_json(d / "metrics.json")
     if got is None or "error" in got or results.read_json(d / CELL) != _settings(cell.cfg, cell.probe):
-        return False
+        return None
     rows = read_rows(d)
     if not rows or any(k not in rows[0] for k in ROW_KEYS):  # scored before the probe or the run length was read
-        return False
+        return None
     if inputs.recorded_changes(d, inputs.data_paths(cell.cfg)) is not None:
-        return False
-    cell.result = got
-    return True
+        return None
+    return got
 
 
 def split(n: int, share: float, seed: int) -> Tuple[List[int], List[int]]:
@@ -88,22 +111,26 @@ def split(n: int, share: float, seed: int) -> Tuple[List[int], List[int]]:
     return sorted(order[:k]), sorted(order[k:])
 
 
-def run(job, console: Console, execute: Callable, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
-    """Run the grid of a prepared task=select job into its run directory with `execute` (steer.runs.run.execute_packs),
-    write the selection report and return the best pair (or none). `engine`: one already started for the job's
-    model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where the
-    run is not a command line's (steer.Lab's), else read from Hydra's."""
-    from contextlib import nullcontext
+def run(job: Job, console: Console, engine=None, command: Optional[Callable[[Dict], str]] = None) -> Dict:
+    """Run the grid of a prepared task=select job into its run directory (its pairs in packs, steer.runs.run), write
+    the selection report and the run's page, and return the best pair (or none). `engine`: one already started for
+    the job's model (steer.Lab's), else one is held for the grid. `command`: the rerun command of the best pair, where
+    the run is not a command line's (steer.Lab's), else read from Hydra's."""
+    summary = _select(job, console, engine, command)
+    if pages.write_quietly(job.out_dir):  # after selection.json, whose pairs the page reads back
+        console.print(f"report: [bold]{job.out_dir / pages.FILE}[/] (the heat map, each pair's texts)")
+    return summary
 
-    from steer.runs import probe as probes
+
+def _select(job: Job, console: Console, engine, command: Optional[Callable[[Dict], str]]) -> Dict:
     from steer.runs.job import engine_for
 
-    cfg, out_dir, jobs = job.cfg, job.out_dir, job.cells
-    with nullcontext(engine) if engine is not None else engine_for(jobs) as engine:
+    cfg, out_dir = job.cfg, job.out_dir
+    with nullcontext(engine) if engine is not None else engine_for(job.cells) as engine:
         probe = probes.choose(cfg, job.spec, engine)  # the default directions it compares are the pairs' own
-        for cell in jobs:
-            cell.probe = probe
-        todo = [cell for cell in jobs if not _done(cell)]
+        jobs = [replace(cell, probe=probe) for cell in job.cells]
+        got = {cell.out_dir: _done(cell) for cell in jobs}
+        todo = [cell for cell in jobs if got[cell.out_dir] is None]
         for cell in todo:
             cell.out_dir.mkdir(parents=True, exist_ok=True)
             rundir.clear_stale(cell.out_dir)
@@ -117,17 +144,20 @@ def run(job, console: Console, execute: Callable, engine=None, command: Optional
         log.info(say)  # the run's steer.log (each pair's own says how it ran)
         console.print(f"select: {_probe_line(probe)}", highlight=False, soft_wrap=True)
         try:
-            execute(todo, console, engine=engine)
+            for start in range(0, len(todo), PACK):  # a pack's files are written when it finishes
+                pack = todo[start : start + PACK]
+                got.update(zip((cell.out_dir for cell in pack),
+                               runner.execute(pack, console, summary=False, engine=engine)))
         except KeyboardInterrupt:
-            done = sum(1 for cell in jobs if _done(cell))
+            done = sum(1 for cell in jobs if _done(cell) is not None)
             console.print(f"select: interrupted, {done} of {len(jobs)} pairs done; the same command with "
                           f"hydra.run.dir={out_dir} runs the rest and keeps these", soft_wrap=True)
             raise
-    rows = {cell.out_dir: (read_rows(cell.out_dir) or []) if not (cell.result or {}).get("error") else []
+    rows = {cell.out_dir: (read_rows(cell.out_dir) or []) if not (got[cell.out_dir] or {}).get("error") else []
             for cell in jobs}
     n_prompts = len(cfg.prompts.steer)
     choose, report = split(n_prompts, cfg.select.split, cfg.select.split_seed)
-    table = [_cell(cell.cfg, cell.result or {}, rows[cell.out_dir], choose, report, cfg.select) for cell in jobs]
+    table = [_cell(cell.cfg, got[cell.out_dir] or {}, rows[cell.out_dir], choose, report, cfg.select) for cell in jobs]
     best = _best(table, cfg.select.rank_by)
     summary = {"best": best, "cells": table, "max_ppl_ratio": cfg.select.max_ppl_ratio,
                "max_bad_prompts": cfg.select.max_bad_prompts, "max_run": cfg.select.max_run,
@@ -481,3 +511,6 @@ def _print(console: Console, cfg: SteerConf, table: List[Dict], best: Optional[D
     else:
         console.print(f"[bold red]no pair passed[/]: {NO_PAIR}")
     console.print(f"report in [bold]{out_dir / 'selection.md'}[/]")
+
+
+TASK = TaskDef(Task.select, check, prepare, run, resumes_itself=True)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from select_fake import row, run_grid
-from steer.runs import select
+from steer.tasks import select
 from steer.runs.damage import Rules, judge, longest_repeat
 
 CLEAN = {"ppl_baseline": 3.0, "ppl_steered": 3.3, "distinct2_baseline": 0.9, "distinct2_steered": 0.85}

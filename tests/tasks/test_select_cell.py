@@ -9,7 +9,7 @@ import pytest
 
 from helpers import compose
 from select_fake import row, run_grid
-from steer.runs import select
+from steer.tasks import select
 
 CAP = 2.0
 # (layer, scale) -> the metrics its steer run wrote for each of its prompts: gain 2 at ppl x1.25; gain 5 at x2

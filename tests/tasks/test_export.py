@@ -76,8 +76,8 @@ def test_smollm2_layers_8_to_16_run_the_same_after_gguf_export_and_reimport(smol
     """Extracted per layer (8..16) and saved in the multi-layer layout; run from that file, then exported to GGUF
     (task=export) and run from the GGUF: the same greedy tokens."""
     from steer.config.schema import Task
-    from steer.runs import export
-    from steer.runs.job import prepare
+    from steer.tasks import export
+    from steer.tasks.registry import prepare
 
     cfg = compose("model=smollm2", tiny=False)
     pos, neg = list(cfg.prompts.positive), list(cfg.prompts.negative)
