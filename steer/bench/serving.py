@@ -5,7 +5,10 @@ GPU only.
     python -m steer.bench.serving --out bench-serve [--modes replay,in_graph,compiled] [--repeats 3]
 
 Loads (256 random prompts of 256 tokens, 128 new tokens, EOS ignored, greedy, 16 in flight): `unsteered`; `mixed`,
-a third each unsteered, on preset add8 and on clamp16; `ablate_all`, every request ablating at all 32 layers. The
+a third each unsteered, on preset add8 and on clamp16; `ablate_all`, every request ablating at all 32 layers; and on
+the `replay_when` server (replay mode with `serve.inline_layers=[8,12]`, the one that takes a request's own vectors)
+`when`: half the requests unsteered, half adding their own vector after layer 12 under their own condition
+(`steer_when`: the prompt's mean after layer 8 against a direction, cosine above 0). The
 stock servers run `unsteered`: `stock` on vLLM's own choice of model runner and `stock_v1` on the V1 runner steer's
 worker hooks, which holds the runner fixed. Every load runs --repeats times, the loads in turn; a row is the median
 of its runs with the throughput's range, against each stock server's unsteered load (bench-serve.md, .json).
@@ -34,12 +37,16 @@ PRESETS = {  # name -> (kind, layers, scale, extra edit fields)
     "ablate_all": ("ablate", list(range(LAYERS)), 1.0, {}),
 }
 LOADS = {"unsteered": [None], "mixed": [None, "add8", "clamp16"], "ablate_all": ["ablate_all"]}
+# The server that takes requests' own vectors (and their conditions) runs these: its unsteered load beside `when`
+WHEN_LOADS = {"unsteered": [None], "when": [None, "when"]}
+WHEN_LAYERS = (8, 12)  # where a `when` request's condition reads the prompt, and where its vector is added
 # name -> environment over the caller's (None: unset, so a variable exported in the shell cannot pick stock's runner)
 BASELINES = {"stock": {"VLLM_USE_V2_MODEL_RUNNER": None}, "stock_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 MEDIANS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 # steer's servers: mode -> its overrides (each explicit: with none the server picks compiled edits)
 MODES = {"replay": ["vllm.compiled_edits=false"], "in_graph": ["vllm.edits_in_graph=true"],
-         "compiled": ["vllm.compiled_edits=true"]}
+         "compiled": ["vllm.compiled_edits=true"],
+         "replay_when": ["vllm.compiled_edits=false", f"serve.inline_layers=[{','.join(map(str, WHEN_LAYERS))}]"]}
 
 
 def write_presets(work: Path, hidden: int) -> Path:
@@ -59,7 +66,18 @@ def write_presets(work: Path, hidden: int) -> Path:
                  for layer in layers]
         (pdir / f"{name}.yaml").write_text(json.dumps({"description": f"bench: {kind} at {len(layers)} layer(s)",
                                                        "edits": edits}))
+    (work / "when.json").write_text(json.dumps(when_xargs(vectors["add8"], torch.randn(hidden, generator=gen))))
     return pdir
+
+
+def when_xargs(vector: torch.Tensor, condition: torch.Tensor) -> dict:
+    """A `when` request's vllm_xargs: its own vector after layer 12 under its own condition read after layer 8."""
+    from steer.serve.protocol import encode_vector
+
+    read, add = WHEN_LAYERS
+    return {"steer_vector": encode_vector(vector.numpy()), "steer_layer": add, "steer_strength": 4.0,
+            "steer_when": {"vector": encode_vector(condition.numpy()), "layer": read, "threshold": 0.0,
+                           "score": "cosine"}}
 
 
 def stock_cmd(model: Path, port: int, gpu_util: float) -> List[str]:
@@ -80,7 +98,8 @@ def steer_cmd(model: Path, presets: Path, port: int, gpu_util: float, mode: str)
 
 
 def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args) -> dict:
-    """vLLM's serving benchmark against `url`, request i on preset cycle[i % len(cycle)] (None: none); its result."""
+    """vLLM's serving benchmark against `url`, request i on preset cycle[i % len(cycle)] (None: none; "when": its own
+    vector and condition, written beside the presets); its result."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -94,13 +113,15 @@ def load(url: str, tokenizer: Path, cycle: List[Optional[str]], out: Path, args)
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--num-warmups",
         str(args.concurrency), "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name])
     samples = bench.get_samples
+    own = json.loads((out.parent / "when.json").read_text()) if "when" in cycle else None
 
     def with_presets(a, tok):  # the one seam: each request's preset rides its own extra body (vllm_xargs)
         reqs = samples(a, tok)
         for i, r in enumerate(reqs):
             name = cycle[i % len(cycle)]
             if name is not None:
-                r.request_overrides = {**(r.request_overrides or {}), "vllm_xargs": {"steer": name}}
+                xargs = own if name == "when" else {"steer": name}
+                r.request_overrides = {**(r.request_overrides or {}), "vllm_xargs": xargs}
         return reqs
 
     bench.get_samples = with_presets
@@ -183,7 +204,7 @@ def measure(name: str, model: Path, presets: Path, out: Path, args) -> Dict[str,
     port, stock = free_port(), name in BASELINES
     cmd = stock_cmd(model, port, args.gpu_memory_utilization) if stock else \
         steer_cmd(model, presets, port, args.gpu_memory_utilization, name)
-    loads = {k: v for k, v in LOADS.items() if k == "unsteered" or not stock}
+    loads = {k: v for k, v in (WHEN_LOADS if name == "replay_when" else LOADS).items() if k == "unsteered" or not stock}
     runs: Dict[str, List[dict]] = {k: [] for k in loads}
     with running(cmd, port, out / f"server-{name}.log", env=environment(name) if stock else None) \
             as url:
@@ -199,7 +220,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m steer.bench.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-serve")
     p.add_argument("--modes", default="replay,compiled",
-                   help="steer servers to run: replay, in_graph, compiled (comma-separated)")
+                   help="steer servers to run: replay, in_graph, compiled, replay_when (comma-separated)")
     p.add_argument("--baselines", default="stock,stock_v1", help="stock servers to run: stock, stock_v1")
     p.add_argument("--repeats", type=int, default=3, help="runs of each load on its server (the row: their median)")
     p.add_argument("--requests", type=int, default=256)

@@ -54,7 +54,7 @@ def fake_servers(monkeypatch):
     """Servers and loads stood in for: each load's result is a throughput and TTFT derived from its server, load and
     repeat, so medians and ratios can be computed independently; the calls are recorded."""
     calls = {"started": [], "loads": []}
-    tput = {"stock": 1000.0, "stock_v1": 800.0, "replay": 900.0, "compiled": 950.0}
+    tput = {"stock": 1000.0, "stock_v1": 800.0, "replay": 900.0, "compiled": 950.0, "replay_when": 880.0}
 
     @contextmanager
     def running(cmd, port, log_path, env=None):
@@ -98,6 +98,23 @@ def test_each_server_runs_its_loads_in_turn_repeats_times(tmp_path, fake_servers
     # TTFT 100, 101, 108 and TPOT 5, 5.25, 6 over the repeats: medians, not means; one failed run in replay's three
     assert r["median_ttft_ms"] == 101.0 and r["median_tpot_ms"] == 5.25 and r["failed"] == 1
     assert rows["compiled/ablate_all"]["failed"] == 0
+
+
+def test_the_when_load_sends_its_own_vector_and_condition_to_the_server_that_takes_them(tmp_path, fake_servers):
+    from steer.serve.protocol import InlinePolicy, parse_steer
+
+    serving.write_presets(tmp_path, 64)
+    own = json.loads((tmp_path / "when.json").read_text())
+    args = parse_steer({"vllm_xargs": own}, [], 100.0, inline=InlinePolicy(64, serving.WHEN_LAYERS))
+    assert len(args.inline) == 1 and args.inline[0].layer == 12 and args.when.layer == 8  # the server's own checks
+    assert args.when.score == "cosine" and args.when.threshold == 0.0
+    serving.measure("replay_when", tmp_path / "model", tmp_path / "presets", tmp_path, _args(repeats=1))
+    serving.measure("compiled", tmp_path / "model", tmp_path / "presets", tmp_path, _args(repeats=1))
+    (_, cmd, _), _ = fake_servers["started"]
+    assert "serve.inline_layers=[8,12]" in cmd and "vllm.compiled_edits=false" in cmd
+    loads = [(n, ld, c) for n, ld, _, c in fake_servers["loads"]]
+    assert loads[:2] == [("replay_when", "unsteered", [None]), ("replay_when", "when", [None, "when"])]
+    assert "when" not in {ld for n, ld, _ in loads if n == "compiled"}  # a compiled server takes no own vectors
 
 
 def test_main_writes_the_table_against_both_stock_servers(tmp_path, fake_servers, monkeypatch):
