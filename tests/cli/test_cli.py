@@ -170,23 +170,20 @@ def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says)
     assert says in line and "$VALUE" not in line
 
 
-def test_a_misspelt_key_in_a_config_file_of_ones_own_names_the_file_and_the_nearest_key(tmp_path, cache_dir):
-    (tmp_path / "my_conf" / "prompts").mkdir(parents=True)
-    (tmp_path / "my_conf" / "prompts" / "calm.yaml").write_text("postive: [calm]\nnegative: [rush]\n")
-    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), "prompts=calm"], tmp_path, cache_dir)
+@pytest.mark.parametrize("group,name,text,says", [
+    ("prompts", "calm", "postive: [calm]\nnegative: [rush]\n",
+     "error prompts/calm: prompts.postive: is not a setting of this config; did you mean prompts.positive?"),
+    ("edit", "half", "kind: scale\nscale: 0.5\n",
+     "error edit/half: edit.kind: 'scale' was renamed; did you mean 'rescale'?"),
+], ids=["misspelt key", "old spelling"])
+def test_a_bad_key_in_a_config_file_of_ones_own_names_the_file_and_the_right_one(tmp_path, cache_dir, group, name,
+                                                                                  text, says):
+    (tmp_path / "my_conf" / group).mkdir(parents=True)
+    (tmp_path / "my_conf" / group / f"{name}.yaml").write_text(text)
+    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), f"{group}={name}"], tmp_path, cache_dir)
     assert res.returncode == 2
     [line] = res.stderr.strip().splitlines()
-    assert line.startswith("error prompts/calm: prompts.postive: is not a setting of this config; did you mean "
-                           "prompts.positive?")
-
-
-def test_an_old_spelling_in_a_config_file_of_ones_own_names_the_file_and_the_new_one(tmp_path, cache_dir):
-    (tmp_path / "my_conf" / "edit").mkdir(parents=True)
-    (tmp_path / "my_conf" / "edit" / "half.yaml").write_text("kind: scale\nscale: 0.5\n")
-    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), "edit=half"], tmp_path, cache_dir)
-    assert res.returncode == 2
-    [line] = res.stderr.strip().splitlines()
-    assert line.startswith("error edit/half: edit.kind: 'scale' was renamed; did you mean 'rescale'?")
+    assert line.startswith(says)
 
 
 def test_a_second_run_into_a_held_run_dir_refuses(cli, tmp_path):
