@@ -1,21 +1,22 @@
 """Conditions decided on the device, per request, as data in the graph: no branch, no host read-back.
 
-Each request that asks for a decision (`RequestEdits.decide`) holds a slot while it runs. A step's rows carry five
+Each request that asks for a decision (`RequestEdits.decide`) holds a slot while it runs. A step's rows carry four
 int64 rows of facts at a fixed address (`rows`, filled by the host with the step's weights; rows past the step's
 point at the scratch slot, so padding and unconditioned rows write only there):
 
     0  the row's slot                  every row of a deciding request (the gate reads its decision)
-    1  the slot to accumulate into     the request's prompt rows (reduce=mean sums them)
-    2  the slot to decide              the prompt's last row (its score and decision are written then)
+    1  the slot to accumulate into     the request's prompt rows until it has decided (reduce=mean sums them)
+    2  the slot to decide              the prompt's last row, the first time it runs (score and decision written)
     3  the prompt length               the mean's divisor
-    4  the slot to start over          the sequence's first row (a request run again from its start, preempted)
 
 At a condition's tap, after the tap's edits, `decide` adds the prompt rows to their slot's sum (or keeps the last
 row), and on the prompt's last row scores the reduced vector and writes the decision (1.0 or 0.0) into `flags`.
 A gated edit's weight on a row is its weight times `flags[slot of the row, condition]` (`gate`): 0 before the
 decision (earlier chunks of a prompt, and taps up to the condition's in the forward that decides), the decision
 from then on; generated rows read the decision their prompt made and never decide again. The host zeroes a slot
-when a request takes it (outside any graph), so nothing of the slot's last holder is read.
+(outside any graph, before the step runs) when a request takes it, or starts its prompt over undecided (a request
+preempted mid-prompt and run again from its first token), so nothing of an earlier holder or run is read; a request
+run again after it decided keeps its decision and decides nothing more.
 """
 
 from typing import Dict, List, Sequence
@@ -36,13 +37,14 @@ class Conditions:
         self.acc = [torch.zeros(slots + 1, c.vector.shape[0], device=device) for c in self.list]
         self.scores = torch.zeros(len(self.list), slots + 1, device=device)
         self.flags = torch.zeros(slots + 1, max(len(self.list), 1), device=device)
-        self.rows = torch.full((5, max_rows), slots, dtype=torch.int64, device=device)
+        self.rows = torch.full((4, max_rows), slots, dtype=torch.int64, device=device)
         self.rows[3] = 1
         self._high = 0  # rows of `rows` the last step wrote
         self.deciding = False  # the host knows: some row of this step is a deciding request's prompt row
         self._slot: Dict[str, int] = {}
         self._free = list(range(slots - 1, -1, -1))
         self._fresh: List[int] = []  # slots taken since the last step: zeroed before it runs
+        self._decided: set = set()  # slots whose prompt's last row has run
 
     def adopt(self, old: "Conditions") -> None:
         """Take over `old`'s slots and what they hold (this engine's conditions are `old`'s and more after them)."""
@@ -50,6 +52,7 @@ class Conditions:
         if old.scratch != self.scratch or n == 0:
             return
         self._slot, self._free, self._fresh = dict(old._slot), list(old._free), list(old._fresh)
+        self._decided = set(old._decided)
         for i in range(n):
             self.acc[i].copy_(old.acc[i])
         self.scores[:n].copy_(old.scores[:n])
@@ -75,10 +78,17 @@ class Conditions:
             slot = self._slot.pop(rid, None)
             if slot is not None:
                 self._free.append(slot)
+                self._decided.discard(slot)
 
     def set_rows(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray, plen: np.ndarray,
                  slots: np.ndarray, num_tokens: int, stage) -> None:
         """Fill `rows` for a step (`slots`: each request's; `stage(arrays)`: the arrays on the device in one copy)."""
+        live = slots != self.scratch
+        if live.any():
+            last = positions + counts - 1
+            # A request starting its prompt over before it decided (preempted mid-prompt): its sums start again
+            again = live & (positions == 0) & ~np.isin(slots, self._fresh) & ~np.isin(slots, list(self._decided))
+            self._fresh += slots[again].tolist()
         if self._fresh:
             (fresh,) = stage([np.array(self._fresh, dtype=np.int64)])
             self._fresh = []
@@ -86,23 +96,24 @@ class Conditions:
             self.scores.index_fill_(1, fresh, 0.0)
             for acc in self.acc:
                 acc.index_fill_(0, fresh, 0.0)
-        deciding = slots != self.scratch
-        if not deciding.any():
+        if not live.any():
             self.deciding = False
             self._fill(0)
             return
+        # Requests that decided in an earlier step (run again after a preemption, or generating) decide nothing more
+        open_ = live & ~np.isin(slots, list(self._decided))
         owner = np.repeat(np.arange(counts.size), counts)
         offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
         pos, plen_r, slot = positions[owner] + offset, plen[owner], slots[owner]
-        live = slot != self.scratch
-        table = np.full((5, num_tokens), self.scratch, dtype=np.int64)
+        table = np.full((4, num_tokens), self.scratch, dtype=np.int64)
         table[3] = 1
         at = starts[owner] + offset
         table[0, at] = slot
-        table[1, at] = np.where(live & (pos < plen_r), slot, self.scratch)
-        table[2, at] = np.where(live & (pos == plen_r - 1), slot, self.scratch)
+        deciding = open_[owner]
+        table[1, at] = np.where(deciding & (pos < plen_r), slot, self.scratch)
+        table[2, at] = np.where(deciding & (pos == plen_r - 1), slot, self.scratch)
         table[3, at] = np.maximum(plen_r, 1)
-        table[4, at] = np.where(live & (pos == 0), slot, self.scratch)
+        self._decided.update(slots[open_ & (positions <= plen - 1) & (last >= plen - 1)].tolist())
         self.deciding = bool((table[1] != self.scratch).any())
         (dev,) = stage([table])
         self.rows[:, :num_tokens].copy_(dev, non_blocking=True)
@@ -119,8 +130,6 @@ class Conditions:
         """Condition `i` on the stream `x` (float32 `[rows, width]`, the rows the step's `rows` describe)."""
         c, acc = self.list[i], self.acc[i]
         r = self.rows[:, : x.shape[0]]
-        acc.index_fill_(0, r[4], 0.0)
-        self.flags[:, i].index_fill_(0, r[4], 0.0)
         if c.reduce == "mean":
             acc.index_add_(0, r[1], x)
             h = acc.index_select(0, r[2]) / r[3, :, None].to(x.dtype)
@@ -132,5 +141,7 @@ class Conditions:
         self.flags[:, i].index_copy_(0, r[2], select.met(s, c.compare, c.threshold).to(self.flags.dtype))
 
     def gate(self, rows: int) -> torch.Tensor:
-        """`[rows, conditions]`: each row's request's decisions so far (1.0 met, 0.0 not or not yet)."""
-        return self.flags.index_select(0, self.rows[0, :rows])
+        """`[rows, conditions]`: each row's request's decisions so far (1.0 met, 0.0 not or not yet; 0.0 on rows of
+        no deciding request, whatever the scratch slot holds)."""
+        r = self.rows[0, :rows]
+        return self.flags.index_select(0, r) * (r != self.scratch).to(self.flags.dtype)[:, None]

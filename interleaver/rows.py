@@ -27,7 +27,7 @@ class StepRows:
     """The current step's row facts, read by every tap's replay: how many rows are real, and each weight
     column's per-row weight. Reset between steps so a warm-up or dummy run edits nothing."""
 
-    _RING = 8  # pinned staging buffers in turn (up to two a step): a copy is done long before its buffer comes round
+    _RING = 12  # pinned staging buffers in turn (up to three a step): a copy is done long before its buffer comes round
     # Weights a step's rows expand to past which the device expands them (a gather: one more launch, and no
     # [rows, columns] matrix built and copied on the host: 2.7 ms of a join step of 256 x 32 rows at 64 columns)
     _GATHER_FROM = 16384

@@ -242,7 +242,8 @@ class _TapWorkerMixin:
             raise ValueError(f"condition at {sorted(stray)[0]!r}, which is not a tap of this engine: "
                              f"{sorted(self.steer_il.taps)}")
         runner, old = self.model_runner, self.steer_conditions
-        slots = int(getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 256)
+        # Twice the running requests: a preempted request keeps its slot (and decision) while others run
+        slots = 2 * int(getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 256)
         new = Conditions(conds, slots, runner.max_num_tokens, runner.device) if conds else None
         if old is not None and new is not None:  # the slots held and their decisions so far
             new.adopt(old)

@@ -170,14 +170,15 @@ class VLLMEngine(Engine):
         return {**self.llm.collective_rpc("steer_profile")[0], **self._clock.take()}
 
     def _edits(self, plan: Optional[Plan], **kw) -> RequestEdits:
+        """The request's entries, its plan's edits and conditions registered in the bank (nothing registered where
+        the plan is refused)."""
+        for path in list(plan.edits if plan else []) + [c.path for c in (plan.conditions() if plan else [])]:
+            if path not in self.taps:
+                raise ValueError(f"edit or condition at {path!r}, which is not a tap of this engine: "
+                                 f"{sorted(self.taps)}")
         entries = []
         for path, edits in (plan.edits.items() if plan else []):
-            if path not in self.taps:
-                raise ValueError(f"edit at {path!r}, which is not a tap of this engine: {sorted(self.taps)}")
             entries += self.bank.register(tap_location(path), stage_edits(edits, self.bank))
-        for c in (plan.conditions() if plan else []):
-            if c.path not in self.taps:
-                raise ValueError(f"condition at {c.path!r}, which is not a tap of this engine: {sorted(self.taps)}")
         return RequestEdits(entries, decide=bool(plan and plan.conditions()), **kw)
 
     def _stage_list(self) -> list:
@@ -191,11 +192,12 @@ class VLLMEngine(Engine):
         if len(self.bank.stages) == self._pushed and len(self.bank.conditions) == self._pushed_conditions:
             return
         if self.in_graph:
-            new = self.bank.stages[self._pushed]
-            self.bank.truncate(self._pushed)  # the declared edits stay servable
-            raise ValueError(f"edit {new.edit.kind.value} at {new.location} was not declared when this engine "
-                             "started: its edits are captured into its graphs (vllm.edits_in_graph, "
-                             "vllm.compiled_edits)")
+            new = self.bank.stages[self._pushed] if len(self.bank.stages) > self._pushed else None
+            self.bank.truncate(self._pushed)  # the declared edits (and their conditions) stay servable
+            self.bank.drop_conditions(self._pushed_conditions)
+            what = f"edit {new.edit.kind.value} at {new.location}" if new is not None else "a condition"
+            raise ValueError(f"{what} was not declared when this engine started: its edits are captured into its "
+                             "graphs (vllm.edits_in_graph, vllm.compiled_edits)")
         self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(), self._condition_list()))
         self._pushed, self._pushed_conditions = len(self.bank.stages), len(self.bank.conditions)
 

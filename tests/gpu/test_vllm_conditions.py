@@ -123,18 +123,22 @@ def test_each_position_selector_equals_the_hf_engine_in_a_mixed_batch(engines, t
 
 def test_positions_and_a_condition_under_chunked_prefill_equal_the_hf_engine(tiny_spec, taps, direction, hf,
                                                                            conditioned):
-    """A prompt longer than a step (prefilled in chunks of 32 tokens): a window inside its second chunk, the last
-    prompt rows, and the condition (its decision made when the last chunk has run; the edit on generated rows)."""
+    """A prompt longer than a step (prefilled in chunks of 32 tokens): a window across its second and third chunks,
+    the last prompt rows, and the condition (the mean over every chunk, its decision made when the last chunk has
+    run; the edit on generated rows), each as the HF engine, which runs the prompt in one pass."""
     text = "The weather today is wonderful and bright, and we smiled. " * 8
     long = hf.encode(text)[:100]
     cond = conditioned[0].conditions()[0]
-    always = Condition(cond.path, cond.vector, "mean", "cosine", "above", -1.0)
+    flipped = Condition(cond.path, cond.vector, cond.reduce, cond.score, "below", cond.threshold)
     plans = [_placed(tiny_spec, direction, Positions("window", start=40, end=70)),
-             _placed(tiny_spec, direction, Positions("last_prompt", count=5)),
-             plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated, when=always))]
+             _placed(tiny_spec, direction, Positions("last_prompt", count=5))]
+    # the same condition both ways round: the long prompt meets exactly one of them
+    plans += [plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, tokens=Tokens.generated, when=c))
+              for c in (cond, flipped)]
     chunked = vllm_engine(tiny_spec, taps, max_num_batched_tokens=32, max_num_seqs=4)
     try:
-        for p in plans:
-            assert chunked.generate(long, p, GEN, 0) == hf.generate(long, p, GEN, 0)
+        got = [chunked.generate(long, p, GEN, 0) for p in plans]
+        assert got == [hf.generate(long, p, GEN, 0) for p in plans]
+        assert got[2] != got[3]  # one steered, one not
     finally:
         chunked.close()

@@ -195,3 +195,22 @@ def test_the_worker_decides_per_request_and_frees_the_slot_and_its_own_condition
     torch.testing.assert_close(out, no[:1] + 2.0 * v)  # cast of the last row along -axis: 0.5 > 0.4, met
     step(runner, [("d", 1, 0, 1, None)], no[:1], finished=["c"])
     assert len(w.steer_bank.conditions) == 1 and len(w.steer_conditions.list) == 1  # the request's own is gone
+
+
+def test_a_request_run_again_from_its_start_keeps_a_decision_made_and_restarts_one_not_made():
+    """vLLM recomputes a preempted request from its first token: one that decided keeps its decision (and decides
+    nothing more, whatever its rows score now); one preempted mid-prompt sums its prompt anew."""
+    c = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    cond = StageCondition(COND, c, reduce="mean", score="cosine", compare="above", threshold=0.0)
+    module, il, bank, entries, conds = build(False, [(EDIT, StageEdit(EditKind.add, c[None], when=0))], [cond])
+    yes, no = torch.ones(3, H), -torch.ones(3, H)
+    reqs = {"a": (RequestEdits([entries[0]], decide=True), 2), "b": (RequestEdits([entries[0]], decide=True), 3)}
+    run_steps(module, il, bank, conds, reqs, [([("a", 2, 0), ("b", 2, 0)], torch.cat([yes[:2], yes[:2]]))])
+    a, b = conds._slot["a"], conds._slot["b"]
+    assert float(conds.flags[a, 0]) == 1.0 and a in conds._decided and b not in conds._decided
+    # both run again from position 0 with rows that score the other way
+    out = run_steps(module, il, bank, conds, reqs, [([("a", 3, 0), ("b", 3, 0)], torch.cat([no, no]))])[0]
+    assert float(conds.flags[a, 0]) == 1.0  # a keeps its "yes": generated row 2 still steered
+    torch.testing.assert_close(out[:3], (no * 6 + c) * 5)
+    assert float(conds.flags[b, 0]) == 0.0  # b's sum started over: its three new rows alone decided "no"
+    torch.testing.assert_close(conds.acc[0][b], no.mul(2).sum(0))
