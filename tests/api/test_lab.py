@@ -89,10 +89,11 @@ def test_one_engine_serves_every_call_and_select_agrees_with_a_single_run(lab, l
 
     table = grid.table()
     assert list(zip(table["layer"], table["scale"])) == [(1, 2.0), (1, 4.0), (2, 2.0), (2, 4.0)]
-    # The grid's pair (layer 2, scale 4) ran packed with the others; alone, the same edit gives the same gain
+    # The grid's pair (layer 2, scale 4) ran packed with the others; alone, the same edit gives the same gain (to
+    # float32's noise where the edit leaves the text as it was: padded and unpadded rows sum in another order)
     cell = table[(table["layer"] == 2) & (table["scale"] == 4.0)].iloc[0]
     m = single.metrics
-    assert cell["gain"] == pytest.approx(m["concept_steered"] - m["concept_baseline"], rel=1e-5)
+    assert cell["gain"] == pytest.approx(m["concept_steered"] - m["concept_baseline"], rel=1e-5, abs=1e-5)
     assert cell["ppl_ratio"] == pytest.approx(m["ppl_steered"] / m["ppl_baseline"], rel=1e-5)
     ok = table[table["ok"]]
     assert grid.best is None if ok.empty else grid.best["gain"] == ok["gain"].max()
