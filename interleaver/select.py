@@ -16,6 +16,7 @@ Conditions (CAST: Lee et al., ICLR 2025), for a prompt reduced to one vector h a
     cosine   cos(h, v)
 """
 
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
@@ -38,6 +39,43 @@ def mask(where: Where, pos: Any, plen: Any) -> Any:
     if select == "window":
         return (pos >= a) & (pos <= b)
     return pos >= 0
+
+
+@dataclass(frozen=True)
+class Positions:
+    """An edit's positions (`edit.positions`; the config's spelling is parsed by steer.config.checks.positions)."""
+
+    select: str = "all"
+    count: int = 1  # last_prompt: k; first_generated: n
+    start: int = 0  # window: the first and last positions, both included
+    end: int = 0
+
+    @property
+    def every(self) -> bool:
+        return self.select == "all"
+
+    def mask(self, pos, plen):
+        """Bool, shaped as `pos` (each row's absolute position), `plen` broadcast against it (the request's prompt
+        length)."""
+        return mask(self.where(), pos, plen)
+
+    def where(self) -> Where:
+        """The selector as the interleaver's request entries carry it (interleaver/select.py)."""
+        if self.select == "window":
+            return ("window", self.start, self.end)
+        return (self.select, self.count, 0)
+
+    def describe(self) -> str:
+        if self.select == "last_prompt":
+            return f"last {self.count} prompt"
+        if self.select == "first_generated":
+            return f"first {self.count} generated"
+        if self.select == "window":
+            return f"positions {self.start}..{self.end}"
+        return ""
+
+
+EVERY = Positions()
 
 
 def encode(rows: str, where: Optional[Where]) -> str:

@@ -42,7 +42,7 @@ def __getattr__(name):
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    from steer.config.renamed import api_message
+    from steer.renamed import api_message
 
     raise AttributeError(api_message(name) or f"module 'steer' has no attribute {name!r}")
 

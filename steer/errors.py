@@ -11,11 +11,11 @@ class ConfigError(ValueError):
 
 def unknown_setting(key: str, kind) -> ConfigError:
     """The error for dotted `key`, which the config dataclass `kind` holding it does not declare: the name that
-    replaced it where it was renamed (steer/config/renamed.py), else the nearest setting it does, and all of them."""
+    replaced it where it was renamed (steer/renamed.py), else the nearest setting it does, and all of them."""
     import dataclasses
     import difflib
 
-    from steer.config import renamed
+    from steer import renamed
 
     old = renamed.key_message(key)
     if old is not None:
@@ -100,14 +100,14 @@ def _in_file(chain) -> str:
 
 def value_error(e: BaseException) -> "ConfigError | None":
     """The error for OmegaConf refusing a value of a typed key (`e`), naming the key: where the value is an old
-    spelling, the one that replaced it (steer/config/renamed.py); where the key is an enum, its members; else
+    spelling, the one that replaced it (steer/renamed.py); where the key is an enum, its members; else
     OmegaConf's own words. None where `e` is no such refusal."""
     from enum import Enum
 
     from omegaconf import BooleanNode
     from omegaconf.errors import ValidationError
 
-    from steer.config import renamed
+    from steer import renamed
 
     key, value = getattr(e, "full_key", None), getattr(e, "value", None)
     if not isinstance(e, ValidationError) or not key:
@@ -141,7 +141,7 @@ def _renamed_option_line(x: BaseException) -> "str | None":
     """renamed.group_message's line where `x` is Hydra finding no file for a group option (`edit=scale`)."""
     from hydra.errors import MissingConfigException
 
-    from steer.config import renamed
+    from steer import renamed
 
     missing = getattr(x, "missing_cfg_file", None)
     if not isinstance(x, MissingConfigException) or not missing or "/" not in str(missing):

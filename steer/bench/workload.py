@@ -23,7 +23,7 @@ from steer.bench import peers
 from steer.bench.schema import CONFIGS, FAINT, K_KINDS, PEERS, REFERENCES, BenchConf, BenchModelConf
 from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
-from steer.edits.positions import Positions
+from interleaver.select import Positions
 from steer.config import checks
 from steer.errors import ConfigError, refuse_repeats
 from steer.config.schema import EditKind, ModelConf

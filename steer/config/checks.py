@@ -15,9 +15,11 @@ from typing import Optional, Sequence
 
 from steer.config.schema import (EditKind, ExtractMethod, GenConf, HfConf, PromptsConf, RankBy, ScaleBy, SteerConf,
                                  Task, Tokens, VllmConf)
-from steer.edits import positions
+from interleaver.select import Positions
 from steer.errors import ConfigError, refuse_repeats
-from steer.models.prompt import check_texts
+
+# float32's largest value (torch.finfo(torch.float32).max): what an edit's numbers and vectors must stay within
+F32_MAX = 3.4028234663852886e38
 
 
 # --- single values, named by the caller's field -------------------------------------------------------------
@@ -234,7 +236,7 @@ def run(cfg: SteerConf, engine: str, conditions: bool = True) -> None:
         scale_by(prefix, e)
         if conditions:
             when(prefix, e, cfg.prompts)
-        positions.parse(e.positions, f"{prefix}.positions")
+        positions(e.positions, f"{prefix}.positions")
         if tap.input:  # the vLLM engine's taps read modules' outputs: an input tap runs on the HF engine
             _needs_hf(engine, f"{tap_field}.input")
     at_least("extract.folds", cfg.extract.folds, 2)
@@ -275,7 +277,6 @@ def edit_numbers(field: str, scale: float, lo: Optional[float] = None, hi: Optio
                  value: Optional[float] = 0.0) -> None:
     """An edit's scale, clamp bounds and set value (`field`: the edit's, e.g. `edit`): finite, within float32 (the
     edits run in it), and the bounds in order."""
-    from steer.edits.vector import F32_MAX
 
     for name, x in (("scale", scale), ("lo", lo), ("hi", hi), ("value", value)):
         if x is not None and not math.isfinite(x):  # a NaN edit would turn every steered token into NaN logits
@@ -290,7 +291,6 @@ def edit_vectors(field: str, kind: EditKind, scale: float, vectors) -> None:
     """An edit's kind against its vectors (float32 `[k, hidden]`, or None: `rescale` about 0): the kinds that need
     one have it, one row where the kind takes one direction, no direction of norm 0, and an `add` whose push fits
     float32 (`field`: the edit's, e.g. `edit`)."""
-    from steer.edits.vector import F32_MAX
 
     if kind != EditKind.rescale and vectors is None:
         raise ConfigError(f"{field}.vector", f"edit kind {kind.value!r} needs a vector")
@@ -432,7 +432,7 @@ def preset_edits(confs, engine: str) -> None:
         for i, te in enumerate(list(conf.edits) + [te for tes in conf.models.values() for te in tes]):
             prefix = f"preset {name}: edits[{i}].edit"
             when(prefix, te.edit, None)
-            positions.parse(te.edit.positions, f"{prefix}.positions")
+            positions(te.edit.positions, f"{prefix}.positions")
             if te.tap.input:
                 _needs_hf(engine, f"preset {name}: edits[{i}].tap.input")
 
@@ -460,3 +460,56 @@ def serve(conf, engine: str) -> None:
         raise ConfigError("serve.max_steer_scale", f"must be positive, got {s.max_steer_scale}")
     at_least("serve.chat_max_tokens", s.chat_max_tokens, 1)
     at_least("serve.keep_alive_s", s.keep_alive_s, 1, " (seconds)")
+
+
+def check_texts(prompts, sets=("steer", "positive", "negative")) -> None:
+    """ConfigError naming `prompts.<set>[i]` for an item that is no text: OmegaConf lets a mapping into a List[str]
+    (`prompts.negative=[b,{k:v}]`), which the tokenizer would refuse only once the weights had loaded."""
+    for name in sets:
+        for i, p in enumerate(getattr(prompts, name)):
+            if not isinstance(p, str):
+                raise ConfigError(f"prompts.{name}[{i}]", f"must be a string (a prompt's text), got {p!r}")
+
+
+def positions(value, field: str = "edit.positions") -> Positions:
+    """`edit.positions` as a Positions, or a ConfigError naming the field and what it takes."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+    if value is None or value == "all":
+        return Positions()
+    if isinstance(value, str):
+        if value in ("last_prompt", "first_generated"):
+            return Positions(value)
+        raise ConfigError(field, f"{value!r} is not one of all, last_prompt, first_generated, or a window "
+                                 "{from: i, to: j}")
+    if not isinstance(value, dict):
+        raise ConfigError(field, f"expected all, last_prompt, first_generated or a window {{from: i, to: j}}, got "
+                                 f"{value!r}")
+    if "from" in value or "to" in value:
+        extra = set(value) - {"from", "to"}
+        if extra or not all(_whole(value.get(k)) for k in ("from", "to")):
+            raise ConfigError(field, f"a window is {{from: i, to: j}}, two positions (0 is the first token), got "
+                                     f"{value!r}")
+        i, j = int(value["from"]), int(value["to"])
+        if i < 0 or j < i:
+            raise ConfigError(field, f"a window needs 0 <= from <= to, got from={i}, to={j}")
+        return Positions("window", start=i, end=j)
+    select = value.get("select")
+    keys = {"last_prompt": "last_k", "first_generated": "n"}
+    if select not in keys:
+        raise ConfigError(f"{field}.select", f"{select!r} is not one of last_prompt, first_generated (a window is "
+                                             "{from: i, to: j})")
+    extra = set(value) - {"select", keys[select]}
+    if extra:
+        raise ConfigError(f"{field}.{sorted(extra)[0]}", f"is not a setting of {select} (it takes "
+                                                         f"{keys[select]})")
+    count = value.get(keys[select], 1)
+    if not _whole(count) or int(count) < 1:
+        raise ConfigError(f"{field}.{keys[select]}", f"must be a whole number >= 1, got {count!r}")
+    return Positions(select, count=int(count))
+
+
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -170,7 +170,8 @@ class EditConf:
     scale_by: ScaleBy = ScaleBy.vector
     when: WhenConf = field(default_factory=WhenConf)  # apply only to requests whose prompt meets a condition
     # Where in the sequence, beside `tokens`: all | last_prompt | first_generated (one row, or {select: last_prompt,
-    # last_k: k} / {select: first_generated, n: n}) | {from: i, to: j}, absolute positions (steer/edits/positions.py)
+    # last_k: k} / {select: first_generated, n: n}) | {from: i, to: j}, absolute positions (parsed by
+    # steer/config/checks.py into interleaver/select.py's Positions)
     positions: Any = "all"
 
 

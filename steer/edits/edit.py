@@ -13,7 +13,7 @@ import torch
 
 from steer.config.schema import EditKind, Tokens
 from steer.edits.condition import Condition
-from steer.edits.positions import EVERY, Positions
+from interleaver.select import EVERY, Positions
 
 
 @dataclass(frozen=True, eq=False)

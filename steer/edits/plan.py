@@ -11,7 +11,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from steer.edits import formats, positions, vector
+from steer.config import checks
+from steer.edits import formats, vector
 from steer.errors import ConfigError
 from steer.edits.condition import Condition
 from steer.edits.edit import Edit, compile_edit
@@ -267,4 +268,4 @@ def when_vector(path: str, key: str, hidden: int, field: str, layer: Optional[in
 def _compile(e: EditConf, vecs: Optional[torch.Tensor], prefix: str, when: Optional[Condition] = None) -> Edit:
     return compile_edit(e.kind, e.scale, vecs, tokens=e.tokens, lo=e.lo, hi=e.hi, value=e.value,
                         field=f"{prefix}edit", when=when,
-                        positions=positions.parse(e.positions, f"{prefix}edit.positions"))
+                        positions=checks.positions(e.positions, f"{prefix}edit.positions"))

@@ -14,6 +14,7 @@ from safetensors.torch import save as save_bytes
 
 from steer import results
 from steer.edits import formats
+from steer.config.checks import F32_MAX
 from steer.errors import ConfigError
 
 
@@ -158,7 +159,6 @@ def _metadata_or_none(path: Path, field: str) -> Dict[str, str]:
         raise ConfigError(f"{field}.path", f"{str(path)!r} is not a readable safetensors file ({e})") from e
 
 
-F32_MAX = torch.finfo(torch.float32).max
 
 
 def check(v: torch.Tensor, hidden: int, where: str, what: str = "the model's hidden size") -> torch.Tensor:

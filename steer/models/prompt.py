@@ -107,12 +107,3 @@ def check(chat, chat_template: Optional[bool]) -> str:
         raise ConfigError("prompts.chat", "true, but the model's tokenizer has no chat template; use "
                                           "prompts.chat=null or false")
     return mode
-
-
-def check_texts(prompts, sets=("steer", "positive", "negative")) -> None:
-    """ConfigError naming `prompts.<set>[i]` for an item that is no text: OmegaConf lets a mapping into a List[str]
-    (`prompts.negative=[b,{k:v}]`), which the tokenizer would refuse only once the weights had loaded."""
-    for name in sets:
-        for i, p in enumerate(getattr(prompts, name)):
-            if not isinstance(p, str):
-                raise ConfigError(f"prompts.{name}[{i}]", f"must be a string (a prompt's text), got {p!r}")

@@ -4,6 +4,7 @@ its field, before any file or model is read."""
 import pytest
 
 from helpers import compose
+from interleaver.select import Positions
 from steer.config import checks
 from steer.errors import ConfigError
 
@@ -40,3 +41,27 @@ def test_an_edits_vectors_must_fit_its_kind(kind, rows, field, says):
     assert e.value.field == field and says in str(e.value), e.value
     checks.edit_vectors("edit", EditKind.rescale, 2.0, None)  # rescale about 0 needs none
     checks.edit_vectors("edit", EditKind.ablate, 1.0, torch.eye(2))  # a subspace is ablate's
+
+
+@pytest.mark.parametrize("value, want", [
+    ("all", Positions()), ("last_prompt", Positions("last_prompt", 1)),
+    ({"select": "last_prompt", "last_k": 3}, Positions("last_prompt", 3)),
+    ({"select": "first_generated", "n": 5}, Positions("first_generated", 5)),
+    ({"from": 2, "to": 7}, Positions("window", start=2, end=7)),
+])
+def test_positions_parse(value, want):
+    assert checks.positions(value) == want
+
+
+@pytest.mark.parametrize("value, field, says", [
+    ("last", "edit.positions", "not one of"),
+    ({"from": 5, "to": 2}, "edit.positions", "0 <= from <= to"),
+    ({"from": 1}, "edit.positions", "a window is"),
+    ({"select": "last_prompt", "last_k": 0}, "edit.positions.last_k", ">= 1"),
+    ({"select": "first_generated", "last_k": 2}, "edit.positions.last_k", "not a setting of first_generated"),
+    ({"select": "middle"}, "edit.positions.select", "not one of"),
+])
+def test_bad_positions_name_the_field(value, field, says):
+    with pytest.raises(ConfigError) as e:
+        checks.positions(value)
+    assert e.value.field == field and says in str(e.value)

@@ -8,8 +8,7 @@ import torch
 from helpers import plan as plan_of
 from steer.config.schema import EditKind, GenConf, Tokens
 from steer.edits.edit import compile_edit
-from steer.edits.positions import Positions, parse
-from steer.errors import ConfigError
+from interleaver.select import Positions
 
 PROMPTS = ["When I opened the letter, I felt", "The", "Tell me about the weather in the mountains today",
            "My favourite food is"]
@@ -84,27 +83,3 @@ def test_scores_under_positions_in_a_batch_equal_each_alone(batched, tiny_spec):
         torch.testing.assert_close(s.logprobs, ref.logprobs, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(s.captured["model.layers.1"], ref.captured["model.layers.1"], atol=1e-4,
                                    rtol=1e-4)
-
-
-@pytest.mark.parametrize("value, want", [
-    ("all", Positions()), ("last_prompt", Positions("last_prompt", 1)),
-    ({"select": "last_prompt", "last_k": 3}, Positions("last_prompt", 3)),
-    ({"select": "first_generated", "n": 5}, Positions("first_generated", 5)),
-    ({"from": 2, "to": 7}, Positions("window", start=2, end=7)),
-])
-def test_positions_parse(value, want):
-    assert parse(value) == want
-
-
-@pytest.mark.parametrize("value, field, says", [
-    ("last", "edit.positions", "not one of"),
-    ({"from": 5, "to": 2}, "edit.positions", "0 <= from <= to"),
-    ({"from": 1}, "edit.positions", "a window is"),
-    ({"select": "last_prompt", "last_k": 0}, "edit.positions.last_k", ">= 1"),
-    ({"select": "first_generated", "last_k": 2}, "edit.positions.last_k", "not a setting of first_generated"),
-    ({"select": "middle"}, "edit.positions.select", "not one of"),
-])
-def test_bad_positions_name_the_field(value, field, says):
-    with pytest.raises(ConfigError) as e:
-        parse(value)
-    assert e.value.field == field and says in str(e.value)

@@ -15,7 +15,7 @@ from helpers import plan
 from steer.config.schema import EditKind, TapConf, Tokens
 from steer.edits.condition import Condition
 from steer.edits.edit import compile_edit
-from steer.edits.positions import Positions
+from interleaver.select import Positions
 from steer.edits.plan import Plan
 from steer.edits.tap import resolve
 

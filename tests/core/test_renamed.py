@@ -1,11 +1,11 @@
-"""Old spellings (steer/config/renamed.py): each is refused with the name that replaced it, wherever it is written
+"""Old spellings (steer/renamed.py): each is refused with the name that replaced it, wherever it is written
 (an override, a config file, a list item, the bench's config), and a name that was never used passes through."""
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from helpers import compose_conf, on_tiny
-from steer.config import renamed
+from steer import renamed
 from steer.config.schema import SteerConf, to_object
 from steer.errors import ConfigError, config_error_line
 
