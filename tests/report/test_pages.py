@@ -10,7 +10,7 @@ from browser import Page, axe_violations, boxes_overlap, browser, keyboard_reach
 from steer.runs import report as sweep_report
 
 
-def read_job_rows(d: Path):
+def rows_of_jobs(d: Path):
     """The sweep's rows as its summary.csv has them (steer.runs.report reads them from the jobs)."""
     return sweep_report._rows(sweep_report._jobs(d)[0])
 
@@ -99,7 +99,7 @@ def sweep_dir(tmp_path_factory, cache_dir, tiny_spec):
 
 
 def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
-    jobs = {r["job"]: r for r in read_job_rows(sweep_dir)}
+    jobs = {r["job"]: r for r in rows_of_jobs(sweep_dir)}
     p = opened(chromium, sweep_dir / "report.html")
     try:
         for i, prompt in [(1, "When I opened the letter, I felt"), (2, "My friend said"), (0, "The weather today is")]:
@@ -126,7 +126,7 @@ def test_sweep_text_view_switches_prompts(chromium, sweep_dir):
 
 
 def test_sweep_table_sorts_by_a_column(chromium, sweep_dir):
-    jobs = read_job_rows(sweep_dir)
+    jobs = rows_of_jobs(sweep_dir)
     p = opened(chromium, sweep_dir / "report.html")
     try:
         heads = p.page.locator("#jobs thead th").all_text_contents()
