@@ -105,11 +105,12 @@ def run_cli(args, cwd, cache_dir, timeout=600):
                timeout=timeout)
 
 
-def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
+def cli_here(args, cwd, monkeypatch, capsys, module="steer") -> subprocess.CompletedProcess:
     """`python -m steer` run in this process (steer/__main__.py as the command runs it, from `cwd`): its exit code
     (0 if it returned, 1 with the traceback printed if it raised, as the interpreter has it) and what it printed.
     Hydra's logging and its global state are put back afterwards. Where the process boundary is not what a test
-    checks, this runs the command without paying a new interpreter's imports of torch and transformers."""
+    checks, this runs the command without paying a new interpreter's imports of torch and transformers. Another
+    `module` (steer.serve) runs with `args` as they are, not on the tiny model's defaults."""
     import logging
     import runpy
     import signal
@@ -118,7 +119,8 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
     from hydra.core.global_hydra import GlobalHydra
 
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["steer", *on_tiny(args), "progress=false"])
+    argv = [*on_tiny(args), "progress=false"] if module == "steer" else list(args)
+    monkeypatch.setattr(sys, "argv", [module, *argv])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # as a user's shell has it; run_app sets it while it runs
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
@@ -127,7 +129,7 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
     stops = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     capsys.readouterr()
     try:
-        runpy.run_module("steer", run_name="__main__", alter_sys=True)  # as `python -m steer`: Hydra finds conf/
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # as `python -m steer`: Hydra finds conf/
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -148,6 +150,37 @@ def cli_here(args, cwd, monkeypatch, capsys) -> subprocess.CompletedProcess:
             signal.signal(sig, handler)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+class _Printed:
+    """capsys's readouterr() for cli_here where no capsys is at hand: what was written to sys.stdout and sys.stderr
+    while they were redirected into it."""
+
+    def __init__(self):
+        import io
+
+        self.out, self.err = io.StringIO(), io.StringIO()
+
+    def readouterr(self):
+        from types import SimpleNamespace
+
+        out, err = self.out.getvalue(), self.err.getvalue()
+        for f in (self.out, self.err):
+            f.seek(0)
+            f.truncate()
+        return SimpleNamespace(out=out, err=err)
+
+
+def cli_once(args, cwd) -> subprocess.CompletedProcess:
+    """cli_here for a fixture shared by several tests (a module's or the session's), which cannot take the
+    test-scoped monkeypatch and capsys: the command runs in this process as the `cli` fixture runs it."""
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import pytest
+
+    printed = _Printed()
+    with pytest.MonkeyPatch.context() as monkeypatch, redirect_stdout(printed.out), redirect_stderr(printed.err):
+        return cli_here(args, cwd, monkeypatch, printed)
 
 
 def refused(res: subprocess.CompletedProcess, field: str, says: str = "") -> None:

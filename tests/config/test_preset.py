@@ -8,7 +8,7 @@ import json
 import pytest
 from rich.console import Console
 
-from helpers import TWO_PROMPTS, cli_here, compose, run_cli
+from helpers import TWO_PROMPTS, cli_here, compose
 from steer.config.schema import EditKind, TapConf, TapEditConf, EditConf, Tokens
 
 
@@ -16,11 +16,10 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_preset_runs_as_its_edits_written_out(tmp_path, cache_dir):
+def test_a_preset_runs_as_its_edits_written_out(cli, tmp_path):
     from steer.tasks import registry
 
-    res = run_cli(["preset=joy_two_taps", "gen.max_new_tokens=4", TWO_PROMPTS, "hydra.run.dir=preset"], tmp_path,
-                  cache_dir)
+    res = cli(["preset=joy_two_taps", "gen.max_new_tokens=4", TWO_PROMPTS, "hydra.run.dir=preset"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     # conf/preset/joy_two_taps.yaml's edits on the tiny model, written out by hand
     cfg = compose("gen.max_new_tokens=4", TWO_PROMPTS, "progress=false")

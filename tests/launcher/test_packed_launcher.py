@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import TWO_PROMPTS, cli_env, held_cli, run_cli, started, sweep_jobs as jobs, summary_rows
+from helpers import TWO_PROMPTS, cli_env, held_cli, started, sweep_jobs as jobs, summary_rows
 
 from hydra_plugins.steer_launcher.packed import complete
 
@@ -129,9 +129,9 @@ def test_every_bad_job_of_a_sweep_is_named_before_any_engine_starts(cli, tmp_pat
     assert not (tmp_path / "sweep" / "0" / "metrics.json").exists()
 
 
-def test_a_second_engine_group_runs_in_a_process_of_its_own(tmp_path, cache_dir, tiny_spec):
+def test_a_second_engine_group_runs_in_a_process_of_its_own(cli, tmp_path, tiny_spec):
     sweep = tmp_path / "sweep"  # vLLM settings tell the groups apart, which the HF engine then ignores: cheap
-    res = run_cli(["-m", "vllm.max_model_len=null,512", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path, cache_dir)
+    res = cli(["-m", "vllm.max_model_len=null,512", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 jobs to run in 2 engine group(s)" in res.stdout + res.stderr
     pids = [int(line.split(" in pid ")[1].split(",")[0]) for j in jobs(sweep)
@@ -185,10 +185,9 @@ def test_bad_job_fails_the_sweep_before_any_engine_starts(cli, tmp_path):
     assert "Loading weights" not in res.stderr and not list(tmp_path.rglob("results.jsonl"))
 
 
-def test_submitit_local_runs_each_job_in_its_own_process(tmp_path, cache_dir):
+def test_submitit_local_runs_each_job_in_its_own_process(cli, tmp_path):
     sweep = tmp_path / "sweep"
-    res = run_cli(["-m", "hydra/launcher=local_procs", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"],
-                  tmp_path, cache_dir)
+    res = cli(["-m", "hydra/launcher=local_procs", "edit.scale=0,4", *QUICK, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [complete(j) for j in jobs(sweep)] == [True, True]
     assert [r["job"] for r in summary_rows(sweep)] == ["0", "1"]

@@ -87,13 +87,13 @@ def test_smollm2_joy_report_keeps_emoji(chromium, cli, smollm2_spec, tmp_path):
 
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory, cache_dir, tiny_spec):
-    from helpers import run_cli
+    from helpers import cli_once
 
     cwd = tmp_path_factory.mktemp("sweep")
     d = cwd / "sweep"
-    res = run_cli(["-m", "tap.layer=1,2", "edit.scale=2,16", "gen.max_new_tokens=8",
-                   "prompts.steer=['The weather today is','When I opened the letter, I felt','My friend said']",
-                   f"hydra.sweep.dir={d}"], cwd, cache_dir)
+    res = cli_once(["-m", "tap.layer=1,2", "edit.scale=2,16", "gen.max_new_tokens=8",
+                    "prompts.steer=['The weather today is','When I opened the letter, I felt','My friend said']",
+                    f"hydra.sweep.dir={d}"], cwd)
     assert res.returncode == 0, res.stderr
     return d
 

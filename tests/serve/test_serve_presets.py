@@ -7,12 +7,22 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import cli_env, compose, compose_conf, run
+from helpers import cli_env, cli_here, compose, compose_conf, run
 from steer.edits.edit import Edit
 from steer.errors import ConfigError
 from steer.config.schema import EditKind
 from steer.serve import presets
 from steer.serve.schema import ServeOptions
+
+
+def serve_here(args, cwd, monkeypatch, capsys):
+    """`python -m steer.serve args` run in this process (helpers.cli_here), for a start refused before any engine:
+    what the command does, without a new interpreter's imports. A start that is not refused fails the test where it
+    would begin serving, rather than serving on in the test's process."""
+    from steer.serve import hf_serve
+
+    monkeypatch.setattr(hf_serve, "serve", lambda *a, **k: pytest.fail("the server started: its start was not refused"))
+    return cli_here(args, cwd, monkeypatch, capsys, module="steer.serve")
 
 
 def compose_serve(*overrides, tiny=True):
@@ -109,25 +119,24 @@ def test_a_preset_dir_adds_to_the_built_in_presets(tmp_path, tiny_spec):
         presets.read(ServeOptions(preset_dir=str(tmp_path / "none")))
 
 
-def test_a_name_defined_twice_stops_the_start_naming_both_files(tmp_path, cache_dir):
+def test_a_name_defined_twice_stops_the_start_naming_both_files(tmp_path, cache_dir, monkeypatch, capsys):
     _write(tmp_path / "p", "joy", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, scale: 2.0}\n")
     ours, theirs = presets.CONF_DIR / "preset" / "joy.yaml", tmp_path / "p" / "joy.yaml"
     with pytest.raises(ConfigError) as e:
         presets.read(ServeOptions(preset_dir=str(tmp_path / "p")))
     assert e.value.field == "serve.preset_dir" and f"'joy' is defined twice: {ours} and {theirs}" in str(e.value)
-    res = run([sys.executable, "-m", "steer.serve", "engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
-               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=cli_env(cache_dir), timeout=300)
+    res = serve_here(["engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
+                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, monkeypatch, capsys)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip().splitlines()[-1].endswith(f"defined twice: {ours} and {theirs}; rename one"), res.stderr
     assert "Loading weights" not in res.stderr + res.stdout and "Traceback" not in res.stderr
 
 
-def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir):
+def test_a_bad_preset_fails_the_start_with_exit_2(tmp_path, cache_dir, monkeypatch, capsys):
     _write(tmp_path / "p", "good", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add}\n")
     _write(tmp_path / "p", "mine", "edits:\n  - tap: {layer: 1}\n    edit: {kind: add, vector: {path: /no/such.st}}\n")
-    env = cli_env(cache_dir)
-    res = run([sys.executable, "-m", "steer.serve", "engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
-               f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, timeout=300)
+    res = serve_here(["engine=hf", "model=tiny", f"serve.preset_dir={tmp_path / 'p'}",
+                      f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, monkeypatch, capsys)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "preset mine: edits[0].edit.vector.path: vector file '/no/such.st' does not exist" in res.stderr
     assert "Loading weights" not in res.stderr + res.stdout  # no engine was started

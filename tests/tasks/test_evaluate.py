@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from helpers import compose, run_cli
+from helpers import compose
 from steer.tasks import evaluate
 from steer.runs.data import ABItem
 
@@ -93,8 +93,8 @@ def test_split_is_disjoint_and_seeded():
     assert set(fit) | set(held) == set(items)
 
 
-def test_eval_run_writes_its_files_scoring_only_held_out_items(tmp_path, cache_dir):
-    res = run_cli(["task=eval", "eval.split=0.5", "eval.scales=[-4,4]", "hydra.run.dir=out"], tmp_path, cache_dir)
+def test_eval_run_writes_its_files_scoring_only_held_out_items(cli, tmp_path):
+    res = cli(["task=eval", "eval.split=0.5", "eval.scales=[-4,4]", "hydra.run.dir=out"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "out" / "eval.json").read_text())
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
@@ -116,10 +116,10 @@ def test_eval_run_writes_its_files_scoring_only_held_out_items(tmp_path, cache_d
     assert f"letter mass {out['baseline']['letter_mass']:.3f}" in said, said[-2000:]
 
 
-def test_an_eval_over_few_items_says_its_intervals_mean_little(tmp_path, cache_dir):
+def test_an_eval_over_few_items_says_its_intervals_mean_little(cli, tmp_path):
     items = [{"question": f"Is {x} good?\n\nChoices:\n (A) Yes\n (B) No", "answer_matching_behavior": "(A)",
               "answer_not_matching_behavior": "(B)"} for x in ("rain", "sun", "snow", "wind")]
     (tmp_path / "ab.json").write_text(json.dumps(items))
-    res = run_cli(["task=eval", "eval.dataset=ab.json", "eval.scales=[4]", "hydra.run.dir=out"], tmp_path, cache_dir)
+    res = cli(["task=eval", "eval.dataset=ab.json", "eval.scales=[4]", "hydra.run.dir=out"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "warning only 2 items scored: a bootstrap over fewer than 10 gives intervals" in res.stderr
