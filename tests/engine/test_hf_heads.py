@@ -11,7 +11,7 @@ from steer.edits.plan import compile_entries
 PROMPTS = ["Tell me about the weather in the mountains today", "What is a good breakfast?",
            "Write a short poem about the sea"]
 LAYER, HEAD = 3, 5
-NEW = 10
+NEW = 6  # the prompt's pass and five decoding steps: both kinds of forward the edit must match the hook in
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from steer.tasks.select import read_rows
 JOY = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said",
        "The old house at the end of the street", "After the long journey we finally", "The music in the hall was"]
 BATTERY = "My phone battery died again."
+# (b) and (c) read each pair's gain on the probe, which 12 tokens show as the default 24 do; (a)'s loops need the 24
+SHORT = ["gen.max_new_tokens=12"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,9 @@ def test_a_prompt_that_loops_rejects_its_pairs_and_the_chosen_one_loops_on_none(
 
 
 def test_a_grid_of_negative_scales_chooses_a_pair_that_moves_toward_the_negative_set(lab):
-    sel = lab.select(scales=[-4, -2])
+    # the default grid's layers of best held-out AUC (3 and 6 read lower): the probe, so each pair's gain, is the full
+    # grid's
+    sel = lab.select(layers=[9, 12, 15], scales=[-4, -2], overrides=SHORT)
     show("(b)", sel)
     best = sel.best
     assert best is not None and best["scale"] < 0 and best["pole"] == "negative"
@@ -73,7 +77,7 @@ def test_a_grid_of_negative_scales_chooses_a_pair_that_moves_toward_the_negative
 def test_layers_3_and_12_are_ranked_by_one_probe_read_as_the_engine_reads_it(lab, smollm2_spec):
     from steer.engine.hf import HFEngine
 
-    sel = lab.select(layers=[3, 12])
+    sel = lab.select(layers=[3, 12], overrides=SHORT)
     show("(c)", sel)
     probe = sel.summary["probe"]
     assert probe["layer"] == 12 and probe["heldout_auc_by_layer"]["12"] > probe["heldout_auc_by_layer"]["3"]
