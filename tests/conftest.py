@@ -74,6 +74,18 @@ def hf_engine(tiny_spec):
 
 
 @pytest.fixture(scope="session")
+def hf_url(cache_dir, tiny_spec, tmp_path_factory):
+    """The HF server on the tiny model (`python -m steer.serve engine=hf` in a subprocess), one for the test run: the
+    server tests' and the judge's endpoint (tests/runs/test_judge.py). The tests that take it run on one worker
+    (pytest_collection_modifyitems), so a parallel run starts it once."""
+    from serve_common import server
+
+    # layers 1 and 2 take requests' own vectors (test_serve_inline.py); on the HF engine an unused one costs nothing
+    with server(["engine=hf", "serve.inline_layers=[1,2]"], cache_dir, tmp_path_factory.mktemp("serve-hf")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def smollm2_engine(smollm2_spec):
     """The HF engine on SmolLM2, one for the test run, with one torch thread while it is held: on a small shared CPU,
     two threads contending with other processes ran a forward 8x slower than one."""
@@ -104,8 +116,18 @@ def console():
     return Console(file=io.StringIO(), width=300)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly where there is no CUDA or no vLLM (CI, laptops)."""
+    """The modules with a test on SmolLM2 come first: the run's longest tests, handed out first (`--dist loadgroup`
+    hands out the single tests in this order, after the groups), finish side by side rather than leave one worker
+    running the last of them alone. The tests that take the session's HF server (`hf_url`) share one xdist group, so
+    they run on one worker and start the server once. GPU tests skip cleanly where there is no CUDA or no vLLM (CI,
+    laptops)."""
+    smollm2 = {item.path for item in items if "smollm2_spec" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path not in smollm2)  # stable: modules stay whole and in order
+    for item in items:
+        if "hf_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("hf_server"))
     if not any("gpu" in item.keywords for item in items):
         return
     try:

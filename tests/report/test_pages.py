@@ -9,6 +9,9 @@ import pytest
 from browser import Page, axe_violations, boxes_overlap, browser, keyboard_reach
 from steer.runs import report as sweep_report
 
+# One worker runs these (--dist loadgroup): one browser and one sweep for all of them
+pytestmark = pytest.mark.xdist_group("report_pages")
+
 
 def rows_of_jobs(d: Path):
     """The sweep's rows as its summary.csv has them (steer.runs.report reads them from the jobs)."""

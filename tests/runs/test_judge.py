@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers import TWO_PROMPTS, compose
-from serve_common import MODEL, client, server
+from serve_common import MODEL, client
 from steer.runs import judge
 from steer.tasks import registry
 
@@ -26,21 +26,20 @@ def test_replies_are_parsed_for_their_last_rating_and_scored_as_axbench_does():
 
 
 def test_the_judge_asks_the_endpoint_and_a_reply_without_a_rating_is_recorded_and_the_run_goes_on(
-        tmp_path, cache_dir, tiny_spec, console):
+        tmp_path, hf_url, console):
     out = tmp_path / "run"
     out.mkdir()
-    with server([], cache_dir, tmp_path / "server") as url:
-        cfg = compose(*RUN, f"metrics.judge.base_url={url}/v1", f"metrics.judge.model={MODEL}",
-                      "metrics.judge.concept=joy", "metrics.judge.max_tokens=6")
-        agg = registry.main(cfg, out, console)
-        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-        c = client(url)
-        for r in rows:  # each reply is the endpoint's own answer to the request the judge describes
-            for name in judge.CRITERIA:
-                content = judge.ASK[name].format(concept="joy", prompt=r["prompt"], text=r["steered"]) + judge.END
-                got = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, messages=[
-                    {"role": "system", "content": judge.SYSTEM}, {"role": "user", "content": content}])
-                assert r["judge_replies"][name] == got.choices[0].message.content
+    cfg = compose(*RUN, f"metrics.judge.base_url={hf_url}/v1", f"metrics.judge.model={MODEL}",
+                  "metrics.judge.concept=joy", "metrics.judge.max_tokens=6")
+    agg = registry.main(cfg, out, console)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    c = client(hf_url)
+    for r in rows:  # each reply is the endpoint's own answer to the request the judge describes
+        for name in judge.CRITERIA:
+            content = judge.ASK[name].format(concept="joy", prompt=r["prompt"], text=r["steered"]) + judge.END
+            got = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, messages=[
+                {"role": "system", "content": judge.SYSTEM}, {"role": "user", "content": content}])
+            assert r["judge_replies"][name] == got.choices[0].message.content
     for r in rows:  # the tiny model writes no "Rating: [[N]]"
         assert r["judge_unparsed"] == list(judge.CRITERIA) and r["judge"] is None
         assert all(r[f"judge_{name}"] is None for name in judge.CRITERIA)

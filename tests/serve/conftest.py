@@ -1,17 +1,10 @@
-"""Fixtures of the server tests: the HF server (`python -m steer.serve engine=hf` in a subprocess) and the CLI's
-own texts for the same prompts and edits, to hold its answers to."""
+"""Fixtures of the server tests: a client of the HF server (`hf_url`, tests/conftest.py) and the CLI's own texts
+for the same prompts and edits, to hold its answers to."""
 
 import pytest
 
 from serve_cli import cli_edits, cli_run
-from serve_common import client, server
-
-
-@pytest.fixture(scope="session")
-def hf_url(cache_dir, tiny_spec, tmp_path_factory):
-    # layers 1 and 2 take requests' own vectors (test_serve_inline.py); on the HF engine an unused one costs nothing
-    with server(["engine=hf", "serve.inline_layers=[1,2]"], cache_dir, tmp_path_factory.mktemp("serve-hf")) as url:
-        yield url
+from serve_common import client
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def smol_url(cache_dir, tmp_path_factory):
+def smol_url(smollm2_spec, cache_dir, tmp_path_factory):  # converted here first: the server loads it, or this skips
     with server(["engine=hf", "model=smollm2"], cache_dir,
                 tmp_path_factory.mktemp("serve-smollm2"), timeout=600) as url:
         yield url

@@ -12,6 +12,9 @@ from steer.edits import vector
 from steer.runs import metrics
 from steer.tasks.select import read_rows
 
+# One worker runs the three cases, on one Lab, and early in the run (--dist loadgroup): the longest tests there are
+pytestmark = pytest.mark.xdist_group("smollm2_select")
+
 JOY = ["The weather today is", "When I opened the letter, I felt", "My friend looked at me and said",
        "The old house at the end of the street", "After the long journey we finally", "The music in the hall was"]
 BATTERY = "My phone battery died again."
