@@ -48,11 +48,12 @@ def models_built_side_by_side(request, worker_id, cache_dir):
         return
     if worker_id == "gw0":
         request.getfixturevalue("tiny_spec")
-        return
-    try:
-        request.getfixturevalue("smollm2_spec")
-    except pytest.skip.Exception:  # not available here: its tests skip
-        pass
+    else:
+        try:
+            request.getfixturevalue("smollm2_spec")
+        except pytest.skip.Exception:  # not available here: its tests skip
+            pass
+    freeze_what_lives()  # and the modules a model's spec imports on first use (transformers' and what they pull in)
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +115,21 @@ def console():
     from rich.console import Console
 
     return Console(file=io.StringIO(), width=300)
+
+
+def freeze_what_lives():
+    """What is alive now stays for the whole run (the modules imported so far, the test modules), yet every full
+    garbage collection would walk it again: each engine's close collects (steer/engine/hf.py), up to a quarter of a
+    second in a worker. Collected first, so that only live objects are frozen; later collections walk what came
+    after."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    freeze_what_lives()  # torch, transformers and every test module: some 350,000 objects, before any engine exists
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
