@@ -37,8 +37,10 @@ def model_gguf(cache_dir):
 
 @pytest.fixture(scope="module")
 def llm(model_gguf):
-    llm = llama_cpp.Llama(model_path=str(model_gguf), n_ctx=256, n_threads=1, n_batch=256, logits_all=True,
-                          verbose=False, seed=0)
+    # one thread for prompts too (n_threads_batch defaults to every core): a second one spinning on the core the
+    # other test worker holds made each prompt's pass three times as long
+    llm = llama_cpp.Llama(model_path=str(model_gguf), n_ctx=256, n_threads=1, n_threads_batch=1, n_batch=256,
+                          logits_all=True, verbose=False, seed=0)
     yield llm
     llm.close()
 
