@@ -136,7 +136,7 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(config, items):
     """The modules with a test on SmolLM2 come first: the run's longest tests, handed out first (`--dist loadgroup`
     hands out the single tests in this order, after the groups), finish side by side rather than leave one worker
-    running the last of them alone. The tests that take the session's HF server (`hf_url`) share one xdist group, so
+    running the last of them alone. The tests that take the run's one HF server (`hf_url`) share one xdist group, so
     they run on one worker and start the server once. GPU tests skip cleanly where there is no CUDA or no vLLM (CI,
     laptops)."""
     smollm2 = {item.path for item in items if "smollm2_spec" in getattr(item, "fixturenames", ())}

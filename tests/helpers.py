@@ -172,7 +172,7 @@ class _Printed:
 
 
 def cli_once(args, cwd) -> subprocess.CompletedProcess:
-    """cli_here for a fixture shared by several tests (a module's or the session's), which cannot take the
+    """cli_here for a fixture shared by several tests (module- or run-scoped), which cannot take the
     test-scoped monkeypatch and capsys: the command runs in this process as the `cli` fixture runs it."""
     from contextlib import redirect_stderr, redirect_stdout
 
