@@ -11,7 +11,7 @@ import base64
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -289,6 +289,18 @@ def _places(e: Optional[RequestEdits]) -> bool:
     return e is not None and bool(e.placed())
 
 
+class Placements(NamedTuple):
+    """A batch's entries that act on rows by position, one per element, in request order: the request, the weight
+    column, the strength, the token kind as `_ROWS` codes it, and the index of its positions in `wheres`."""
+
+    request: np.ndarray
+    column: np.ndarray
+    strength: np.ndarray
+    kind: np.ndarray
+    where: np.ndarray
+    wheres: List[select.Where]
+
+
 class BatchEdits:
     """What the scheduled requests ask for, in batch order: built once per batch composition (vLLM keeps its
     batch order from step to step until a request joins or leaves), so a step costs array operations only."""
@@ -299,6 +311,7 @@ class BatchEdits:
         self.n_stages, self.order = n_stages, order
         self.capture = [i for i, e in enumerate(self.edits) if e is not None and e.capture]
         self.placed = [i for i, e in enumerate(self.edits) if _places(e)]
+        self._placements: Optional[Placements] = None
         self.deciding = [i for i, e in enumerate(self.edits) if e is not None and e.decide]
         self.slots: Optional[np.ndarray] = None  # each request's condition slot (the worker's; conditions.py)
         self.plen = np.asarray(prompt_lens, dtype=np.int64).copy()
@@ -328,6 +341,7 @@ class BatchEdits:
                              | {i for i, (e, _) in rows.items() if e is not None and e.capture})
         out.placed = sorted({i for i in self.placed if i < keep and i not in rows}
                             | {i for i, (e, _) in rows.items() if _places(e)})
+        out._placements = None
         out.deciding = sorted({i for i in self.deciding if i < keep and i not in rows}
                               | {i for i, (e, _) in rows.items() if e is not None and e.decide})
         out.slots = None
@@ -343,6 +357,23 @@ class BatchEdits:
             for i in steered:
                 out._fill(out.dense, i, out.edits[i], self.order)
         return out
+
+    def placements(self) -> Placements:
+        """`placed`'s entries as arrays (built once per batch: a step with positions costs array operations)."""
+        if self._placements is None:
+            col_of = None if self.order is None else np.argsort(self.order)  # stage id -> column
+            wheres: List[select.Where] = []
+            rows = []
+            for i in self.placed:
+                for stage, strength, kind, where in self.edits[i].placed():
+                    if where not in wheres:
+                        wheres.append(where)
+                    rows.append((i, stage if col_of is None else col_of[stage], strength, kind, wheres.index(where)))
+            r, c, s, k, w = zip(*rows) if rows else ((),) * 5
+            self._placements = Placements(np.array(r, dtype=np.int64), np.array(c, dtype=np.int64),
+                                          np.array(s, dtype=np.float32), np.array(k, dtype=np.int8),
+                                          np.array(w, dtype=np.int64), wheres)
+        return self._placements
 
     def _fill(self, dense: np.ndarray, i: int, e: RequestEdits, order: Optional[np.ndarray]) -> None:
         s = e.strengths(self.n_stages)

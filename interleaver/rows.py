@@ -175,20 +175,21 @@ def _weights(positions: np.ndarray, batch: BatchEdits) -> np.ndarray:
 
 
 def _place(w: np.ndarray, starts, counts, positions, batch: BatchEdits) -> None:
-    """Add to `w` (`[rows, columns]`, the step's weights) the entries that act on rows by position."""
-    col_of = None if batch.order is None else np.argsort(batch.order)  # stage id -> column
-    for i in batch.placed:
-        n = int(counts[i])
-        if n == 0:
-            continue
-        pos = positions[i] + np.arange(n)
-        plen = batch.plen[i]
-        rows = starts[i] + np.arange(n)
-        is_prompt = pos < plen
-        for stage, strength, kind, where in batch.edits[i].placed():
-            m = select.mask(where, pos, plen)
-            m = m & is_prompt if kind == 1 else m & ~is_prompt if kind == 2 else m
-            w[rows, stage if col_of is None else col_of[stage]] += np.float32(strength) * m
+    """Add to `w` (`[rows, columns]`, the step's weights) the entries that act on rows by position: every entry's
+    rows of this step at once (one element per entry and row), so a decode step of 64 such requests costs a few
+    array operations, not 64 Python loops."""
+    p = batch.placements()
+    n = counts[p.request]
+    entry = np.repeat(np.arange(n.size), n)
+    offset = np.arange(entry.size) - np.repeat(np.cumsum(n) - n, n)
+    req = p.request[entry]
+    pos, plen = positions[req] + offset, batch.plen[req]
+    is_prompt, kind, group = pos < plen, p.kind[entry], p.where[entry]
+    on = np.where(kind == 1, is_prompt, np.where(kind == 2, ~is_prompt, True))
+    for g, where in enumerate(p.wheres):
+        sel = group == g
+        on[sel] &= select.mask(where, pos[sel], plen[sel])
+    np.add.at(w, (starts[req] + offset, p.column[entry]), p.strength[entry] * on)
 
 
 def _row_sources(starts, counts, positions, batch: BatchEdits, num_tokens: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -40,3 +40,41 @@ def test_a_steps_weights_on_the_gpu_equal_those_on_cpu_both_ways_of_expanding_th
         assert gpu.weights.is_cuda and torch.equal(gpu.weights.cpu(), cpu.weights)
         assert np.array_equal(gpu.used, cpu.used)
         torch.cuda.synchronize()  # as each engine step waits for its sampled tokens
+
+
+def test_position_weights_equal_a_row_by_row_reading_of_each_entry():
+    """Entries with positions on random batches (prefill chunks and decode steps, several entries a request, columns
+    reordered): each row's weight is the sum, over its request's entries, of the strength where the entry's token
+    kind and positions take that row."""
+    from interleaver import select
+
+    rng = np.random.default_rng(7)
+    wheres = [("last_prompt", 3, 0), ("first_generated", 2, 0), ("window", 4, 9), None]
+    for step in range(20):
+        n, cols = int(rng.integers(1, 12)), int(rng.integers(1, 6))
+        edits = [RequestEdits([(int(rng.integers(cols)), float(rng.normal()),
+                                select.encode(str(rng.choice(["both", "prompt", "generated"])),
+                                              wheres[int(rng.integers(len(wheres)))]))
+                               for _ in range(int(rng.integers(1, 4)))]) if rng.random() < 0.8 else None
+                 for _ in range(n)]
+        plen = rng.integers(1, 12, n)
+        order = rng.permutation(cols)
+        batch = BatchEdits(edits, plen, cols, order)
+        counts = np.ones(n, dtype=np.int64) if step % 2 else rng.integers(1, 8, n)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        positions = rng.integers(0, 16, n)
+        rows = StepRows()
+        rows.set_rows(starts, counts, positions, batch, int(counts.sum()), "cpu")
+        want = np.zeros((int(counts.sum()), cols), dtype=np.float32)
+        for i, e in enumerate(edits):
+            for r in range(int(counts[i]) if e is not None else 0):
+                pos = int(positions[i]) + r
+                for stage, strength, code in e.entries:
+                    kind, where = select.decode(code)
+                    prompt = pos < plen[i]
+                    if (kind == "prompt" and not prompt) or (kind == "generated" and prompt):
+                        continue
+                    if where is None or select.mask(where, pos, int(plen[i])):
+                        want[starts[i] + r, int(np.argsort(order)[stage])] += np.float32(strength)
+        got = rows.weights.numpy() if rows.weights is not None else np.zeros_like(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
