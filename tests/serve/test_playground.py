@@ -10,8 +10,6 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from playwright.sync_api import expect
-
 from browser import Page, axe_violations, browser, keyboard_reach
 from serve_common import MODEL, client
 from steer.config.schema import ExtractConf, ModelConf, PromptsConf
@@ -21,6 +19,9 @@ from steer.serve.protocol import encode_vector
 
 PROMPT = "When I opened the letter, I felt"
 MAX_TOKENS = 12
+# The dev extra installs Playwright; a GPU host's run (pytest -m gpu, which collects every module) may lack it.
+expect = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the dev extra has it)").expect
+
 POSITIVE = ["What a joy, everything is bright and wonderful", "I am so happy and grateful today"]
 NEGATIVE = ["What a misery, everything is dark and hopeless", "I am so sad and tired of everything"]
 
