@@ -2,7 +2,7 @@
 where it runs on them, and never the application that drives it (a vLLM worker imports this package alone).
 
 `VLLMInterleaver` serves nnsight traces and compiled edit programs at declared taps; `EditBank` and `StepRows`
-map each step's flat token rows to the requests that own them and the edits (`StageEdit`) they carry.
+map each step's flat token rows to the requests that own them and the edits (`Edit`) they carry.
 
 The names below load on first use, so that `interleaver.kinds` (imported while a command line is parsed) brings
 neither torch nor nnsight with it. Only anyio loads here, first, whatever module of the package is imported.
@@ -13,7 +13,7 @@ import pkgutil
 import warnings
 
 _WHERE = {"EditBank": "bank", "RequestEdits": "bank", "Span": "rows", "StepRows": "rows",
-          "VLLMInterleaver": "interleaver", "TapProgram": "program", "StageEdit": "stage",
+          "VLLMInterleaver": "interleaver", "TapProgram": "program", "Edit": "edit", "Condition": "edit",
           "EditKind": "kinds", "Tokens": "kinds"}
 
 __all__ = sorted(_WHERE)

@@ -2,7 +2,7 @@
 
 A step's activation is a flat `[num_tokens, hidden]` slab of every scheduled request (prefill chunks and decode
 tokens mixed). Each request carries a list of (stage, strength, rows) entries; a stage is one edit at unit strength
-at one tap and one position in that tap's edit list (`StageEdit.unit`), shared by every request whose edit has the
+at one tap and one position in that tap's edit list (`Edit.unit`), shared by every request whose edit has the
 same shape, so requests that differ only in scale share one op and differ in their row weights. A batch's
 requests' weights (`BatchEdits`) are what interleaver.rows turns into each step's `[num_tokens, columns]` matrix.
 """
@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from interleaver import select
-from interleaver.stage import EditKind, StageCondition, Tokens, StageEdit
+from interleaver.edit import Condition, Edit
+from interleaver.kinds import EditKind, Tokens
+from interleaver.vllm_internals import tap_path
 
 _ROWS = {Tokens.both.value: 0, Tokens.prompt.value: 1, Tokens.generated.value: 2}
 
@@ -38,7 +40,8 @@ class Stage:
     id: int
     location: str
     index: int  # position in the tap's edit list: a request's edits at one tap run in this order
-    edit: StageEdit  # at unit strength
+    edit: Edit  # at unit strength
+    when: Optional[int] = None  # the index of its condition in the bank's (the edit's `when`), or None
 
 
 @dataclass
@@ -140,29 +143,39 @@ class EditBank:
     def __init__(self) -> None:
         self.stages: List[Stage] = []
         self._ids: Dict[tuple, int] = {}
-        self.conditions: List[StageCondition] = []
+        self.conditions: List[Condition] = []
         self._conditions: Dict[tuple, int] = {}
 
-    def register(self, location: str, edits: Sequence[StageEdit], start: int = 0) -> List[Tuple[int, float, str]]:
-        """Register a tap's edits (in order, from position `start` of the tap's edit list) and return the request
-        entries that ask for them, at the edits' own strengths and rows."""
+    def register(self, location: str, edits: Sequence[Edit], start: int = 0) -> List[Tuple[int, float, str]]:
+        """Register a tap's edits (in order, from position `start` of the tap's edit list) and their conditions,
+        and return the request entries that ask for them, at the edits' own strengths and rows."""
         out = []
         for index, e in enumerate(edits, start):
             unit = e.unit()
-            key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value, unit.when)
+            when = None if e.when is None else self.condition(e.when)
+            key = (location, index, unit.kind.value, _digest(unit.basis), unit.lo, unit.hi, unit.value, when)
             if key not in self._ids:
                 self._ids[key] = len(self.stages)
-                self.stages.append(Stage(len(self.stages), location, index, unit))
+                self.stages.append(Stage(len(self.stages), location, index, unit, when))
             out.append((self._ids[key], e.strength, e.entry_rows()))
         return out
 
-    def condition(self, c: StageCondition) -> int:
+    def condition(self, c: Condition) -> int:
         """The index of condition `c` (registered the first time it is seen): what a stage's `when` names."""
         key = c.key()
         if key not in self._conditions:
             self._conditions[key] = len(self.conditions)
             self.conditions.append(c)
         return self._conditions[key]
+
+    def stage_list(self) -> list:
+        """[(id, location, index, Edit.to_dict(when))]: the stages as a vLLM worker's steer_set_stages takes them
+        (plain data: vLLM's RPC and additional_config carry no tensors)."""
+        return [[s.id, s.location, s.index, s.edit.to_dict(s.when)] for s in self.stages]
+
+    def condition_list(self) -> list:
+        """[Condition.to_dict()]: the conditions the stages' `when` index, beside `stage_list`."""
+        return [c.to_dict() for c in self.conditions]
 
     def truncate(self, n: int) -> None:
         """Forget the stages registered after the first `n` (an engine refused them)."""
@@ -213,8 +226,8 @@ class InlineStages:
             loc, data, reduce, score, compare, threshold = edits.inline_when
             if self._first_condition is None:
                 self._first_condition = len(self.bank.conditions)
-            when = self.bank.condition(StageCondition(loc, torch.from_numpy(decode_vector(data)), reduce, score,
-                                                      compare, threshold))
+            when = self.bank.condition(Condition(tap_path(loc), torch.from_numpy(decode_vector(data)), reduce, score,
+                                                 compare, threshold))
             edits.decide = True
         for loc, index, strength, rows, data in edits.inline:
             key = (loc, int(index), hashlib.sha256(data.encode()).hexdigest(), when)
@@ -252,16 +265,17 @@ class InlineStages:
     def _place(self, key: tuple, loc: str, index: int, data: str, device, changed: set,
                when: Optional[int] = None) -> int:
         vec = decode_vector(data)
-        edit = StageEdit(EditKind.add, torch.from_numpy(vec)[None].to(device), when=when)
+        edit = Edit(EditKind.add, torch.from_numpy(vec)[None].to(device),
+                    when=None if when is None else self.bank.conditions[when])
         stages = self.bank.stages
         sid = self._free.pop(0) if self._free else len(stages)
         if sid in self._key:
             del self._ids[self._key.pop(sid)]
         if sid == len(stages):
-            stages.append(Stage(sid, loc, index, edit))
+            stages.append(Stage(sid, loc, index, edit, when))
         else:
             changed.add(stages[sid].location)
-            stages[sid] = Stage(sid, loc, index, edit)
+            stages[sid] = Stage(sid, loc, index, edit, when)
         changed.add(loc)
         self._ids[key], self._key[sid] = sid, key
         return sid

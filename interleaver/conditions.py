@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from interleaver import select
-from interleaver.stage import StageCondition
+from interleaver.edit import Condition
 
 
 class Conditions:
     """The engine's conditions and every slot's running state, on the device."""
 
-    def __init__(self, conditions: Sequence[StageCondition], slots: int, max_rows: int, device) -> None:
-        self.list: List[StageCondition] = [c.to(device) for c in conditions]
+    def __init__(self, conditions: Sequence[Condition], slots: int, max_rows: int, device) -> None:
+        self.list: List[Condition] = [c.to(device) for c in conditions]
         self.scratch = slots
         self.acc = [torch.zeros(slots + 1, c.vector.shape[0], device=device) for c in self.list]
         self.scores = torch.zeros(len(self.list), slots + 1, device=device)

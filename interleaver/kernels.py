@@ -24,7 +24,7 @@ import torch
 
 from interleaver import triton_internals
 
-ADD, SCALE, PROJECT = 0, 1, 2
+ADD, RESCALE, PROJECT = 0, 1, 2
 
 
 def _kernel():
@@ -220,8 +220,8 @@ def folded(table: Fused, hidden: torch.Tensor, residual: Optional[torch.Tensor],
     w = weights[: hidden.shape[0]].index_select(1, table.col)  # [rows, directions]
     p = x @ table.basis.T
     target = torch.clamp(table.offset + table.slope * p, table.lo, table.hi)
-    coef = torch.where(table.kind == ADD, w, torch.where(table.kind == SCALE, -w, (target - p) * w))
-    on_x = (w * (table.kind == SCALE)).sum(1, keepdim=True)
+    coef = torch.where(table.kind == ADD, w, torch.where(table.kind == RESCALE, -w, (target - p) * w))
+    on_x = (w * (table.kind == RESCALE)).sum(1, keepdim=True)
     return (hidden.float() + (coef @ table.basis + on_x * x)).to(hidden.dtype)
 
 

@@ -5,7 +5,7 @@ sum (the next layer's fused add-norm forms it). Deltas are computed on the summe
 on `hidden` alone: the next layer then sees exactly `h + delta`, the HF engine's semantics, and a row whose
 weights are all 0 is left bit for bit as it was.
 
-Stages are run in groups of one (index in the tap's edit list, family), the families being `add`, `scale`, and
+Stages are run in groups of one (index in the tap's edit list, family), the families being `add`, `rescale`, and
 the projection moves (`ablate`, `clamp`, `set`). A request holds at most one stage per index at a tap, so every
 row sees at most one stage of a group, and computing a group's deltas side by side on the same stream is exactly
 the sequential composition: one batched op per group per step, however many requests and distinct vectors.
@@ -24,20 +24,21 @@ import torch
 from interleaver import kernels
 from interleaver.bank import Stage
 from interleaver.rows import StepRows
-from interleaver.stage import PROJECT, EditKind
+from interleaver.edit import PROJECT
+from interleaver.kinds import EditKind
 
 
 FORMS = ("fused", "direct", "jit", "torch")  # how a program's call can run (TapProgram.form)
 
 
 def _family(kind: EditKind) -> str:
-    return "project" if kind in PROJECT else "scale" if kind == EditKind.rescale else kind.value
+    return "project" if kind in PROJECT else "rescale" if kind == EditKind.rescale else kind.value
 
 
 @dataclass
 class _Group:
     index: int
-    family: str  # "add", "scale" or "project"
+    family: str  # "add", "rescale" or "project"
     cols: Any  # a slice of the weight matrix's columns (adjacent under bank.layout) or a LongTensor of them
     host_cols: Any  # the same columns (a slice, or an index array), for the host-side check that a step uses any
     basis: torch.Tensor  # [m, hidden]: add vectors, scale centres, or the directions (an ablate's k rows each)
@@ -68,7 +69,7 @@ class TapProgram:
                                                                         key=key)]
         self._needs_x = any(g.family != "add" for g in self.groups)
         self.conditions = conditions
-        gated = [(col(s), s.edit.when) for s in stages if s.edit.when is not None]
+        gated = [(col(s), s.when) for s in stages if s.when is not None]
         if gated and conditions is None:
             raise ValueError(f"{location}: a stage under a condition, and no conditions given")
         # (weight columns, each one's condition): those columns are weighed by the row's decision
@@ -262,7 +263,7 @@ def _delta(g: _Group, x: Optional[torch.Tensor], w: torch.Tensor, acc: Optional[
         return torch.mm(pw, g.basis) if acc is None else acc.addmm_(pw, g.basis)
     if acc is None:
         acc = torch.zeros_like(x)
-    if g.family == "scale":  # unit scale 2: delta = w * (x - centre)
+    if g.family == "rescale":  # unit strength: delta = w * (x - centre)
         acc.addcmul_(w.sum(1, keepdim=True), x)
         return acc.addmm_(w, g.basis, alpha=-1.0) if g.centred else acc
     p = x @ g.basis.T
@@ -280,7 +281,7 @@ def _group(stages: List[Stage], col, device) -> _Group:
                span if contiguous else np.array(cols), None)
     if family == "add":
         g.basis = torch.cat([s.edit.basis[:1] for s in stages]).to(device)  # unit strength: the vectors as they are
-    elif family == "scale":  # a stage with no centre scales about 0
+    elif family == "rescale":  # a stage with no centre rescales about 0
         hidden = max(s.edit.basis.shape[1] if s.edit.basis is not None else 1 for s in stages)
         g.centred = any(s.edit.basis is not None for s in stages)
         g.basis = torch.cat([s.edit.basis[:1].to(device) if s.edit.basis is not None
@@ -306,7 +307,7 @@ def _group(stages: List[Stage], col, device) -> _Group:
 
 def _fused(groups: List[_Group]) -> kernels.Fused:
     """The groups as one direction table for the fused kernel (see interleaver/kernels.py)."""
-    code = {"add": kernels.ADD, "scale": kernels.SCALE, "project": kernels.PROJECT}
+    code = {"add": kernels.ADD, "rescale": kernels.RESCALE, "project": kernels.PROJECT}
     col, kind, params, bases = [], [], [], []
     width = max(g.basis.shape[1] for g in groups)
     for g in groups:

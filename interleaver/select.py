@@ -59,6 +59,14 @@ class Positions:
         length)."""
         return mask(self.where(), pos, plen)
 
+    @classmethod
+    def of(cls, where: Where) -> "Positions":
+        """`where()`'s selector back."""
+        select, a, b = where
+        if select == "window":
+            return cls("window", start=a, end=b)
+        return cls(select, count=a)
+
     def where(self) -> Where:
         """The selector as the interleaver's request entries carry it (interleaver/select.py)."""
         if self.select == "window":

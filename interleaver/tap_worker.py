@@ -15,7 +15,7 @@ from interleaver.clock import Clock
 from interleaver.vllm_internals import _worker_base, fold_norms, tap_location
 
 TAPS_KEY = "steer_taps"  # additional_config key: [[module path, residual?], ...], fixed before graph capture
-# additional_config key of an in-graph engine: its whole stage list [(id, location, index, StageEdit dict)], captured
+# additional_config key of an in-graph engine: its whole stage list (EditBank.stage_list), captured
 IN_GRAPH_KEY = "steer_in_graph"
 # additional_config key: true to replay each tap's program at its break as a CUDA graph of its own (tap_graphs.py)
 TAP_GRAPHS_KEY = "steer_tap_graphs"
@@ -29,7 +29,7 @@ COMPILED_KEY = "steer_compiled"
 # next layer's residual add and RMSNorm (one launch for both) where that norm is vLLM's RMSNorm (fold_norms)
 FOLD_KEY = "steer_fold_norm"
 COMPILED_VERSION = 1
-# additional_config key: the conditions the declared or preset stages name ([StageCondition dict, ...]); a replay
+# additional_config key: the conditions the declared or preset stages name (EditBank.condition_list); a replay
 # engine also takes more through steer_set_stages
 CONDITIONS_KEY = "steer_conditions"
 
@@ -213,19 +213,20 @@ class _TapWorkerMixin:
     # collective_rpc entry points ----------------------------------------------------------------------
 
     def steer_set_stages(self, stages, conditions=()) -> int:
-        """Install the client's stage list ([(id, location, index, StageEdit.to_dict())], ids in order) as the taps'
-        programs (plain data: vLLM's RPC turns dataclasses into dicts; a StageEdit itself is taken too), with the
-        conditions their `when` indexes ([StageCondition.to_dict()], the client's whole list so far)."""
+        """Install the client's stage list (EditBank.stage_list: [(id, location, index, Edit.to_dict(when))], ids in
+        order) as the taps' programs, with the conditions their `when` indexes (EditBank.condition_list, the
+        client's whole list so far)."""
         from interleaver.bank import InlineStages, Stage
-        from interleaver.stage import StageCondition, StageEdit
+        from interleaver.edit import Condition, Edit
 
         if getattr(self, "steer_declared", None) is not None:  # its graphs read these programs' tensors
             raise ValueError(f"this engine captured its {self.steer_declared} edit stage(s) into its graphs when it "
                              f"started and cannot serve others ({len(stages)} asked); declare every edit at start")
         device = self.model_runner.device
-        edits = [StageEdit.from_dict(e) if isinstance(e, dict) else e for _, _, _, e in stages]
-        self.steer_bank.stages = [Stage(i, loc, index, e.to(device)) for (i, loc, index, _), e in zip(stages, edits)]
-        conds = [StageCondition.from_dict(c) if isinstance(c, dict) else c for c in conditions]
+        conds = [Condition.from_dict(c) for c in conditions]
+        edits = [Edit.from_dict(e, conds) for _, _, _, e in stages]
+        self.steer_bank.stages = [Stage(i, loc, index, e.to(device), d["when"])
+                                  for (i, loc, index, d), e in zip(stages, edits)]
         if len(conds) != len(self.steer_bank.conditions):  # the client's list only grows
             self._steer_conditions(conds)
         self.steer_inline = InlineStages(self.steer_bank)  # ids of requests' own vectors are the client's now

@@ -57,6 +57,13 @@ def tap_location(path: str) -> str:
     return f"model.{path}.output"
 
 
+def tap_path(location: str) -> str:
+    """`tap_location`'s module path back."""
+    if not (location.startswith("model.") and location.endswith(".output")):
+        raise ValueError(f"{location!r} is not a tap location (model.<path>.output)")
+    return location[len("model."):-len(".output")]
+
+
 def _worker_base():
     from vllm.v1.worker.gpu_worker import Worker
 

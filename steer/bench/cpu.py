@@ -113,7 +113,7 @@ def engines(rounds: int, tokens: int) -> Dict:
             jobs += [(ids, work.steering, seed) for ids, seed in zip(work.encoded, work.seeds)]
             plain = AutoModelForCausalLM.from_pretrained(job.spec.source, dtype=job.spec.dtype).eval()
             layer = dict(plain.named_modules())[tap.path]
-            vector = edit.scale * edit.basis[0]
+            vector = edit.strength * edit.basis[0]
             stop = sorted(engine.stop_ids)
             pad = engine.tokenizer.pad_token_id if engine.tokenizer.pad_token_id is not None else stop[0]
             cond_plan, met = conditional(engine, work)

@@ -85,7 +85,7 @@ def easysteer(cfg: BenchConf, settings: Callable[[], Dict], model: str, algorith
             specs[key] = (edit, SteeringSpec(vectors=[VectorSpec(
                 # the payload's wire form, hashed once: EasySteer dedups slots by its digest
                 data=DirectionVector({i: edit.basis[0] for i in layers}).to_wire(),
-                algorithm=algorithm(edit), scale=edit.scale, layers=list(layers),
+                algorithm=algorithm(edit), scale=edit.strength, layers=list(layers),
                 apply=ApplySpec(**apply(edit.tokens)))]))
         return specs[key][1]
 

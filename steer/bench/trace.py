@@ -21,7 +21,7 @@ def generate(model, prompts: Sequence[List[int]], edits: Sequence[Optional[Edit]
             if edit is None:
                 raise ValueError("the nnsight configurations only run steered scenarios")
             if edit.kind == EditKind.add:
-                v = (edit.scale * edit.basis[0]).to(dtype)
+                v = (edit.strength * edit.basis[0]).to(dtype)
                 with tracer.invoke(ids):
                     vd = v.to("cuda")
                     for _ in tracer.all():

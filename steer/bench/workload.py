@@ -220,10 +220,9 @@ def tapped(name: str, layers: int) -> List[int]:
 def faint(e: Edit, epsilon: float) -> Edit:
     """`e` at `epsilon` of its strength: a delta `epsilon` times e's, through the same ops. Every kind is linear
     in its strength (add: the vector's scale; ablate, clamp, set: the share of the projection's move made, 1 the
-    whole move; scale: the factor minus 1), and the strength is each row's weight in the tap programs, so every
+    whole move; rescale: the factor minus 1), and the strength is each row's weight in the tap programs, so every
     stage and every row the full edit uses is used and nonzero: the fused kernel skips only weights of exactly 0."""
-    s = epsilon * e.strength
-    return replace(e, scale=1.0 + s if e.kind == EditKind.rescale else s)
+    return replace(e, strength=epsilon * e.strength)
 
 
 def scenario(name: str, hidden: int, layers: int, n: int, seed: int, epsilon: float = 1e-6,

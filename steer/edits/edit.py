@@ -6,91 +6,15 @@ step that mixes prompt and generated rows, and an engine that only sees a sum of
 `hidden + residual`) can compute `delta` on the sum and land it on one of them. Nothing here knows an engine.
 """
 
-from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
-from steer.config.schema import EditKind, Tokens
-from steer.edits.condition import Condition
+from interleaver.edit import PROJECT, Condition, Edit
 from interleaver.select import EVERY, Positions
+from steer.config.schema import EditKind, Tokens
 
-
-@dataclass(frozen=True, eq=False)
-class Edit:
-    """One compiled edit. `basis` is float32 `[k, hidden]`: the raw vector for `add` and the centre for
-    `rescale`; orthonormal rows for `ablate`; one unit row for `clamp` and `set`."""
-
-    kind: EditKind
-    scale: float
-    basis: Optional[torch.Tensor]
-    tokens: Tokens = Tokens.both
-    lo: Optional[float] = None
-    hi: Optional[float] = None
-    value: float = 0.0
-    when: Optional[Condition] = None  # act only on the rows of requests whose prompt meets it
-    positions: Positions = EVERY  # where in the sequence, beside `tokens`
-
-    @property
-    def is_noop(self) -> bool:
-        """True when the edit changes nothing, so an engine may skip it (the math is exact either way)."""
-        if self.kind == EditKind.rescale:
-            return self.scale == 1.0
-        if self.kind == EditKind.clamp and self.lo is None and self.hi is None:
-            return True
-        return self.scale == 0.0
-
-    @property
-    def strength(self) -> float:
-        """The factor `delta` is linear in: `scale`, or `scale - 1` for the `rescale` kind."""
-        return self.scale - 1.0 if self.kind == EditKind.rescale else self.scale
-
-    def unit(self) -> "Edit":
-        """The same edit at strength 1, so `delta(h) == strength * unit().delta(h)`; engines that batch
-        requests with different scales run the unit edit once with a per-row weight of `strength`."""
-        return replace(self, scale=2.0 if self.kind == EditKind.rescale else 1.0)
-
-    def to(self, device) -> "Edit":
-        """The same edit with its vectors on `device` (so applying it does no host-to-device copy)."""
-        return self if self.basis is None else replace(self, basis=self.basis.to(device))
-
-    def direction(self) -> Optional[torch.Tensor]:
-        """Orthonormal `[k, hidden]` rows spanning what the edit acts on, for projection metrics."""
-        if self.basis is None:
-            return None
-        return self.basis if self.kind in (EditKind.ablate, EditKind.clamp, EditKind.set) else orthonormal(self.basis)
-
-    def delta(self, h: torch.Tensor) -> torch.Tensor:
-        """The change the edit makes to float32 rows `h` (`[rows, hidden]`)."""
-        b = self.basis.to(h.device) if self.basis is not None else None
-        if self.kind == EditKind.add:
-            return (self.scale * b[0]).expand_as(h)
-        if self.kind == EditKind.ablate:
-            return -self.scale * (h @ b.T) @ b
-        if self.kind == EditKind.rescale:
-            centre = b[0] if b is not None else 0.0
-            return (self.scale - 1.0) * (h - centre)
-        d = b[0]
-        p = h @ d
-        if self.kind == EditKind.clamp:
-            target = p if self.lo is None and self.hi is None else p.clamp(min=self.lo, max=self.hi)
-        else:  # set
-            target = torch.full_like(p, self.value)
-        return (self.scale * (target - p))[:, None] * d
-
-    def apply_(self, h: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
-        """Edit `h` (`[rows, hidden]`, any float dtype) in place; `weight` (`[rows]`) scales each row's edit."""
-        x = h.float()
-        d = self.delta(x)
-        if weight is not None:
-            d = d * weight.to(device=h.device, dtype=torch.float32)[:, None]
-        h.copy_((x + d).to(h.dtype))
-
-    def row_weight(self, is_prompt: torch.Tensor) -> Optional[torch.Tensor]:
-        """Per-row weights from a bool mask of prompt rows (None: every row)."""
-        if self.tokens == Tokens.both:
-            return None
-        return (is_prompt if self.tokens == Tokens.prompt else ~is_prompt).float()
+__all__ = ["Edit", "compile_edit", "direction", "orthonormal", "scale_of"]
 
 
 def orthonormal(vectors: torch.Tensor, rtol: float = 1e-6) -> torch.Tensor:
@@ -118,4 +42,19 @@ def compile_edit(kind: EditKind, scale: float, vectors: Optional[torch.Tensor], 
     checks.edit_vectors(field, kind, scale, vectors)
     if vectors is not None and kind not in (EditKind.add, EditKind.rescale):
         vectors = orthonormal(vectors)
-    return Edit(kind, float(scale), vectors, tokens, lo, hi, value, when, positions)
+    # the record's strength is what delta is linear in: `edit.scale` itself, but for `rescale`, whose scale is the
+    # stream's factor about its centre, scale - 1
+    strength = float(scale) - 1.0 if kind == EditKind.rescale else float(scale)
+    return Edit(kind, vectors, strength, tokens, lo, hi, value, when, positions)
+
+
+def scale_of(e: Edit) -> float:
+    """The edit's `edit.scale` (compile_edit's inverse for strength): the factor for `rescale`, else the strength."""
+    return e.strength + 1.0 if e.kind == EditKind.rescale else e.strength
+
+
+def direction(e: Edit) -> Optional[torch.Tensor]:
+    """Orthonormal `[k, hidden]` rows spanning what the edit acts on, for projection metrics."""
+    if e.basis is None:
+        return None
+    return e.basis if e.kind in PROJECT else orthonormal(e.basis)

@@ -1,7 +1,7 @@
 """The vLLM engine: compiled edits replayed inside vLLM's breakable CUDA graphs, at graph speed.
 
-Taps are fixed when the engine starts (vLLM records its graphs then); edits are converted to the interleaver's
-stage records (`stage_edits`), registered as stages of an EditBank and shipped to the worker once, and each
+Taps are fixed when the engine starts (vLLM records its graphs then); edits (the interleaver's own
+record, interleaver/edit.py) are registered as stages of an EditBank and shipped to the worker once, and each
 request carries only its (stage, strength, tokens) entries in SamplingParams.extra_args. Baseline and steered
 requests share batches: a request with no entries is untouched.
 Prefix caching is switched off (a prefix cached without an edit must not serve a steered request); chunked
@@ -18,37 +18,15 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.stage import EditKind, StageCondition, Tokens, StageEdit
 from interleaver.clock import Clock
 from interleaver.vllm_internals import shutdown, tap_location
 from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, CONDITIONS_KEY, FOLD_KEY, IN_GRAPH_KEY,
                                     TAP_GRAPHS_KEY, TAPS_KEY, worker_cls)
-from steer.edits.edit import Edit
 from steer.engine.base import Engine, GenJob, ScoreJob, Scores, stop_ids
 from steer.models.spec import ModelSpec
 from steer.edits.plan import Plan
 from steer.config.schema import GenConf, VllmConf
 from steer.edits.tap import Tap
-
-
-def stage_edit(e: Edit, bank: Optional[EditBank] = None) -> StageEdit:
-    """A compiled edit as the interleaver's stage record: the same delta (`Edit.delta` is linear in `Edit.strength`,
-    which the record carries), on the rows `e.tokens` and `e.positions` select; its condition (`e.when`) is
-    registered in `bank` and named by index."""
-    when = None
-    if e.when is not None:
-        if bank is None:
-            raise ValueError("an edit under a condition (edit.when) needs the engine's bank to name it")
-        c = e.when
-        when = bank.condition(StageCondition(tap_location(c.path), c.vector.float(), c.reduce, c.score, c.compare,
-                                             float(c.threshold)))
-    return StageEdit(EditKind(e.kind.value), e.basis, e.lo, e.hi, e.value, e.strength, Tokens(e.tokens.value),
-                     when, None if e.positions.every else e.positions.where())
-
-
-def stage_edits(edits: Sequence[Edit], bank: Optional[EditBank] = None) -> List[StageEdit]:
-    """A tap's compiled edits, in order, as what `EditBank.register` takes."""
-    return [stage_edit(e, bank) for e in edits]
 
 
 def available() -> bool:
@@ -121,8 +99,8 @@ class VLLMEngine(Engine):
                 self._edits(p)
             if not self.bank.stages:
                 raise ValueError(f"vllm.{conf.in_graph_field()}: declare the plans the engine serves when it starts")
-            extra[IN_GRAPH_KEY] = self._stage_list()
-            extra[CONDITIONS_KEY] = self._condition_list()
+            extra[IN_GRAPH_KEY] = self.bank.stage_list()
+            extra[CONDITIONS_KEY] = self.bank.condition_list()
         if conf.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
         if conf.fold_norm:
@@ -178,14 +156,8 @@ class VLLMEngine(Engine):
                                  f"{sorted(self.taps)}")
         entries = []
         for path, edits in (plan.edits.items() if plan else []):
-            entries += self.bank.register(tap_location(path), stage_edits(edits, self.bank))
+            entries += self.bank.register(tap_location(path), edits)
         return RequestEdits(entries, decide=bool(plan and plan.conditions()), **kw)
-
-    def _stage_list(self) -> list:
-        return [(s.id, s.location, s.index, s.edit.to_dict()) for s in self.bank.stages]
-
-    def _condition_list(self) -> list:
-        return [c.to_dict() for c in self.bank.conditions]
 
     def _push(self) -> None:
         """Ship the stage list to the workers when it grew (once per batch, not per request)."""
@@ -198,7 +170,7 @@ class VLLMEngine(Engine):
             what = f"edit {new.edit.kind.value} at {new.location}" if new is not None else "a condition"
             raise ValueError(f"{what} was not declared when this engine started: its edits are captured into its "
                              "graphs (vllm.edits_in_graph, vllm.compiled_edits)")
-        self.llm.collective_rpc("steer_set_stages", args=(self._stage_list(), self._condition_list()))
+        self.llm.collective_rpc("steer_set_stages", args=(self.bank.stage_list(), self.bank.condition_list()))
         self._pushed, self._pushed_conditions = len(self.bank.stages), len(self.bank.conditions)
 
     def sampling_params(self, plans: Sequence[Optional[Plan]], seeds: Optional[Sequence[int]] = None, **kw) -> list:

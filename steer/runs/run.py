@@ -24,6 +24,7 @@ from steer import report, results
 from steer.config import checks
 from steer.config.schema import SteerConf
 from steer.edits import condition
+from steer.edits.edit import direction, scale_of
 from steer.edits.tap import head_rows
 from steer.engine.base import Scores
 from steer.edits.plan import Plan
@@ -330,7 +331,7 @@ def describe(plan: Plan) -> str:
     parts = []
     for path, edits in plan.edits.items():
         for e in edits:
-            bits = [plan.taps[path].name, e.kind.value, f"scale={e.scale:g}"]
+            bits = [plan.taps[path].name, e.kind.value, f"scale={scale_of(e):g}"]
             bits += [f"{k}={v:g}" for k, v in (("lo", e.lo), ("hi", e.hi)) if v is not None]
             if e.kind.value == "set":
                 bits.append(f"value={e.value:g}")
@@ -398,7 +399,7 @@ def _score(engine, w: _Work, conts: Dict[tuple, List[int]], baselines: Dict[tupl
         st = conts[_steer_key(w, i)]
         jobs += [(ids, st, None, cap), (ids, st, w.steering, steer_cap)]
     scored = iter(engine.score_many(jobs))
-    basis = edit.direction()
+    basis = direction(edit)
     return [_row(engine, w, i, conts, basis, baselines[keys[i]], next(scored), next(scored))
             for i in range(len(w.prompts))]
 

@@ -18,7 +18,7 @@ import torch
 from steer.config.preset import edits_for
 from steer.edits import vector
 from steer.edits.condition import Condition
-from steer.edits.edit import Edit, compile_edit
+from steer.edits.edit import Edit, compile_edit, scale_of
 from steer.errors import ConfigError, value_error
 from steer.models.spec import ModelSpec
 from steer.edits import formats
@@ -168,12 +168,9 @@ def _compile(name: str, conf: PresetConf, spec: ModelSpec, default_vector,
 
 
 def scaled(e: Edit, k: float) -> Edit:
-    """`e` with its strength multiplied by `k` (the `rescale` kind's strength is scale - 1)."""
-    if k == 1.0:
-        return e
-    if e.kind == EditKind.rescale:
-        return replace(e, scale=1.0 + k * (e.scale - 1.0))
-    return replace(e, scale=e.scale * k)
+    """`e` with its strength multiplied by `k` (for `rescale`, the stream's factor about its centre goes from
+    1 + s to 1 + k * s)."""
+    return e if k == 1.0 else replace(e, strength=e.strength * k)
 
 
 def compose(presets: Dict[str, Preset], names: Sequence[str], scale: float = 1.0, inline: Sequence = (),
@@ -204,8 +201,9 @@ def listing(presets: Dict[str, Preset]) -> List[dict]:
     """What GET /v1/steer/presets answers: each preset's taps and edits, with its vector files' metadata."""
     out = []
     for p in presets.values():
-        edits = [{"tap": tap.name, "path": tap.path, "kind": e.kind.value, "scale": e.scale, "tokens": e.tokens.value,
-                  "lo": e.lo, "hi": e.hi, "value": e.value, "vector": v} for (tap, e), v in zip(p.items, p.vectors)]
+        edits = [{"tap": tap.name, "path": tap.path, "kind": e.kind.value, "scale": scale_of(e),
+                  "tokens": e.tokens.value, "lo": e.lo, "hi": e.hi, "value": e.value, "vector": v}
+                 for (tap, e), v in zip(p.items, p.vectors)]
         out.append({"name": p.name, "description": p.conf.description,
                     "taps": list(dict.fromkeys(tap.name for tap, _ in p.items)), "edits": edits})
     return out

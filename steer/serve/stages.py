@@ -24,7 +24,6 @@ class StageTable:
     def __init__(self, presets: Dict[str, Preset], inline_taps: Optional[Dict[int, Tap]] = None):
         from interleaver.bank import EditBank
         from interleaver.vllm_internals import tap_location
-        from steer.engine.vllm import stage_edits
 
         self.bank = EditBank()
         self.taps = {}
@@ -44,7 +43,7 @@ class StageTable:
             for name, edits in mine.items():
                 starts = {}
                 for start in sorted(_sums([len(v) for m, v in mine.items() if m != name])):
-                    entries = self.bank.register(loc, stage_edits(edits, self.bank), start)
+                    entries = self.bank.register(loc, edits, start)
                     starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
                                           for (sid, strength, tokens), e in zip(entries, edits)]
                 self.presets[name].append([loc, len(edits), starts])
@@ -53,15 +52,6 @@ class StageTable:
         for layer, tap in (inline_taps or {}).items():
             self.taps.setdefault(tap.path, tap)
             self.inline[str(layer)] = tap_location(tap.path)
-
-    def stage_list(self) -> list:
-        """[(id, location, index, StageEdit.to_dict())]: what VLLMEngine ships, and the worker's steer_set_stages
-        takes."""
-        return [[s.id, s.location, s.index, s.edit.to_dict()] for s in self.bank.stages]
-
-    def condition_list(self) -> list:
-        """[StageCondition.to_dict()]: the conditions the stages' `when` index, for the worker."""
-        return [c.to_dict() for c in self.bank.conditions]
 
     def tap_list(self) -> list:
         return [[t.path, t.residual] for t in self.taps.values()]

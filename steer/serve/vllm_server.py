@@ -35,17 +35,17 @@ def engine_config(conf: ServeConf, table: StageTable) -> dict:
     from interleaver.tap_worker import (COMPILED_KEY, COMPILED_VERSION, CONDITIONS_KEY, FOLD_KEY, IN_GRAPH_KEY,
                                         STAGES_KEY, TAP_GRAPHS_KEY, TAPS_KEY)
 
-    extra = {TAPS_KEY: table.tap_list(), CONDITIONS_KEY: table.condition_list()}
+    extra = {TAPS_KEY: table.tap_list(), CONDITIONS_KEY: table.bank.condition_list()}
     if conf.vllm.in_graph_field():
         if not table.bank.stages:
             raise ConfigError(f"vllm.{conf.vllm.in_graph_field()}", "no preset has an edit to capture into the graphs")
-        extra[IN_GRAPH_KEY] = table.stage_list()
+        extra[IN_GRAPH_KEY] = table.bank.stage_list()
         if conf.vllm.compiled_edits:
             extra[COMPILED_KEY] = COMPILED_VERSION
         if conf.vllm.fold_norm:  # prepare() refused it with compiled edits
             extra[FOLD_KEY] = True
     else:
-        extra[STAGES_KEY] = table.stage_list()
+        extra[STAGES_KEY] = table.bank.stage_list()
         if conf.vllm.tap_graphs:
             extra[TAP_GRAPHS_KEY] = True
     return extra

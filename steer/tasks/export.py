@@ -67,7 +67,7 @@ def directions(plan: Plan, spec: ModelSpec, fmt: str) -> Dict[int, torch.Tensor]
             if e.basis.shape[0] != 1:
                 raise ConfigError("edit.vector", f"holds {e.basis.shape[0]} directions at {tap.name}; a control "
                                                  "vector holds one per layer")
-            v = e.scale * e.basis[0]
+            v = e.strength * e.basis[0]
             out[layer] = out[layer] + v if layer in out else v
     if fmt == "gguf" and 0 in out:
         raise ConfigError("export.format", "gguf: llama.cpp refuses a direction at decoder layer 0; steer from "

@@ -7,7 +7,7 @@ from interleaver.bank import EditBank, RequestEdits, layout
 from interleaver.program import TapProgram
 from interleaver.rows import Span, StepRows
 from steer.bench import workload
-from steer.engine.vllm import stage_edit
+from steer.edits.edit import scale_of
 from steer.config.schema import EditKind
 
 EPS = 1e-6
@@ -16,7 +16,7 @@ EPS = 1e-6
 def _program(scen: str, rows: int, hidden: int, device) -> tuple:
     """One tap's program for `rows` decode rows steered by scenario `scen`, as f runs it, and the step's weights."""
     bank = EditBank()  # registers each distinct edit once, however many requests ask for it
-    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register("layers.0", [stage_edit(e)])))
+    spans = [Span(i, 1, 40, 32, RequestEdits(bank.register("layers.0", [e])))
              for i, e in enumerate(workload.scenario(scen, hidden, 1, rows, 0).edits)]
     step = StepRows()
     step.order = layout(bank.stages)
@@ -36,9 +36,9 @@ def test_the_faint_twin_is_each_edit_at_epsilon_of_its_strength(scen):
         assert f.strength == pytest.approx(EPS * e.strength, rel=1e-6) and not f.is_noop
     # requests that shared an edit share its faint twin (the engines register an edit once)
     assert len({id(e) for e in faint.edits}) == len({id(e) for e in full.edits})
-    if scen == "k8":  # scale's strength is its factor minus 1: the faint factor is 1 + epsilon (factor - 1)
+    if scen == "k8":  # rescale's strength is its factor minus 1: the faint factor is 1 + epsilon (factor - 1)
         e, f = next((e, f) for e, f in zip(full.edits, faint.edits) if e.kind == EditKind.rescale)
-        assert e.scale == 0.85 and f.scale == pytest.approx(1 - EPS * 0.15, abs=1e-15)
+        assert scale_of(e) == 0.85 and scale_of(f) == pytest.approx(1 - EPS * 0.15, abs=1e-15)
 
 
 @pytest.mark.parametrize("scen", ["add", "ablate_all", "k8"])

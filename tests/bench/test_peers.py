@@ -129,7 +129,7 @@ scen = workload.scenario("k8_all", 64, 4, 16, cfg.seed, cfg.epsilon, cfg.k_kinds
 assert run(workload.prompts(16, 5, 0), scen, 4) == 16 * 4
 assert run(workload.prompts(16, 5, 0), scen, 4) == 16 * 4
 import vllm
-print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": [e.scale for e in scen.edits]}}))
+print(json.dumps({{"file": vllm.__file__, "log": vllm.ENGINES[0].log, "scales": [e.strength for e in scen.edits]}}))
 """
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -222,7 +222,7 @@ def test_declared_plans_name_every_edit_of_the_group(bench_model):
     # add, k1, k8, k64, add@eps for 16 requests each: 1 + 1 + 8 + 16 + 1 distinct edits, all at the one tap
     assert len(plans) == 5 * 16 and len({id(e) for e, _ in seen}) == 27 and {at for _, at in seen} == {(2,)}
     faint = [e for e, _ in seen[-16:]]
-    assert faint[0].scale == pytest.approx(4e-6) and all(e is faint[0] for e in faint)
+    assert faint[0].strength == pytest.approx(4e-6) and all(e is faint[0] for e in faint)
 
 
 def test_a_process_stopped_mid_group_keeps_the_cells_it_timed(engine_c, new_book, tmp_path, bench_model):

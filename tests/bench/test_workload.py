@@ -138,7 +138,7 @@ def test_scenarios_give_every_request_its_edit():
 def test_all_layer_scenarios_tap_every_layer_and_k_kinds_choose_the_kinds():
     add_all = workload.scenario("add_all", 16, 4, 6, 0)
     assert add_all.layers == [0, 1, 2, 3] and {id(e) for e in add_all.edits} == {id(add_all.edits[0])}
-    assert add_all.edits[0].kind == EditKind.add and add_all.edits[0].scale == 4.0
+    assert add_all.edits[0].kind == EditKind.add and add_all.edits[0].strength == 4.0
     # EasySteer's own workload: N distinct vectors, one per configuration, every request of 256 its own at N = 256
     k256 = workload.scenario("k256_all", 16, 4, 256, 0, kinds=[EditKind.add])
     assert k256.layers == [0, 1, 2, 3] and len({id(e) for e in k256.edits}) == 256
@@ -148,7 +148,7 @@ def test_all_layer_scenarios_tap_every_layer_and_k_kinds_choose_the_kinds():
     assert k64.layers == [2] and len({id(e) for e in k64.edits}) == 64 and k64.edits[64] is k64.edits[0]
     faint = workload.scenario("k8_all@eps", 16, 4, 8, 0, epsilon=1e-6, kinds=[EditKind.add, EditKind.ablate])
     assert [e.kind for e in faint.edits[:2]] == [EditKind.add, EditKind.ablate] and faint.layers == [0, 1, 2, 3]
-    assert max(e.scale for e in faint.edits) < 1e-5
+    assert max(e.strength for e in faint.edits) < 1e-5
 
 
 def test_cast_reads_one_layer_and_edits_a_later_one_for_half_the_requests():
@@ -158,7 +158,7 @@ def test_cast_reads_one_layer_and_edits_a_later_one_for_half_the_requests():
     assert thresholds == [-1.0, 1.0] * 3  # cosine above -1 always holds and above 1 never: half the requests meet it
     assert {e.when.score for e in cast.edits} == {"cosine"} and all(e.kind == EditKind.add for e in cast.edits)
     faint = workload.scenario("cast@eps", 16, 32, 6, 0)
-    assert faint.read == 8 and faint.edits[0].when.threshold == -1.0 and faint.edits[0].scale < 1e-5
+    assert faint.read == 8 and faint.edits[0].when.threshold == -1.0 and faint.edits[0].strength < 1e-5
 
 
 @pytest.mark.parametrize("name,select", [("last_prompt", "last_prompt"), ("first_generated", "first_generated"),

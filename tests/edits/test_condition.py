@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from steer.edits.condition import Condition, score
+from interleaver.select import score
+from steer.edits.condition import Condition
 
 
 @pytest.fixture

@@ -176,7 +176,7 @@ def test_edits_beyond_float32_are_refused(kind, vec, settings, field, says):
 
 
 def test_an_edit_at_the_edge_of_float32_compiles():
-    assert compile_edit(EditKind.add, 3e38, torch.ones(1, H)).scale == 3e38
+    assert compile_edit(EditKind.add, 3e38, torch.ones(1, H)).strength == 3e38
 
 
 def test_reversed_clamp_bounds(v):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from interleaver import EditBank, EditKind, StageEdit, TapProgram
+from interleaver import EditBank, EditKind, Edit, TapProgram
 from steer.engine import Engine, Scores
 from steer.engine.hf import HFEngine
 from steer.config.schema import GenConf
@@ -74,7 +74,7 @@ def test_vllm_engine_close_shuts_its_engine_core_down_once():
 
 def test_a_program_runs_in_the_form_asked_and_only_in_one_it_has():
     bank = EditBank()
-    bank.register("t", [StageEdit(EditKind.add, torch.ones(1, 4))])
+    bank.register("t", [Edit(EditKind.add, torch.ones(1, 4))])
     program = TapProgram("t", bank.at("t"), False)
     assert not program.fused  # no CUDA here: the torch form only
     h = torch.zeros(2, 4)

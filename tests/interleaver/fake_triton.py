@@ -83,6 +83,6 @@ class FakeCompiled:
 def direction_table(hidden=16, device="cpu"):
     g = torch.Generator().manual_seed(5)
     cols = (torch.randn(3, hidden, generator=g), torch.tensor([0, 1, 1]),
-            torch.tensor([kernels.ADD, kernels.PROJECT, kernels.SCALE]), torch.ones(3) * 0.5, torch.zeros(3),
+            torch.tensor([kernels.ADD, kernels.PROJECT, kernels.RESCALE]), torch.ones(3) * 0.5, torch.zeros(3),
             torch.full((3,), -1.0), torch.full((3,), 1.0))
     return kernels.Fused(*(c.to(device) for c in cols))

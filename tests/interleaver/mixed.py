@@ -8,7 +8,6 @@ from fake import H, Graphed
 from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver
 from interleaver.bank import layout
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind, Tokens
 
 
@@ -35,7 +34,7 @@ def engine(taps, edits, tap_of=lambda e: 0):
     module = Graphed(il)
     nnsight.NNsight(module, interleaver=il)
     bank = EditBank()
-    reqs = [RequestEdits(bank.register(taps[tap_of(e)], stage_edits(e))) if e else None for e in edits]
+    reqs = [RequestEdits(bank.register(taps[tap_of(e)], e)) if e else None for e in edits]
     il.step.order = layout(bank.stages)
     columns = {int(s): c for c, s in enumerate(il.step.order)}
     il.programs = {t: TapProgram(t, bank.at(t), residual=False, columns=columns) for t in taps}

@@ -7,7 +7,6 @@ import torch
 
 from interleaver import EditBank, RequestEdits, Span, StepRows, TapProgram
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind
 
 TAP = "model.layers.1.output"
@@ -20,7 +19,7 @@ def run_step(edits, counts, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(counts), H, generator=g) * 3  # projections well outside the windows below
     bank = EditBank()
-    reqs = [RequestEdits(bank.register(TAP, stage_edits([e]))) for e in edits]
+    reqs = [RequestEdits(bank.register(TAP, [e])) for e in edits]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     step = StepRows()
     step.set([Span(s, c, 0, c, r) for s, c, r in zip(starts, counts, reqs)], x.shape[0], len(bank.stages), "cpu")

@@ -16,7 +16,6 @@ from interleaver.bank import EditBank
 from interleaver.interleaver import VLLMInterleaver
 from interleaver.program import TapProgram
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind
 from test_program import TAP
 
@@ -214,8 +213,8 @@ def test_a_replayed_break_launches_the_fused_kernel_once_over_the_real_rows(monk
 
 def test_a_break_launches_where_a_row_asks_for_a_stage_of_its_tap_and_leaves_the_rest_to_the_host(fused):
     bank = EditBank()
-    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))  # column 0
-    bank.register("elsewhere", stage_edits([compile_edit(EditKind.add, 1.0, torch.randn(1, 16))]))  # column 1
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])  # column 0
+    bank.register("elsewhere", [compile_edit(EditKind.add, 1.0, torch.randn(1, 16))])  # column 1
     program, live = TapProgram(TAP, bank.at(TAP), False), torch.randn(4, 16)
     step = SimpleNamespace(capturing={}, used=None, all_used=False, weights=torch.ones(3, 2))
     assert program.at_break(live, 3, step) and fused == []  # nobody steered this step: nothing to launch
@@ -245,7 +244,7 @@ def test_a_break_serving_a_trace_takes_the_general_path(monkeypatch):
 
 def test_a_form_says_how_the_kernel_launches_inside_it_and_no_longer(fused):
     bank = EditBank()
-    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])
     program = TapProgram(TAP, bank.at(TAP), False)
     table = program._fused
     for form, launch in (("fused", (True, True)), ("direct", (True, False)), ("jit", (False, False))):

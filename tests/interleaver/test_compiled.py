@@ -10,7 +10,6 @@ from interleaver.vllm_internals import tap_location
 from interleaver.tap_worker import COMPILED_KEY, COMPILED_VERSION, IN_GRAPH_KEY
 from stand_in import H, step, tap_worker
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind, Tokens
 
 TAPS = (("layers.0", True), ("layers.1", True))
@@ -19,10 +18,10 @@ TAPS = (("layers.0", True), ("layers.1", True))
 def _declared():
     bank = EditBank()
     v = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
-    add = RequestEdits(bank.register(tap_location("layers.0"), stage_edits(
-        [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])))
-    abl = RequestEdits(bank.register(tap_location("layers.1"), stage_edits([compile_edit(EditKind.ablate, 1.0, v)])))
-    return [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages], add, abl, v
+    add = RequestEdits(bank.register(tap_location("layers.0"),
+        [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
+    abl = RequestEdits(bank.register(tap_location("layers.1"), [compile_edit(EditKind.ablate, 1.0, v)]))
+    return bank.stage_list(), add, abl, v
 
 
 def _compiled(declared, graphs):
@@ -71,8 +70,8 @@ def test_a_module_tap_edits_its_outputs_first_tensor():
     torch._dynamo.reset()
     bank = EditBank()
     v = torch.randn(1, H, generator=torch.Generator().manual_seed(1))
-    add = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 3.0, v)])))
-    declared = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    add = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 3.0, v)]))
+    declared = bank.stage_list()
     taps = (("layers.0", False),)
     w = tap_worker({IN_GRAPH_KEY: declared, COMPILED_KEY: COMPILED_VERSION}, taps=taps)
     w.model_runner.model = torch.compile(w.model_runner.model, fullgraph=True, backend="aot_eager")

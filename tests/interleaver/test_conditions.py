@@ -12,7 +12,10 @@ from interleaver.bank import BatchEdits, layout
 from interleaver.conditions import Conditions
 from interleaver.program import TapProgram
 from interleaver.rows import StepRows
-from interleaver.stage import EditKind, StageCondition, StageEdit
+from interleaver.edit import Condition, Edit
+from interleaver.kinds import EditKind
+from interleaver.select import Positions
+from interleaver.vllm_internals import tap_path
 
 import nnsight
 
@@ -21,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("fake_recording")
 
 
 def build(in_graph: bool, stages, conditions):
-    """The fake graph with programs at both taps; `stages`: [(location, StageEdit)] registered in order."""
+    """The fake graph with programs at both taps; `stages`: [(location, Edit)] registered in order."""
     il = VLLMInterleaver(taps=[COND, EDIT])
     module = Graphed(il)
     nnsight.NNsight(module, interleaver=il)
@@ -63,9 +66,9 @@ def test_a_condition_gates_its_edit_per_request_from_the_last_prompt_chunk_on_in
     g = torch.Generator().manual_seed(1)
     c = torch.tensor([1.0, 0.0, 0.0, 0.0])  # cosine against the first axis: the sign of the prompt's mean there
     v = torch.randn(H, generator=g)
-    cond = StageCondition(COND, c, reduce="mean", score="cosine", compare="above", threshold=0.0)
-    gated = StageEdit(EditKind.add, v[None], strength=1.0, when=0)
-    plain = StageEdit(EditKind.add, v[None], strength=1.0)
+    cond = Condition(tap_path(COND), c, reduce="mean", score="cosine", compare="above", threshold=0.0)
+    gated = Edit(EditKind.add, v[None], strength=1.0, when=cond)
+    plain = Edit(EditKind.add, v[None], strength=1.0)
 
     def prompt(sign, n):
         x = torch.randn(n, H, generator=g)
@@ -114,16 +117,16 @@ def test_reduce_last_and_cast_decide_from_the_prompts_last_row():
     threshold = cast(x[2] * 2) - 1e-4  # just met by the last row; the mean scores otherwise
     assert cast(x.mul(2).mean(0)) < threshold
     for reduce, want in (("last", 1.0), ("mean", 0.0)):
-        cond = StageCondition(COND, c, reduce=reduce, score="cast", compare="above", threshold=threshold)
-        module, il, bank, entries, conds = build(True, [(EDIT, StageEdit(EditKind.add, c[None], when=0))], [cond])
+        cond = Condition(tap_path(COND), c, reduce=reduce, score="cast", compare="above", threshold=threshold)
+        module, il, bank, entries, conds = build(True, [(EDIT, Edit(EditKind.add, c[None], when=cond))], [cond])
         run_steps(module, il, bank, conds, {"r": (RequestEdits([entries[0]], decide=True), 3)}, [([("r", 3, 0)], x)])
         assert float(conds.flags[conds._slot["r"], 0]) == want
 
 
 def test_a_slot_taken_again_starts_from_nothing():
     c = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    cond = StageCondition(COND, c, reduce="mean", score="cosine", compare="above", threshold=0.0)
-    module, il, bank, entries, conds = build(False, [(EDIT, StageEdit(EditKind.add, c[None], when=0))], [cond])
+    cond = Condition(tap_path(COND), c, reduce="mean", score="cosine", compare="above", threshold=0.0)
+    module, il, bank, entries, conds = build(False, [(EDIT, Edit(EditKind.add, c[None], when=cond))], [cond])
     yes, no = torch.ones(2, H), -torch.ones(2, H)
     reqs = {"a": (RequestEdits([entries[0]], decide=True), 2), "b": (RequestEdits([entries[0]], decide=True), 2)}
     run_steps(module, il, bank, conds, reqs, [([("a", 2, 0)], yes)])
@@ -138,9 +141,9 @@ def test_position_entries_weigh_exactly_the_rows_they_select_in_a_mixed_batch():
     v = torch.ones(1, H)
     where = {"last2": ("last_prompt", 2, 0), "first1": ("first_generated", 1, 0), "win": ("window", 1, 3)}
     bank = EditBank()
-    entries = {k: bank.register(EDIT, [StageEdit(EditKind.add, v, strength=2.0, positions=w)])[0]
+    entries = {k: bank.register(EDIT, [Edit(EditKind.add, v, strength=2.0, positions=Positions.of(w))])[0]
                for k, w in where.items()}
-    plain = bank.register(EDIT, [StageEdit(EditKind.add, v, strength=1.0)])[0]
+    plain = bank.register(EDIT, [Edit(EditKind.add, v, strength=1.0)])[0]
     reqs = [RequestEdits([entries["last2"]]), RequestEdits([entries["first1"], plain]), RequestEdits([entries["win"]]),
             None]
     plen = np.array([4, 2, 3, 2])
@@ -175,9 +178,9 @@ def test_the_worker_decides_per_request_and_frees_the_slot_and_its_own_condition
     first, second = tap_location("layers.0"), tap_location("layers.1")
     axis = torch.tensor([1.0, 0.0, 0.0, 0.0])
     v = torch.tensor([0.0, 1.0, 2.0, 3.0])
-    cond = StageCondition(first, axis, "mean", "cosine", "above", 0.0)
-    gated = StageEdit(EditKind.add, v[None], when=0)
-    w = tap_worker({STAGES_KEY: [(0, second, 0, gated.to_dict())], CONDITIONS_KEY: [cond.to_dict()]},
+    cond = Condition(tap_path(first), axis, "mean", "cosine", "above", 0.0)
+    gated = Edit(EditKind.add, v[None], when=cond)
+    w = tap_worker({STAGES_KEY: [(0, second, 0, gated.to_dict(0))], CONDITIONS_KEY: [cond.to_dict()]},
                    taps=(("layers.0", True), ("layers.1", True)))
     preset = {"steer": RequestEdits([(0, 1.0, "both")], decide=True).to_args()}
     yes, no = torch.ones(2, H), -torch.ones(2, H)
@@ -201,8 +204,8 @@ def test_a_request_run_again_from_its_start_keeps_a_decision_made_and_restarts_o
     """vLLM recomputes a preempted request from its first token: one that decided keeps its decision (and decides
     nothing more, whatever its rows score now); one preempted mid-prompt sums its prompt anew."""
     c = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    cond = StageCondition(COND, c, reduce="mean", score="cosine", compare="above", threshold=0.0)
-    module, il, bank, entries, conds = build(False, [(EDIT, StageEdit(EditKind.add, c[None], when=0))], [cond])
+    cond = Condition(tap_path(COND), c, reduce="mean", score="cosine", compare="above", threshold=0.0)
+    module, il, bank, entries, conds = build(False, [(EDIT, Edit(EditKind.add, c[None], when=cond))], [cond])
     yes, no = torch.ones(3, H), -torch.ones(3, H)
     reqs = {"a": (RequestEdits([entries[0]], decide=True), 2), "b": (RequestEdits([entries[0]], decide=True), 3)}
     run_steps(module, il, bank, conds, reqs, [([("a", 2, 0), ("b", 2, 0)], torch.cat([yes[:2], yes[:2]]))])

@@ -8,7 +8,6 @@ from interleaver.bank import EditBank, InlineStages, RequestEdits
 from interleaver.vllm_internals import tap_location
 from stand_in import H, step
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind
 from steer.serve.protocol import encode_vector
 
@@ -49,8 +48,8 @@ def test_own_vector_runs_after_the_presets_edits_at_its_tap(worker):
     1), so the vector's part along the direction stays."""
     d, v, x = torch.randn(1, H), torch.randn(H), torch.randn(1, H)
     bank = EditBank()
-    ablate = bank.register(LOC, stage_edits([compile_edit(EditKind.ablate, 1.0, d)]))
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    ablate = bank.register(LOC, [compile_edit(EditKind.ablate, 1.0, d)])
+    worker.steer_set_stages(bank.stage_list())
     out = step(worker.model_runner, [("a", 1, 0, 1, _own(v, 2.0, index=1, entries=ablate))], x)
     u = d[0] / d[0].norm()
     torch.testing.assert_close(out[0], x[0] - (x[0] @ u) * u + 2.0 * v)
@@ -81,8 +80,8 @@ def test_the_bank_forgets_inline_stages_when_none_is_in_use(worker):
     has only the presets' again (its fused kernel, where it had one)."""
     d, v, x = torch.randn(1, H), torch.randn(H), torch.randn(1, H)
     bank = EditBank()
-    bank.register(LOC, stage_edits([compile_edit(EditKind.ablate, 1.0, d)]))
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    bank.register(LOC, [compile_edit(EditKind.ablate, 1.0, d)])
+    worker.steer_set_stages(bank.stage_list())
     step(worker.model_runner, [("a", 1, 0, 1, _own(v, 1.0, index=1))], x)
     assert len(worker.steer_il.programs[LOC].stages) == 2
     out = step(worker.model_runner, [("b", 1, 0, 1, None)], x, finished=["a"])

@@ -9,7 +9,6 @@ from nnsight.intervention.interleaver import OutOfOrderError
 from fake import H, PAD, Graphed
 from interleaver import EditBank, RequestEdits, Span, TapProgram, VLLMInterleaver
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind, Tokens
 
 TAP = "model.layers.1.output"
@@ -134,7 +133,7 @@ def program_setup(edits_by_request, spans_of, taps=(TAP,)):
     """Compiled edits at layer 1 for several requests in one step (no trace, no per-request handoff)."""
     model, module, il, _ = graphed(taps)
     bank = EditBank()
-    per_request = [RequestEdits(bank.register(TAP, stage_edits(e))) if e else None for e in edits_by_request]
+    per_request = [RequestEdits(bank.register(TAP, e)) if e else None for e in edits_by_request]
     il.programs[TAP] = TapProgram(TAP, bank.at(TAP), residual=False)
     spans = [Span(start, count, pos, plen, per_request[i]) for i, (start, count, pos, plen) in enumerate(spans_of)]
     return module, il, bank, spans
@@ -173,7 +172,7 @@ def test_residual_pair_edits_the_sum_and_lands_on_hidden():
                      (EditKind.add, {}), (EditKind.rescale, {})]:
         e = compile_edit(kind, 0.5 if kind == EditKind.rescale else 1.0, None if kind == EditKind.rescale else d, **kw)
         bank = EditBank()
-        req = RequestEdits(bank.register(TAP, stage_edits([e])))
+        req = RequestEdits(bank.register(TAP, [e]))
         from interleaver import StepRows
 
         step = StepRows()

@@ -9,7 +9,6 @@ from fake_triton import direction_table, in_torch
 from interleaver import kernels
 from interleaver.program import TapProgram
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind
 from test_program import TAP, _each_alone, _mixed_edits, _run
 
@@ -41,7 +40,7 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_form_and_says_so(monkeypa
     monkeypatch.setattr(kernels, "available", lambda device: True)
     monkeypatch.setattr(kernels.Fused, "warm", broken)
     bank = EditBank()
-    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])
     with pytest.warns(RuntimeWarning, match="did not build .*PTX assembly failed.*torch form"):
         program = TapProgram(TAP, bank.at(TAP), True)
     assert program._fused is None
@@ -52,7 +51,7 @@ def test_without_a_gpu_no_program_is_fused():
     from interleaver.bank import EditBank
 
     bank = EditBank()
-    bank.register(TAP, stage_edits([edit]))
+    bank.register(TAP, [edit])
     assert TapProgram(TAP, bank.at(TAP), True)._fused is None and not kernels.available("cpu")
 
 
@@ -81,7 +80,7 @@ def test_a_program_counts_which_form_edited(fused):
     from interleaver.rows import Span, StepRows
 
     bank = EditBank()
-    req = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))])))
+    req = RequestEdits(bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, torch.randn(1, 16))]))
     step = StepRows()
     step.set([Span(0, 2, 0, 4, req)], 2, len(bank.stages), "cpu")
     program = TapProgram(TAP, bank.at(TAP), False)

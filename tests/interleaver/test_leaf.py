@@ -29,7 +29,7 @@ import pkgutil
 import torch
 
 import interleaver
-from interleaver import EditBank, EditKind, RequestEdits, Tokens, Span, StageEdit, StepRows, TapProgram
+from interleaver import EditBank, EditKind, RequestEdits, Tokens, Span, Edit, StepRows, TapProgram
 from interleaver.bank import layout
 
 has_triton = importlib.util.find_spec("triton") is not None
@@ -41,10 +41,10 @@ H, TAP = 8, "model.layers.0.output"
 g = torch.Generator().manual_seed(0)
 v, c = torch.randn(1, H, generator=g), torch.randn(1, H, generator=g)
 d = torch.nn.functional.normalize(torch.randn(1, H, generator=g), dim=1)
-asks = [StageEdit(EditKind.add, v, strength=2.0), StageEdit(EditKind.ablate, d, rows=Tokens.generated),
-        StageEdit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5),
-        StageEdit(EditKind.set, d, value=1.5, rows=Tokens.prompt),
-        StageEdit(EditKind.rescale, c, strength=-0.5), None]
+asks = [Edit(EditKind.add, v, strength=2.0), Edit(EditKind.ablate, d, tokens=Tokens.generated),
+        Edit(EditKind.clamp, d, lo=-0.1, hi=0.2, strength=0.5),
+        Edit(EditKind.set, d, value=1.5, tokens=Tokens.prompt),
+        Edit(EditKind.rescale, c, strength=-0.5), None]
 
 
 def delta(e, x):
@@ -61,7 +61,7 @@ def delta(e, x):
 
 
 bank = EditBank()
-reqs = [RequestEdits(bank.register(TAP, [StageEdit.from_dict(e.to_dict())])) if e else None for e in asks]
+reqs = [RequestEdits(bank.register(TAP, [Edit.from_dict(e.to_dict())])) if e else None for e in asks]
 step = StepRows()
 step.order = layout(bank.stages)
 n = 2 * len(reqs)
@@ -75,7 +75,7 @@ program((h, res), step)
 want, x = before.clone(), before + res  # deltas on the summed stream, landed on hidden
 for i, e in enumerate(asks):
     if e is not None:
-        w = torch.tensor({"both": [1.0, 1.0], "prompt": [1.0, 0.0], "generated": [0.0, 1.0]}[e.rows.value])
+        w = torch.tensor({"both": [1.0, 1.0], "prompt": [1.0, 0.0], "generated": [0.0, 1.0]}[e.tokens.value])
         want[2 * i : 2 * i + 2] += w[:, None] * delta(e, x[2 * i : 2 * i + 2])
 torch.testing.assert_close(h, want, atol=1e-5, rtol=1e-5)
 assert torch.equal(h[-2:], before[-2:])  # the unsteered request's rows, bit for bit

@@ -7,7 +7,6 @@ from interleaver.bank import EditBank, RequestEdits, layout
 from interleaver.rows import Span, StepRows
 from interleaver.program import TapProgram
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind, Tokens
 
 H = 16
@@ -33,7 +32,7 @@ def _run(program_edits, residual, order=True, device="cpu", dtype=torch.float32,
     `fused=False` keeps a GPU program on its torch form."""
     g = torch.Generator().manual_seed(0)
     bank = EditBank()
-    reqs = [RequestEdits(bank.register(TAP, stage_edits(e))) if e else None for e in program_edits]
+    reqs = [RequestEdits(bank.register(TAP, e)) if e else None for e in program_edits]
     n = 2 * len(reqs)
     spans = [Span(2 * i, 2, 0, 4, r) for i, r in enumerate(reqs)]
     step = StepRows()
@@ -88,8 +87,8 @@ def test_a_requests_edits_at_one_tap_run_in_its_own_order():
 def test_step_weights_follow_prompt_and_generated_rows():
     bank = EditBank()
     v = torch.ones(1, H)
-    gen = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])))
-    both = RequestEdits(bank.register(TAP, stage_edits([compile_edit(EditKind.add, 3.0, v)])))
+    gen = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
+    both = RequestEdits(bank.register(TAP, [compile_edit(EditKind.add, 3.0, v)]))
     scored = RequestEdits(gen.entries, prompt_len=6)  # a scoring pass: its prompt ends at 6, not at its own end
     step = StepRows()
     # a 4-row prefill chunk from position 2 of a 5-token prompt; one decode row; a scoring pass of 8 rows
@@ -107,7 +106,7 @@ def test_step_weights_of_many_requests_equal_each_rows_own():
     for i in range(40):
         tokens = [Tokens.both, Tokens.prompt, Tokens.generated][i % 3]
         v = torch.randn(1, H)
-        entries = bank.register(TAP, stage_edits([compile_edit(EditKind.add, float(i + 1), v, tokens=tokens)]))
+        entries = bank.register(TAP, [compile_edit(EditKind.add, float(i + 1), v, tokens=tokens)])
         requests.append(RequestEdits(entries) if i % 5 else None)  # every fifth unsteered
         count, plen = int(rng.integers(1, 9)), int(rng.integers(1, 12))
         spans.append(Span(start, count, int(rng.integers(0, 14)), plen, requests[-1]))
@@ -126,9 +125,9 @@ def test_step_weights_of_many_requests_equal_each_rows_own():
 def test_a_bank_forgets_refused_stages():
     bank = EditBank()
     v = torch.ones(1, H)
-    first = bank.register(TAP, stage_edits([compile_edit(EditKind.add, 1.0, v)]))
-    bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
+    first = bank.register(TAP, [compile_edit(EditKind.add, 1.0, v)])
+    bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])
     bank.truncate(1)
     assert len(bank.stages) == 1
-    assert bank.register(TAP, stage_edits([compile_edit(EditKind.add, 2.0, v)]))[0][0] == first[0][0]
-    assert bank.register(TAP, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))[0][0] == 1
+    assert bank.register(TAP, [compile_edit(EditKind.add, 2.0, v)])[0][0] == first[0][0]
+    assert bank.register(TAP, [compile_edit(EditKind.ablate, 1.0, v)])[0][0] == 1

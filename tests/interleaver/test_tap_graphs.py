@@ -15,7 +15,6 @@ from interleaver.tap_graphs import TapGraphs
 from interleaver.tap_worker import TAP_GRAPHS_KEY
 from stand_in import tap_worker
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind
 
 TAPS = ["model.layers.0.output", "model.layers.1.output"]
@@ -131,7 +130,7 @@ def test_worker_rebuilds_its_weight_buffer_and_forgets_graphs_when_stages_change
     il.tap_graphs._graphs[("x", 0, (8, 4))] = lambda: None
     bank = EditBank()
     add = compile_edit(EditKind.add, 1.0, torch.ones(1, 4))
-    bank.register(vllm_internals.tap_location("layers.0"), stage_edits([add] * 3))
-    w.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    bank.register(vllm_internals.tap_location("layers.0"), [add] * 3)
+    w.steer_set_stages(bank.stage_list())
     assert len(il.tap_graphs) == 0 and tuple(il.step.static.shape) == (8, 3)
     assert np.all(il.step.static.numpy() == 0)

@@ -9,15 +9,14 @@ from interleaver.bank import EditBank, RequestEdits, encode_vector
 from interleaver.vllm_internals import tap_location
 from stand_in import H, step, tap_worker
 from steer.edits.edit import compile_edit
-from steer.engine.vllm import stage_edits
 from steer.config.schema import EditKind, Tokens
 
 
 def _serving(worker, *edits):
     """A request's edits for each of `edits` at the tap after layer 0, the worker serving their stages."""
     bank = EditBank()
-    out = [RequestEdits(bank.register(tap_location("layers.0"), stage_edits([e]))) for e in edits]
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    out = [RequestEdits(bank.register(tap_location("layers.0"), [e])) for e in edits]
+    worker.steer_set_stages(bank.stage_list())
     return out
 
 
@@ -25,9 +24,9 @@ def test_steps_map_rows_to_requests_and_clear_after(worker):
     v = torch.randn(1, H)
     bank = EditBank()
     loc = tap_location("layers.0")
-    add = bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)]))
-    abl = bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
-    assert worker.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]) == 2
+    add = bank.register(loc, [compile_edit(EditKind.add, 2.0, v, tokens=Tokens.generated)])
+    abl = bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
+    assert worker.steer_set_stages(bank.stage_list()) == 2
     x = torch.randn(6, H)
     # a: 3 prompt rows; b: one decode row; c: unsteered; d: a generated row
     out = step(worker.model_runner, [
@@ -56,9 +55,9 @@ def test_capture_only_request_keeps_its_rows(worker):
 
 def test_edit_at_a_location_that_is_no_tap_is_refused(worker):
     bank = EditBank()
-    bank.register(tap_location("layers.1"), stage_edits([compile_edit(EditKind.add, 1.0, torch.ones(1, H))]))
+    bank.register(tap_location("layers.1"), [compile_edit(EditKind.add, 1.0, torch.ones(1, H))])
     with pytest.raises(ValueError, match="not a tap of this engine"):
-        worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+        worker.steer_set_stages(bank.stage_list())
 
 
 def test_tap_naming_no_module_fails_at_load():
@@ -80,9 +79,9 @@ def test_two_ranks_given_the_same_stages_and_step_edit_alike():
     v, d = torch.randn(1, H), torch.randn(1, H)
     bank = EditBank()
     loc = tap_location("layers.0")
-    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v)])), capture=[loc], key="k")
-    abl = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, d)])))
-    stages = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]), capture=[loc], key="k")
+    abl = RequestEdits(bank.register(loc, [compile_edit(EditKind.ablate, 1.0, d)]))
+    stages = bank.stage_list()
     x = torch.randn(4, H)
     outs, kept = [], []
     for w in ranks:
@@ -120,10 +119,10 @@ def test_steady_decode_steps_reuse_the_device_weights(worker, monkeypatch):
     monkeypatch.setattr(interleaver.rows, "_weights", lambda *a: computed.append(a) or weights(*a))
     v = torch.randn(1, H)
     bank = EditBank()
-    both = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
-    gen = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 2.0, v,
-                                                                              tokens=Tokens.generated)])))
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    both = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v)]))
+    gen = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 2.0, v,
+                                                                              tokens=Tokens.generated)]))
+    worker.steer_set_stages(bank.stage_list())
     rows = worker.steer_il.step
     rows.use_static(8, len(bank.stages), "cpu")  # as graphed programs read them
     seen = []
@@ -147,8 +146,8 @@ def test_a_request_that_keeps_its_rows_keeps_each_steady_steps_own(worker):
     v = torch.randn(1, H)
     bank = EditBank()
     loc = tap_location("layers.0")
-    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, v)])), capture=[loc], key="k")
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 1.0, v)]), capture=[loc], key="k")
+    worker.steer_set_stages(bank.stage_list())
     for pos in (5, 6, 7):
         x = torch.randn(1, H)
         out = step(worker.model_runner, [("a", 1, pos, 4, {"steer": add.to_args()})], x)
@@ -162,8 +161,8 @@ def test_an_id_resubmitted_into_its_freed_slot_is_looked_up_again(worker):
     the same, its edits are not."""
     v = torch.randn(1, H)
     bank = EditBank()
-    add = RequestEdits(bank.register(tap_location("layers.0"), stage_edits([compile_edit(EditKind.add, 1.0, v)])))
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    add = RequestEdits(bank.register(tap_location("layers.0"), [compile_edit(EditKind.add, 1.0, v)]))
+    worker.steer_set_stages(bank.stage_list())
     x = torch.randn(1, H)
     torch.testing.assert_close(step(worker.model_runner, [("a", 1, 5, 4, {"steer": add.to_args()})], x), x + v[0])
     out = step(worker.model_runner, [("a", 1, 6, 4, None)], x, finished={"a"})  # a new "a", unsteered
@@ -197,7 +196,7 @@ def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatc
     # order. Kinds of request: unsteered; steered on all, generated or prompt rows; one whose prompt ends early (a
     # scoring pass fed its continuation as prompt); two that keep the tap's rows; one that brings its own vector
     # (vector 3: a stage of its own while such a request is in flight, which moves the weight columns).
-    first = bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, vs[2:3])]), start=1)
+    first = bank.register(loc, [compile_edit(EditKind.add, 1.0, vs[2:3])], start=1)
     keeps = {"capture": [loc], "key": "kept"}
     specs = [((), None, {}), (((0, 1.0, Tokens.both),), None, {}), (((1, 2.0, Tokens.generated),), None, {}),
              (((0, -0.5, Tokens.prompt), (2, 1.0, Tokens.both)), None, {}), (((1, 1.0, Tokens.generated),), 1, {}),
@@ -206,12 +205,12 @@ def test_requests_joining_and_leaving_keep_each_rows_own_edit(worker, monkeypatc
 
     def entries(k, s, rows):
         e = compile_edit(EditKind.add, s, vs[k : k + 1], tokens=rows)
-        return [(first[0][0], s, rows.value)] if k == 2 else bank.register(loc, stage_edits([e]))
+        return [(first[0][0], s, rows.value)] if k == 2 else bank.register(loc, [e])
 
     args = [None] + [{"steer": RequestEdits([e for k, s, rows in spec for e in entries(k, s, rows)], prompt_len=ends,
                                             **more).to_args()} for spec, ends, more in specs[1:own]]
     args.append({"steer": RequestEdits(inline=[(loc, 0, 0.5, "both", encode_vector(vs[3].numpy()))]).to_args()})
-    worker.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    worker.steer_set_stages(bank.stage_list())
     runner = worker.model_runner
     runner.query_start_loc.np = np.zeros(65, dtype=np.int32)
     runner.input_batch.num_computed_tokens_cpu = np.zeros(64, dtype=np.int64)
@@ -307,17 +306,17 @@ def test_an_in_graph_worker_serves_only_its_declared_stages():
     bank = EditBank()
     loc = tap_location("layers.0")
     v = torch.randn(1, H)
-    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 2.0, v)])))
-    declared = [(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages]
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 2.0, v)]))
+    declared = bank.stage_list()
     w = tap_worker({IN_GRAPH_KEY: declared})
     assert w.steer_il.in_graph and tuple(w.steer_il.step.static.shape) == (8, 1)
     x = torch.randn(3, H)
     out = step(w.model_runner, [("a", 2, 0, 2, {"steer": add.to_args()}), ("b", 1, 4, 2, None)], x)
     torch.testing.assert_close(out[:2], x[:2] + 2.0 * v[0])  # an eager step: the in-graph program on real rows
     assert torch.equal(out[2], x[2])
-    bank.register(loc, stage_edits([compile_edit(EditKind.ablate, 1.0, v)]))
+    bank.register(loc, [compile_edit(EditKind.ablate, 1.0, v)])
     with pytest.raises(ValueError, match="cannot serve others"):
-        w.steer_set_stages([(s.id, s.location, s.index, s.edit.to_dict()) for s in bank.stages])
+        w.steer_set_stages(bank.stage_list())
 
 
 
@@ -328,8 +327,8 @@ def test_a_profiled_worker_times_each_way_it_fills_a_step_and_each_steps_first_b
     monkeypatch.setenv("STEER_PROFILE", "1")
     w = tap_worker()
     bank, loc = EditBank(), tap_location("layers.0")
-    add = RequestEdits(bank.register(loc, stage_edits([compile_edit(EditKind.add, 1.0, torch.randn(1, H))])))
-    w.steer_set_stages([(s.id, s.location, s.index, s.edit) for s in bank.stages])
+    add = RequestEdits(bank.register(loc, [compile_edit(EditKind.add, 1.0, torch.randn(1, H))]))
+    w.steer_set_stages(bank.stage_list())
     il = w.steer_il
 
     class TwoBreaks(torch.nn.Module):  # a replayed graph's step: two eager breaks at the tap

@@ -9,11 +9,10 @@ import torch
 from starlette.testclient import TestClient
 
 from interleaver.bank import EditBank, RequestEdits
-from interleaver.stage import StageEdit
+from interleaver.edit import Edit
 from interleaver.vllm_internals import tap_location
 from interleaver.tap_worker import COMPILED_KEY, IN_GRAPH_KEY, STAGES_KEY, TAPS_KEY
 from serve_common import bad_requests
-from steer.engine.vllm import stage_edits
 from steer.models.spec import spec
 from steer.config.schema import ModelConf
 from steer.serve import presets
@@ -81,7 +80,7 @@ def test_every_composition_is_the_engines_own_registration(compiled, table):
                 plan = presets.compose(compiled, combo, scale)
                 bank, ref = EditBank(), []
                 for path, edits in (plan.edits.items() if plan else []):
-                    ref += bank.register(tap_location(path), stage_edits(edits))
+                    ref += bank.register(tap_location(path), edits)
                 want, _ = _program({s.id: s for s in bank.stages}, ref)
                 assert got == want, (combo, scale)
 
@@ -176,7 +175,7 @@ def test_engine_config_is_plain_data(compiled, table):
     stages = extra[STAGES_KEY]
     assert [s[0] for s in stages] == list(range(len(stages)))
     for (_, loc, index, d), s in zip(stages, table.bank.stages):
-        e = StageEdit.from_dict(d)
+        e = Edit.from_dict(d)
         assert (loc, index, e.kind, e.lo, e.hi) == (s.location, s.index, s.edit.kind, s.edit.lo, s.edit.hi)
         assert torch.equal(e.basis, s.edit.basis)
     conf.vllm.edits_in_graph = True

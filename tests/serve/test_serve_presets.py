@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import cli_env, cli_here, compose, compose_conf, run
-from steer.edits.edit import Edit
+from steer.edits.edit import compile_edit, scale_of
 from steer.errors import ConfigError
 from steer.config.schema import EditKind
 from steer.serve import presets
@@ -155,11 +155,11 @@ def test_compose_is_the_cli_edit_list(tiny_spec):
     v = torch.randn(1, 256)
     compiled = presets.compile_all(presets.read(ServeOptions()), tiny_spec, lambda tap: v, "/nonexistent")
     plan = presets.compose(compiled, ["joy_two_taps", "joy"], 0.5)
-    assert {p: [(e.kind, e.scale) for e in es] for p, es in plan.edits.items()} == {
+    assert {p: [(e.kind, scale_of(e)) for e in es] for p, es in plan.edits.items()} == {
         "model.layers.1": [(EditKind.add, 3.0), (EditKind.add, 2.0)], "model.layers.2": [(EditKind.clamp, 0.5)]}
     assert presets.compose(compiled, ["joy", "gloom"], 0.0) is None  # scale 0: an unsteered request
-    scale = presets.scaled(Edit(EditKind.rescale, 0.5, None), 2.0)
-    assert scale.scale == 0.0 and scale.strength == -1.0  # a scale edit's strength (scale - 1) doubles
+    scale = presets.scaled(compile_edit(EditKind.rescale, 0.5, None), 2.0)
+    assert scale_of(scale) == 0.0 and scale.strength == -1.0  # a rescale edit's strength (scale - 1) doubles
 
 
 @pytest.mark.parametrize("mode", ["edits_in_graph", "compiled_edits", "tap_graphs"])
@@ -321,5 +321,5 @@ def test_a_preset_runs_a_gguf_control_vector_at_every_layer_it_holds(tmp_path, t
     items = compiled["cv"].items
     assert [tap.path for tap, _ in items] == [tiny_spec.layer_path(1), tiny_spec.layer_path(3)]
     for (_, e), k in zip(items, (1, 3)):
-        assert e.scale == 2.0 and np.array_equal(e.basis[0].numpy(), dirs[k])
+        assert e.strength == 2.0 and np.array_equal(e.basis[0].numpy(), dirs[k])
     assert [v["path"] for v in compiled["cv"].vectors] == [f"{tmp_path}/cv.gguf"] * 2
