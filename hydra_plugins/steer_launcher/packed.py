@@ -325,9 +325,9 @@ def _say_failed(idx: int, shown: str, ret: JobReturn, job_dir: Path, message: st
 
 def _list_jobs(sweep_dir: Path, job_dirs: List[Path], initial_job_idx: int) -> None:
     # The report then leaves out the job directories an earlier, larger sweep left in the same sweep dir.
-    from steer.runs import report
+    from steer.report.jobs import list_jobs
 
-    report.list_jobs(sweep_dir, [d.name for d in job_dirs if d.parent == sweep_dir], append=initial_job_idx > 0)
+    list_jobs(sweep_dir, [d.name for d in job_dirs if d.parent == sweep_dir], append=initial_job_idx > 0)
 
 
 def _report(sweep_dir: Path) -> str:

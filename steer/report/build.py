@@ -2,7 +2,7 @@
 the page rendered from them with Jinja2 (steer/report/templates/).
 
 Every number on a page is one the directory's JSON files hold (metrics.json, results.jsonl, selection.json,
-eval.json, vectors.json, summary.csv's rows as steer.runs.report reads them from the jobs), shown rounded with the
+eval.json, vectors.json, summary.csv's rows as steer.report.jobs reads them from the jobs), shown rounded with the
 full value on hover; the plots are drawn from those numbers or are the PNGs the run wrote. The page is one file: its
 styles and script inline, its images as data URIs, so it opens offline and travels as an attachment.
 """
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from steer import results
-from steer.report import text
+from steer.report import jobs, text
 from steer.report.meanings import meaning
 
 log = logging.getLogger(__name__)
@@ -32,13 +32,11 @@ class NothingToReport(ValueError):
 
 def kind(d: Path) -> str:
     """`select`, `run` or `sweep`, by the files in `d`; NothingToReport where none fits."""
-    from steer.runs.report import _jobs
-
     if (d / "selection.json").is_file():
         return "select"
     if any((d / f).is_file() for f in ("metrics.json", "results.jsonl", "eval.json", "error.txt")):
         return "run"
-    if _jobs(d)[0]:
+    if jobs.job_dirs(d)[0]:
         return "sweep"
     raise NothingToReport(f"{d} holds no run (metrics.json, results.jsonl, error.txt), sweep (<job>/metrics.json) "
                           "or selection (selection.json)")
@@ -232,12 +230,10 @@ def _extract_layers(got: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def sweep_page(d: Path) -> Dict[str, Any]:
-    from steer.runs import report
-
-    jobs, left_out = report._jobs(d)
-    rows = report._rows(jobs)
-    params = report.swept(rows)
-    names = _telling_first(report.metrics(rows), rows)
+    dirs, left_out = jobs.job_dirs(d)
+    rows = jobs.read_jobs(dirs)
+    params = jobs.swept(rows)
+    names = _telling_first(jobs.metrics(rows), rows)
     table = [{"job": r["job"], "params": [r.get(p) for p in params], "status": r.get("status"),
               "error": r.get("error"), "metrics": [r.get(m) for m in names],
               "link": f"{r['job']}/{FILE}" if (d / r["job"] / FILE).is_file() else None} for r in rows]

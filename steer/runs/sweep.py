@@ -122,7 +122,8 @@ class SummaryCallback(Callback):
         _sweeping = Path(config.hydra.sweep.dir)
         # The packed launcher names its sweep's jobs in `.jobs`; another launcher (basic, submitit) writes none,
         # and one left there by an earlier packed sweep would hide this sweep's other jobs from its report.
-        from steer.runs.report import JOBS, clear
+        from steer.report.jobs import JOBS
+        from steer.runs.report import clear
 
         Path(config.hydra.sweep.dir, JOBS).unlink(missing_ok=True)
         clear(Path(config.hydra.sweep.dir))  # stopped before its own report, it must not show the last one's

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from browser import Page, axe_violations, boxes_overlap, browser, keyboard_reach
-from steer.runs import report as sweep_report
+from steer.report import jobs
 
 # One worker runs these (--dist loadgroup): one browser and one sweep for all of them
 pytestmark = pytest.mark.xdist_group("report_pages")
 
 
 def rows_of_jobs(d: Path):
-    """The sweep's rows as its summary.csv has them (steer.runs.report reads them from the jobs)."""
-    return sweep_report._rows(sweep_report._jobs(d)[0])
+    """The sweep's rows as its summary.csv has them (steer.report.jobs reads them from the jobs)."""
+    return jobs.read_jobs(jobs.job_dirs(d)[0])
 
 HTML_PROMPTS = ['Tell me about <b>bold</b> & "quoted" text', "The weather today is"]
 CONTROLS = "button, select, a[href], summary, input, textarea, [tabindex='0']"

@@ -5,7 +5,8 @@ import pytest
 
 from helpers import run
 
-from steer.runs.report import build, swept
+from steer.report.jobs import swept
+from steer.runs.report import build
 
 
 def job(root, num, overrides, metrics):
