@@ -3,6 +3,7 @@ sees half a file and a failed run leaves none."""
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -63,11 +64,13 @@ def build_dir(dest: Path, build) -> Path:
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write `data` to `path` atomically."""
+    """Write `data` to `path` atomically. The temporary file's name is chosen before it exists, so a Ctrl-C at any
+    point (mkstemp's own open included) leaves no temporary file behind."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}"
     try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would make results private; honour the umask
+        # O_EXCL: a name another writer holds is never shared; 0o666 under the process umask, as `open` makes files
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 from rich.console import Console
@@ -22,7 +22,7 @@ from rich.table import Table
 
 from steer import report, results
 from steer.config import checks
-from steer.config.schema import SteerConf
+from steer.config.schema import PACK, SteerConf
 from steer.edits import condition
 from steer.edits.edit import direction, scale_of
 from steer.edits.tap import head_rows
@@ -63,6 +63,16 @@ class _Work:
     encoded: List[List[int]]
     seeds: List[int]
     outcome: Outcome = field(default_factory=Outcome)  # what the job gives, once it has run
+
+
+T = TypeVar("T")
+
+
+def packs(jobs: Sequence[T], size: int = PACK) -> Iterator[Sequence[T]]:
+    """`jobs` in packs of `size`, in order: a pack runs together and its files are written when it finishes, so a
+    stopped sweep or grid loses at most the pack in flight."""
+    for start in range(0, len(jobs), size):
+        yield jobs[start : start + size]
 
 
 def execute(jobs: Sequence[Job], console: Console, on_done: Optional[Callable[[Job], None]] = None,

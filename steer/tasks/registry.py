@@ -19,7 +19,7 @@ from steer.models.spec import spec as model_spec
 from steer.runs import data, inputs, rundir
 from steer.runs.extract import Recipe
 from steer.runs.job import Job
-from steer.runs.run import Outcome
+from steer.runs.run import Outcome, packs
 from steer.tasks import condition, evaluate, export, extract, select, steer
 from steer.tasks.base import TaskDef
 
@@ -117,8 +117,7 @@ def execute_packs(jobs: Sequence[Job], console: Console, engine, pack_size: int 
     pack's requests in the same batches). Each job's result, or `{"error": message}`. A pack that raises as a whole
     raises, or with `on_pack_error` gives each of its jobs what that returns, and the next pack runs."""
     out: List[Dict] = []
-    for start in range(0, len(jobs), pack_size):
-        pack = jobs[start : start + pack_size]
+    for pack in packs(jobs, pack_size):
         try:
             out += [o.result for o in _run_pack(pack, console, engine, on_done)]
         except Exception as e:

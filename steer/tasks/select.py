@@ -40,7 +40,7 @@ from steer.report.heatmap import label_colour
 from steer.runs import damage, grid, inputs, probe as probes, rundir, run as runner
 from steer.runs.grid import cell_name
 from steer.runs.job import Job
-from steer.config.schema import NOT_RESULTS, PACK, SteerConf, Task
+from steer.config.schema import NOT_RESULTS, SteerConf, Task
 from steer.tasks.base import TaskDef
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,7 @@ def _select(job: Job, console: Console, engine, command: Optional[Callable[[Dict
         log.info(say)  # the run's steer.log (each pair's own says how it ran)
         console.print(f"select: {_probe_line(probe)}", highlight=False, soft_wrap=True)
         try:
-            for start in range(0, len(todo), PACK):  # a pack's files are written when it finishes
-                pack = todo[start : start + PACK]
+            for pack in runner.packs(todo):
                 got.update(zip((cell.out_dir for cell in pack),
                                runner.execute(pack, console, summary=False, engine=engine)))
         except KeyboardInterrupt:
