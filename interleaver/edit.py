@@ -172,7 +172,9 @@ class Edit:
     def from_dict(cls, d: dict, conditions: Sequence[Condition] = ()) -> "Edit":
         """`to_dict`'s edit, its condition looked up in `conditions` (the list its `when` indexes)."""
         basis = None if d["basis"] is None else torch.tensor(d["basis"], dtype=torch.float32)
-        where = d.get("positions")
+        where, when = d.get("positions"), d.get("when")
+        if when is not None and not 0 <= when < len(conditions):
+            raise ValueError(f"an edit under condition {when}, and {len(conditions)} condition(s) given with it")
         return cls(EditKind(d["kind"]), basis, float(d.get("strength", 1.0)), Tokens(d.get("tokens", "both")),
-                   d["lo"], d["hi"], float(d["value"]), None if d.get("when") is None else conditions[d["when"]],
+                   d["lo"], d["hi"], float(d["value"]), None if when is None else conditions[when],
                    EVERY if where is None else Positions.of((str(where[0]), int(where[1]), int(where[2]))))

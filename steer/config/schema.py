@@ -135,8 +135,9 @@ class Compare(Choice):
 
 @dataclass
 class WhenConf:
-    """A condition on the prompt (CAST; steer/edits/condition.py): the edit acts on a request's rows only where its
-    prompt, read at `layer`, scores past `threshold` against the condition direction. Off while `layer` is null."""
+    """A condition on the prompt (CAST; interleaver/edit.py's Condition): the edit acts on a request's rows only where
+    its prompt, read at `layer`, scores past `threshold` against the condition direction. Off while `layer` is
+    null."""
 
     # A direction file (any format edit.vector reads); null: extracted at `layer` from prompts.condition_positive
     # and prompts.condition_negative (or their _file forms), as a default direction is from positive / negative

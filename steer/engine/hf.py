@@ -5,7 +5,7 @@ runs in a left-padded batch with a KV cache (steer/engine/hf_batch.py), whose ho
 place as if the row ran alone: `generate_many` and `score_many` batch many requests' rows up to the engine's `Bound`
 (a bound of one row runs them one at a time), and `generate` and `score` run one request as a batch of one. HF
 decoder layers return the summed residual stream, so a residual tap sees exactly the `h` the edits are defined on
-(steer/edits/edit.py).
+(interleaver/edit.py).
 """
 
 import gc

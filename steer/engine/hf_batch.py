@@ -2,7 +2,7 @@
 one left-padded forward per step with a KV cache.
 
 A request's rows are marked prompt / generated as the edits select (`tokens=`), and padding rows get no edit. Each
-edit changes a row from that row alone (steer/edits/edit.py), so a request's rows are edited exactly as when it runs
+edit changes a row from that row alone (interleaver/edit.py), so a request's rows are edited exactly as when it runs
 by itself. Requests join the running batch between steps (their prompt runs as its own padded forward, and its
 cache is laid beside the running one) and leave it as they finish; `Bound` caps how many rows, and how many padded
 positions, a batch holds.

@@ -1,7 +1,7 @@
 """Which rows of an HF forward each edit acts on, read by the engine's hooks: per plan, the batch rows it owns, and
 per edit the weight of each of their positions (its tokens and positions selectors, its condition's decision).
 
-A condition (steer/edits/condition.py) is decided for a row from its prompt, at the condition's tap, during the
+A condition (interleaver/edit.py's Condition) is decided for a row from its prompt, at the condition's tap, during the
 forward that runs the prompt; from then on the row holds the decision (`Decided`). Within that forward the decision
 is known from the condition's tap on: an edit it gates acts on the prompt's rows at later taps only (earlier taps
 have run by then), and on generated rows wherever the row holds a decision. A row never decides again.

@@ -18,7 +18,7 @@ import torch
 from steer.config.preset import edits_for
 from steer.edits import vector
 from steer.edits.condition import Condition
-from steer.edits.edit import Edit, compile_edit, scale_of
+from steer.edits.edit import Edit, compile_edit
 from steer.errors import ConfigError, value_error
 from steer.models.spec import ModelSpec
 from steer.edits import formats
@@ -36,7 +36,7 @@ class Preset:
     name: str
     conf: PresetConf
     items: List[Tuple[Tap, Edit]]  # every edit in config order, as compiled (a request drops its no-ops)
-    vectors: List[Optional[dict]]  # per edit: the vector file, key and metadata (None: the edit takes none)
+    listed: List[dict]  # per edit: what GET /v1/steer/presets shows of it (its config's scale, its vector file)
     reads: List[Tap] = field(default_factory=list)  # the taps its edits' conditions read the prompt at
 
 
@@ -146,7 +146,7 @@ def compile_all(confs: Dict[str, PresetConf], spec: ModelSpec,
         reads: Dict[str, Tap] = {}
         items = _compile(name, conf, spec, default_vector, reads)
         out[name] = Preset(name, conf, [(tap, e) for _, tap, e in items],
-                           [_vector(te.edit, e, tap, cache_dir) for te, tap, e in items], list(reads.values()))
+                           [_listed(te.edit, e, tap, cache_dir) for te, tap, e in items], list(reads.values()))
     return out
 
 
@@ -201,12 +201,17 @@ def listing(presets: Dict[str, Preset]) -> List[dict]:
     """What GET /v1/steer/presets answers: each preset's taps and edits, with its vector files' metadata."""
     out = []
     for p in presets.values():
-        edits = [{"tap": tap.name, "path": tap.path, "kind": e.kind.value, "scale": scale_of(e),
-                  "tokens": e.tokens.value, "lo": e.lo, "hi": e.hi, "value": e.value, "vector": v}
-                 for (tap, e), v in zip(p.items, p.vectors)]
         out.append({"name": p.name, "description": p.conf.description,
-                    "taps": list(dict.fromkeys(tap.name for tap, _ in p.items)), "edits": edits})
+                    "taps": list(dict.fromkeys(tap.name for tap, _ in p.items)), "edits": p.listed})
     return out
+
+
+def _listed(conf: EditConf, e: Edit, tap: Tap, cache_dir: str) -> dict:
+    """One edit as the listing shows it: the scale as its config gives it (a rescale edit's strength is scale - 1,
+    which would not always give the same float back)."""
+    return {"tap": tap.name, "path": tap.path, "kind": e.kind.value, "scale": float(conf.scale),
+            "tokens": e.tokens.value, "lo": e.lo, "hi": e.hi, "value": e.value,
+            "vector": _vector(conf, e, tap, cache_dir)}
 
 
 def _vector(conf: EditConf, e: Edit, tap: Tap, cache_dir: str) -> Optional[dict]:

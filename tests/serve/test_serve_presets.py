@@ -322,4 +322,14 @@ def test_a_preset_runs_a_gguf_control_vector_at_every_layer_it_holds(tmp_path, t
     assert [tap.path for tap, _ in items] == [tiny_spec.layer_path(1), tiny_spec.layer_path(3)]
     for (_, e), k in zip(items, (1, 3)):
         assert e.strength == 2.0 and np.array_equal(e.basis[0].numpy(), dirs[k])
-    assert [v["path"] for v in compiled["cv"].vectors] == [f"{tmp_path}/cv.gguf"] * 2
+    assert [v["vector"]["path"] for v in compiled["cv"].listed] == [f"{tmp_path}/cv.gguf"] * 2
+
+
+def test_the_listing_shows_each_edits_scale_as_its_config_gives_it(tmp_path, tiny_spec):
+    """A rescale edit holds its strength (scale - 1): the listing shows the config's scale, not one computed back."""
+    (tmp_path / "calm.yaml").write_text("edits:\n  - tap: {layer: 1}\n    edit: {kind: rescale, scale: 0.1}\n")
+    compiled = presets.compile_all(presets.read(ServeOptions(preset_dir=str(tmp_path))), tiny_spec, None, "/x")
+    (_, e), = compiled["calm"].items
+    assert e.strength == 0.1 - 1.0 and (e.strength + 1.0) != 0.1  # the float a computed-back scale would show
+    listed = next(p for p in presets.listing(compiled) if p["name"] == "calm")
+    assert [x["scale"] for x in listed["edits"]] == [0.1]
