@@ -1,4 +1,5 @@
-"""`python -m steer` end to end on the tiny model, in a subprocess, as a user runs it."""
+"""`python -m steer` end to end on the tiny model, as a user runs it: in a subprocess where the process itself is what
+a test checks (its exit, its stderr from interpreter start), else in this process (the `cli` fixture)."""
 
 import csv
 import json
@@ -163,8 +164,8 @@ SCAL = "edit.scal: is not a setting of this config; did you mean edit.scale? the
                                                                  "config; did you mean gen.max_new_tokens?"),
                                        (["edit.kind=scale"], "edit.kind: 'scale' was renamed; did you mean 'rescale'"),
                                        (["extract.span=some"], "extract.span: 'some' is not one of auto, user, all")])
-def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says):
-    res = run_cli(args, tmp_path, cache_dir)
+def test_hydra_config_errors_exit_2_in_one_line(cli, tmp_path, args, says):
+    res = cli(args, tmp_path)
     assert res.returncode == 2
     [line] = res.stderr.strip().splitlines()
     assert says in line and "$VALUE" not in line
@@ -176,11 +177,11 @@ def test_hydra_config_errors_exit_2_in_one_line(tmp_path, cache_dir, args, says)
     ("edit", "half", "kind: scale\nscale: 0.5\n",
      "error edit/half: edit.kind: 'scale' was renamed; did you mean 'rescale'?"),
 ], ids=["misspelt key", "old spelling"])
-def test_a_bad_key_in_a_config_file_of_ones_own_names_the_file_and_the_right_one(tmp_path, cache_dir, group, name,
-                                                                                  text, says):
+def test_a_bad_key_in_a_config_file_of_ones_own_names_the_file_and_the_right_one(cli, tmp_path, group, name, text,
+                                                                                  says):
     (tmp_path / "my_conf" / group).mkdir(parents=True)
     (tmp_path / "my_conf" / group / f"{name}.yaml").write_text(text)
-    res = run_cli(["--config-dir", str(tmp_path / "my_conf"), f"{group}={name}"], tmp_path, cache_dir)
+    res = cli(["--config-dir", str(tmp_path / "my_conf"), f"{group}={name}"], tmp_path)
     assert res.returncode == 2
     [line] = res.stderr.strip().splitlines()
     assert line.startswith(says)
