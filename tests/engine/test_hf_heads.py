@@ -14,18 +14,6 @@ LAYER, HEAD = 3, 5
 NEW = 6  # the prompt's pass and five decoding steps: both kinds of forward the edit must match the hook in
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2_spec):
-    from steer.engine.hf import HFEngine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = HFEngine(smollm2_spec)
-    yield engine
-    engine.close()
-    torch.set_num_threads(threads)
-
-
 def reference(engine, ids, change):
     """Greedy tokens from transformers' own generate with a pre-hook that applies `change` to the head's slice of
     o_proj's input."""
@@ -55,7 +43,7 @@ def plan(spec, edit):
 
 
 @pytest.mark.parametrize("case", ["ablate", "scale", "add"])
-def test_a_head_edited_at_the_projection_input_equals_a_pre_hook(smol, smollm2_spec, tmp_path, case):
+def test_a_head_edited_at_the_projection_input_equals_a_pre_hook(smollm2_engine, smollm2_spec, tmp_path, case):
     from steer.edits import vector
 
     dim = smollm2_spec.head_dim
@@ -72,9 +60,9 @@ def test_a_head_edited_at_the_projection_input_equals_a_pre_hook(smol, smollm2_s
         change = lambda x: x + 2.0 * v  # noqa: E731
     p = plan(smollm2_spec, edit)
     gen = GenConf(max_new_tokens=NEW)
-    ids = [smol.encode(x, "auto") for x in PROMPTS]
-    want = [reference(smol, x, change) for x in ids]
-    assert [smol.generate(x, p, gen, 0) for x in ids] == want
+    ids = [smollm2_engine.encode(x, "auto") for x in PROMPTS]
+    want = [reference(smollm2_engine, x, change) for x in ids]
+    assert [smollm2_engine.generate(x, p, gen, 0) for x in ids] == want
     # the head's change shows in the model's next-token distributions
-    moved = smol.score(ids[0], want[0], p).logprobs - smol.score(ids[0], want[0], None).logprobs
+    moved = smollm2_engine.score(ids[0], want[0], p).logprobs - smollm2_engine.score(ids[0], want[0], None).logprobs
     assert float(moved.abs().max()) > 1e-3

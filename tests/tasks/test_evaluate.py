@@ -77,12 +77,9 @@ def test_letter_probability_matches_transformers_on_tiny(hf_engine, tiny_spec):
     _check_against_transformers(hf_engine, tiny_spec, cfg, 2, chat=False)
 
 
-def test_letter_probability_matches_transformers_on_smollm2(smollm2_spec):
-    from steer.engine.hf import HFEngine
-
+def test_letter_probability_matches_transformers_on_smollm2(smollm2_engine, smollm2_spec):
     cfg = compose("task=eval", "model=smollm2", "tap.layer=12", tiny=False)
-    with HFEngine(smollm2_spec) as engine:
-        _check_against_transformers(engine, smollm2_spec, cfg, 12, chat=True)
+    _check_against_transformers(smollm2_engine, smollm2_spec, cfg, 12, chat=True)
 
 
 def test_split_is_disjoint_and_seeded():

@@ -77,9 +77,7 @@ def test_a_grid_of_negative_scales_chooses_a_pair_that_moves_toward_the_negative
     assert best["gain"] == pytest.approx(best["choose"]["probe_baseline"] - best["choose"]["probe_steered"])
 
 
-def test_layers_3_and_12_are_ranked_by_one_probe_read_as_the_engine_reads_it(lab, smollm2_spec):
-    from steer.engine.hf import HFEngine
-
+def test_layers_3_and_12_are_ranked_by_one_probe_read_as_the_engine_reads_it(lab, smollm2_spec, smollm2_engine):
     sel = lab.select(layers=[3, 12], overrides=SHORT)
     show("(c)", sel)
     probe = sel.summary["probe"]
@@ -87,9 +85,9 @@ def test_layers_3_and_12_are_ranked_by_one_probe_read_as_the_engine_reads_it(lab
     kept = [c for c in sel.cells if c["ok"] and c["gain"] > 0]
     assert sel.best == max(kept, key=lambda c: c["gain"])
     # a pair's probe reading is the unsteered model's tap values at the probe's layer on its steered text,
-    # projected on the probe's direction: read here with an engine of our own
+    # projected on the probe's direction: read here with an engine other than the Lab's
     d = vector.load(probe["file"], "direction", smollm2_spec.hidden)[0]
-    engine = HFEngine(smollm2_spec)
+    engine = smollm2_engine
     path = smollm2_spec.layer_path(12)
     for c in (cells(sel)[(3, 2.0)], sel.best):
         r = read_rows(sel.dir / c["dir"])[0]
