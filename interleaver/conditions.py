@@ -84,10 +84,11 @@ class Conditions:
                  slots: np.ndarray, num_tokens: int, stage) -> None:
         """Fill `rows` for a step (`slots`: each request's; `stage(arrays)`: the arrays on the device in one copy)."""
         live = slots != self.scratch
+        decided = np.isin(slots, list(self._decided))
         if live.any():
             last = positions + counts - 1
             # A request starting its prompt over before it decided (preempted mid-prompt): its sums start again
-            again = live & (positions == 0) & ~np.isin(slots, self._fresh) & ~np.isin(slots, list(self._decided))
+            again = live & (positions == 0) & ~np.isin(slots, self._fresh) & ~decided
             self._fresh += slots[again].tolist()
         if self._fresh:
             (fresh,) = stage([np.array(self._fresh, dtype=np.int64)])
@@ -101,9 +102,8 @@ class Conditions:
             self._fill(0)
             return
         # Requests that decided in an earlier step (run again after a preemption, or generating) decide nothing more
-        open_ = live & ~np.isin(slots, list(self._decided))
-        owner = np.repeat(np.arange(counts.size), counts)
-        offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        open_ = live & ~decided
+        owner, offset = select.owners(counts)
         pos, plen_r, slot = positions[owner] + offset, plen[owner], slots[owner]
         table = np.full((4, num_tokens), self.scratch, dtype=np.int64)
         table[3] = 1

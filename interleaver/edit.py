@@ -15,16 +15,12 @@ An edit under a condition (`when`) is weighed on a row only where the row's requ
 while its prompt runs (on a vLLM worker on the device, interleaver/conditions.py).
 
 Conditions on the prompt (conditional activation steering, CAST: Lee et al., ICLR 2025): a request's prompt is
-read at a tap, reduced to one vector, scored against a condition direction and compared with a threshold. For the
-reduced prompt vector h and the condition direction v:
-
-    cast     cos(h, tanh(P h)),  P = v v^T / (v^T v)   (CAST's similarity, as IBM's activation-steering computes it)
-    cosine   cos(h, v)
-
-Both are cosines, so a threshold lies in [-1, 1]. `compare=above` holds where the score exceeds the threshold,
-`below` where it is under it (IBM's library names these the other way round: its "smaller" means "the threshold is
-smaller than the similarity"). The score is computed from the prompt's rows of the tap's value (after that tap's
-own edits), and held: generated rows never decide again.
+read at a tap, reduced to one vector, scored against a condition direction (`cast` or `cosine`, as
+interleaver/select.py defines them) and compared with a threshold. Both scores are cosines, so a threshold lies in
+[-1, 1]. `compare=above` holds where the score exceeds the threshold, `below` where it is under it (IBM's library
+names these the other way round: its "smaller" means "the threshold is smaller than the similarity"). The score is
+computed from the prompt's rows of the tap's value (after that tap's own edits), and held: generated rows never
+decide again.
 """
 
 from dataclasses import dataclass, replace
@@ -112,9 +108,14 @@ class Edit:
     positions: Positions = EVERY
 
     @property
+    def inert(self) -> bool:
+        """True when no strength makes the edit do anything (a clamp without bounds)."""
+        return self.kind == EditKind.clamp and self.lo is None and self.hi is None
+
+    @property
     def is_noop(self) -> bool:
         """True when the edit changes nothing, so an engine may skip it (the math is exact either way)."""
-        return self.strength == 0.0 or (self.kind == EditKind.clamp and self.lo is None and self.hi is None)
+        return self.strength == 0.0 or self.inert
 
     def unit(self) -> "Edit":
         """The same edit at strength 1 on every row, so `delta(h) == strength * unit().delta(h)`: what a bank

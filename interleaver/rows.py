@@ -179,9 +179,7 @@ def _place(w: np.ndarray, starts, counts, positions, batch: BatchEdits) -> None:
     rows of this step at once (one element per entry and row), so a decode step of 64 such requests costs a few
     array operations, not 64 Python loops."""
     p = batch.placements()
-    n = counts[p.request]
-    entry = np.repeat(np.arange(n.size), n)
-    offset = np.arange(entry.size) - np.repeat(np.cumsum(n) - n, n)
+    entry, offset = select.owners(counts[p.request])
     req = p.request[entry]
     pos, plen = positions[req] + offset, batch.plen[req]
     is_prompt, kind, group = pos < plen, p.kind[entry], p.where[entry]
@@ -197,8 +195,7 @@ def _row_sources(starts, counts, positions, batch: BatchEdits, num_tokens: int) 
     on its generated rows, then zeros for rows no request owns) and `src` (`[num_tokens]`, each row's table row)."""
     dense, plen = batch.dense, batch.plen
     n = counts.size
-    owner = np.repeat(np.arange(n), counts)
-    offset = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    owner, offset = select.owners(counts)
     table = np.concatenate([dense[:, 0] + dense[:, 1], dense[:, 0] + dense[:, 2],
                             np.zeros((1, dense.shape[2]), dtype=np.float32)])
     src = np.full(num_tokens, 2 * n, dtype=np.int64)

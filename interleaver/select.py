@@ -19,6 +19,7 @@ Conditions (CAST: Lee et al., ICLR 2025), for a prompt reduced to one vector h a
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 SELECTS = ("all", "last_prompt", "first_generated", "window")
@@ -27,6 +28,13 @@ SCORES = ("cast", "cosine")
 COMPARES = ("above", "below")
 
 Where = Tuple[str, int, int]  # (select, a, b): last_prompt (k, 0), first_generated (n, 0), window (i, j)
+
+
+def owners(counts: Any) -> Tuple[Any, Any]:
+    """(owner, offset) of each row of `counts` laid end to end (numpy): the index of the span it is in, and its
+    place in that span (a step's rows, `counts[i]` of them request i's; or an entry's rows, entry i's)."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def mask(where: Where, pos: Any, plen: Any) -> Any:

@@ -1,4 +1,6 @@
-"""Compiled edits: plain in-place tensor programs on a `[rows, hidden]` activation (docs/configs.md, "Edits").
+"""An edit's config compiled into the one edit record (interleaver/edit.py's `Edit`, whose `delta` is the math;
+docs/configs.md, "Edits"): its vectors checked and made orthonormal where the kind moves a projection, its strength
+from `edit.scale`.
 
 Every kind is written as `h += w * delta(h)`, where `delta` is the full edit and `w` a per-row weight (1 on
 rows the edit selects, 0 elsewhere), computed in float32 and cast back. Written so, one vectorised op serves a

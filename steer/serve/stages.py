@@ -14,7 +14,6 @@ The stage list travels to the worker as plain data in vLLM's additional_config (
 import json
 from typing import Dict, List, Optional, Sequence
 
-from interleaver.kinds import EditKind
 from steer.serve.presets import Preset
 from steer.serve.protocol import InlinePolicy, InlineVector, InlineWhen
 from steer.edits.tap import Tap
@@ -44,7 +43,7 @@ class StageTable:
                 starts = {}
                 for start in sorted(_sums([len(v) for m, v in mine.items() if m != name])):
                     entries = self.bank.register(loc, edits, start)
-                    starts[str(start)] = [[sid, strength, tokens, _always_noop(e)]
+                    starts[str(start)] = [[sid, strength, tokens, e.inert]
                                           for (sid, strength, tokens), e in zip(entries, edits)]
                 self.presets[name].append([loc, len(edits), starts])
         # layer -> location where a request's own vectors go: taps of the worker, with no stage until one comes
@@ -132,8 +131,3 @@ def _sums(counts: List[int]) -> set:
     for c in counts:
         out |= {s + c for s in out}
     return out
-
-
-def _always_noop(e) -> bool:
-    """An edit no scale can make do anything (a clamp without bounds); others are no-ops at strength 0 only."""
-    return e.kind == EditKind.clamp and e.lo is None and e.hi is None
