@@ -11,7 +11,7 @@
 #          EasySteer's vLLM and package (docs/benchmark.md); EASYSTEER_MODELS=qwen2_1p5b,llama3_8b adds the 8B shape,
 #          EASYSTEER_SCENARIOS (comma-separated) and EASYSTEER_CONFIGS narrow it
 #   conditional  the conditional-steering and position-selector scenarios on the 8B shape (cast: half the requests
-#          meet a condition at layer 8, an add at layer 12; last_prompt, first_generated, window), a f h, 64 x 128
+#          meet a condition at layer 8, an add at layer 12; last_prompt, first_generated, window), a f h, 64 x 128, 9 rounds (a pass is about a second: the rounds narrow the spread)
 #   tp     two GPUs: the tensor-parallel tests and the bench's one-tap add at TP=2, 8B shape
 #   serve  python -m steer.bench.serving: steer's vLLM server against a stock vllm serve under vLLM's serving benchmark
 #          (8B shape; SERVE_ARGS, e.g. --modes replay,in_graph; its report lands in $OUT/bench-serve)
@@ -95,7 +95,7 @@ skip=['llama3_8b/*/add@eps/*','llama3_8b/b2/*','smollm2/h/*','smollm2/*/*@eps/*'
 }
 
 conditional() {
-  BENCH_ARGS="run=[llama3_8b] batches=[[64,128]] configs=[a,f,h] repeats=3 \
+  BENCH_ARGS="run=[llama3_8b] batches=[[64,128]] configs=[a,f,h] repeats=9 \
 scenarios=[add,cast,last_prompt,first_generated,window,cast@eps] ${COND_ARGS:-}" bench bench-conditional
 }
 
