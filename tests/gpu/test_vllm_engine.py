@@ -110,7 +110,7 @@ def mixed_batch(tiny_spec, direction, hf):
     two = plan(tiny_spec, 1, e["add"])
     two.add(resolve(TapConf(layer=2), tiny_spec), e["clamp"])
     plans = [plan(tiny_spec, 1, e["add"]), plan(tiny_spec, 2, e["ablate"]), None, two,
-             plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["scale"])]
+             plan(tiny_spec, 1, e["add_generated"]), plan(tiny_spec, 1, e["rescale"])]
     prompts = PROMPTS + ["The music in the hall was", "She opened the door and", "We walked along the street"]
     return e, plans, [(hf.encode(x), p, 0) for x, p in zip(prompts, plans)]
 
