@@ -17,9 +17,14 @@ from then on; generated rows read the decision their prompt made and never decid
 (outside any graph, before the step runs) when a request takes it, or starts its prompt over undecided (a request
 preempted mid-prompt and run again from its first token), so nothing of an earlier holder or run is read; a request
 run again after it decided keeps its decision and decides nothing more.
+
+On a CUDA device with Triton, `decide` is two launches and `weigh` one (interleaver/condition_kernels.py); the
+torch form below is the same arithmetic, and runs elsewhere.
 """
 
-from typing import Dict, List, Sequence
+import warnings
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +50,14 @@ class Conditions:
         self._free = list(range(slots - 1, -1, -1))
         self._fresh: List[int] = []  # slots taken since the last step: zeroed before it runs
         self._decided: set = set()  # slots whose prompt's last row has run
+        self.kernels = _kernels() is not None and torch.device(device).type == "cuda"
+        if self.kernels:
+            try:
+                self.warm()
+            except Exception as e:  # a kernel that does not build costs speed, never a decision
+                warnings.warn(f"the condition kernels did not build ({type(e).__name__}: {e}); conditions run in "
+                              "the torch form", RuntimeWarning, stacklevel=2)
+                self.kernels = False
 
     def adopt(self, old: "Conditions") -> None:
         """Take over `old`'s slots and what they hold (this engine's conditions are `old`'s and more after them)."""
@@ -126,8 +139,13 @@ class Conditions:
             self.rows[3, end : self._high].fill_(1)
         self._high = max(end, 0)
 
-    def decide(self, i: int, x: torch.Tensor) -> None:
-        """Condition `i` on the stream `x` (float32 `[rows, width]`, the rows the step's `rows` describe)."""
+    def decide(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
+        """Condition `i` on the stream `hidden` (+ `residual`), `[rows, width]`, the rows the step's `rows`
+        describe."""
+        if self.kernels and _fits(hidden, residual, self.list[i].vector.shape[0], self.flags.device):
+            self._decide_fused(i, hidden, residual)
+            return
+        x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
         c, acc = self.list[i], self.acc[i]
         r = self.rows[:, : x.shape[0]]
         if c.reduce == "mean":
@@ -140,8 +158,81 @@ class Conditions:
         self.scores[i].index_copy_(0, r[2], s)
         self.flags[:, i].index_copy_(0, r[2], select.met(s, c.compare, c.threshold).to(self.flags.dtype))
 
+    def _decide_fused(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        c, acc = self.list[i], self.acc[i]
+        width, n = c.vector.shape[0], hidden.shape[0]
+        r = hidden if residual is None else residual
+        block = 1 << (width - 1).bit_length()
+        warps = max(1, min(8, block // 512))
+        cond_sum, cond_score, _ = _kernels()
+        cond_sum[(n,)](hidden, r, self.rows, acc, self.scratch, width, hidden.stride(0), r.stride(0),
+                       self.rows.stride(0), HAS_R=residual is not None, LAST=c.reduce == "last", BLOCK=block,
+                       num_warps=warps)
+        cond_score[(n,)](self.rows, acc, c.vector, self.scores, self.flags, self.scratch, self.rows.stride(0),
+                         self.scores.stride(0), self.flags.shape[1], i, float(c.threshold), width,
+                         MEAN=c.reduce == "mean", CAST=c.score == "cast", ABOVE=c.compare == "above", BLOCK=block,
+                         num_warps=warps)
+
+    def warm(self) -> None:
+        """Compile the kernels for every activation dtype, with and without a residual, and each condition's
+        variant: an in-graph engine first decides inside a graph capture, where nothing may compile. Run while
+        every row of `rows` points at the scratch slot (a new state's), so nothing is summed or decided."""
+        device = self.flags.device
+        for i, c in enumerate(self.list):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                h = torch.zeros(2, c.vector.shape[0], device=device, dtype=dtype)
+                for residual in (None, torch.zeros_like(h)):
+                    self._decide_fused(i, h, residual)
+        self.weigh(torch.zeros(2, 1, device=device), self.gating([0], [0]))
+
+    def gating(self, cols: Sequence[int], conds: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What `weigh` reads of a program whose weight columns `cols` are gated by conditions `conds`, on the
+        device: the columns, their conditions, and each column's condition (-1: none) up to the last gated one."""
+        device = self.flags.device
+        table = torch.full((max(cols) + 1,), -1, dtype=torch.int64)
+        table[list(cols)] = torch.tensor(list(conds), dtype=torch.int64)
+        return (torch.tensor(list(cols), device=device), torch.tensor(list(conds), device=device),
+                table.to(device))
+
+    def weigh(self, w: torch.Tensor, gating: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """A copy of the weights `w` (`[rows, columns]`, float32), the gated columns (`gating`) weighed by each
+        row's decisions so far (`gate`)."""
+        cols, conds, table = gating
+        rows = w.shape[0]
+        if (self.kernels and w.device == self.flags.device and w.dtype == torch.float32 and w.stride(1) == 1
+                and rows > 0):
+            out = torch.empty_like(w, memory_format=torch.contiguous_format)
+            grid = (rows, -(-w.shape[1] // _COLUMNS))
+            _kernels()[2][grid](w, out, self.rows, self.flags, table, self.scratch, w.shape[1], table.shape[0],
+                                self.flags.shape[1], w.stride(0), out.stride(0), BLOCK=_COLUMNS)
+            return out
+        out = w.clone()
+        out[:, cols] = out[:, cols] * self.gate(rows)[:, conds]
+        return out
+
     def gate(self, rows: int) -> torch.Tensor:
         """`[rows, conditions]`: each row's request's decisions so far (1.0 met, 0.0 not or not yet; 0.0 on rows of
         no deciding request, whatever the scratch slot holds)."""
         r = self.rows[0, :rows]
         return self.flags.index_select(0, r) * (r != self.scratch).to(self.flags.dtype)[:, None]
+
+
+_COLUMNS = 64  # the gate kernel's columns a program
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    """The Triton kernels (condition_sum, condition_score, condition_gate), or None without Triton."""
+    try:
+        from interleaver import condition_kernels as k
+    except ImportError:
+        return None
+    return k.condition_sum, k.condition_score, k.condition_gate
+
+
+def _fits(hidden: torch.Tensor, residual: Optional[torch.Tensor], width: int, device: torch.device) -> bool:
+    """Whether the stream is the kernels': on the state's device, `[rows, width]` with unit column stride (and its
+    residual too)."""
+    if hidden.device != device or hidden.dim() != 2 or hidden.shape[1] != width or hidden.stride(1) != 1:
+        return False
+    return residual is None or (residual.shape == hidden.shape and residual.stride(1) == 1)

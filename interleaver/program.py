@@ -72,9 +72,8 @@ class TapProgram:
         gated = [(col(s), s.when) for s in stages if s.when is not None]
         if gated and conditions is None:
             raise ValueError(f"{location}: a stage under a condition, and no conditions given")
-        # (weight columns, each one's condition): those columns are weighed by the row's decision
-        self._gate = (None if not gated else (torch.tensor([c for c, _ in gated], device=device),
-                                              torch.tensor([w for _, w in gated], device=device)))
+        # (weight columns, each one's condition, ...): those columns are weighed by the row's decision
+        self._gate = None if not gated else conditions.gating([c for c, _ in gated], [w for _, w in gated])
         self._decides = ([] if conditions is None
                          else [i for i, c in enumerate(conditions.list) if c.location == location])
         # Every weight column the tap reads: a step that uses none of them has nothing to edit here
@@ -127,16 +126,12 @@ class TapProgram:
         """The first `rows` rows of the weights, the gated columns weighed by each row's decisions (a copy)."""
         if self._gate is None:
             return w_all[:rows]
-        cols, conds = self._gate
-        w = w_all[:rows].clone()
-        w[:, cols] = w[:, cols] * self.conditions.gate(rows)[:, conds]
-        return w
+        return self.conditions.weigh(w_all[:rows], self._gate)
 
     def _decide(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
         """Decide the conditions read at this tap, on the stream after its edits."""
-        x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
         for i in self._decides:
-            self.conditions.decide(i, x)
+            self.conditions.decide(i, hidden, residual)
 
     @property
     def conditional(self) -> bool:

@@ -34,7 +34,8 @@ from interleaver.bank import layout
 
 has_triton = importlib.util.find_spec("triton") is not None
 for m in pkgutil.iter_modules(interleaver.__path__):
-    if m.name != "tap_kernels" or has_triton:  # Triton source: kernels.py imports it only where Triton is
+    # Triton source: kernels.py and conditions.py import these only where Triton is
+    if m.name not in ("tap_kernels", "condition_kernels") or has_triton:
         importlib.import_module(f"interleaver.{m.name}")
 
 H, TAP = 8, "model.layers.0.output"
