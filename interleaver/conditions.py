@@ -132,6 +132,14 @@ class Conditions:
         self.rows[:, :num_tokens].copy_(dev, non_blocking=True)
         self._fill(num_tokens)
 
+    def settle(self) -> None:
+        """End the step: no row sums or decides until the next step's rows are set, so a graph replayed outside a
+        step (a warm-up or dummy batch, whose graphs hold the decide kernels) leaves every slot as it is. Only a
+        step where some prompt row decided wrote such rows: a decode step costs nothing here."""
+        if self.deciding:
+            self.rows[1:3, : self._high].fill_(self.scratch)
+            self.deciding = False
+
     def _fill(self, end: int) -> None:
         """Point rows `end`.. that the last step wrote back at the scratch slot."""
         if self._high > end:

@@ -3,7 +3,7 @@ from the batch's edits (interleaver.bank.BatchEdits) with array operations and s
 copy: the only per-step host work the taps need."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,10 +43,12 @@ class StepRows:
         # (batch, rows, weights, used, all_used) of the last decode step whose rows were all generated tokens: the
         # next such step of the same batch has the same weights, already on the device (and in `static`).
         self._steady: Optional[tuple] = None
-        self.conditions = None  # an interleaver.conditions.Conditions where the engine decides any
+        self.conditions: Optional[Any] = None  # an interleaver.conditions.Conditions where the engine decides any
         self.clear()
 
     def clear(self) -> None:
+        if self.conditions is not None:
+            self.conditions.settle()
         self.num_tokens: Optional[int] = None
         self.weights: Optional[torch.Tensor] = None  # [num_tokens, columns] on the device
         self.used: Optional[np.ndarray] = None  # bool per column: does any row use it this step

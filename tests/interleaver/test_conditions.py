@@ -137,6 +137,23 @@ def test_a_slot_taken_again_starts_from_nothing():
     assert torch.equal(conds.acc[0][slot], no[0] * 2)  # a's sum is gone
 
 
+def test_a_graph_replayed_after_a_deciding_step_sums_and_decides_nothing():
+    """A warm-up or dummy batch replays a captured graph outside any step, its decide kernels included: with the
+    step over, every row points at the scratch slot, so the decision and the sums stand."""
+    c = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    cond = Condition(tap_path(COND), c, reduce="mean", score="cast", compare="above", threshold=0.25)
+    module, il, bank, entries, conds = build(True, [(EDIT, Edit(EditKind.add, c[None], when=cond))], [cond])
+    reqs = {"a": (RequestEdits([entries[0]], decide=True), 2)}
+    run_steps(module, il, bank, conds, reqs, [([("a", 2, 0)], torch.ones(2, H))])
+    slot = conds._slot["a"]
+    held = slice(0, conds.scratch)  # the slots requests hold (the scratch slot's contents are never read)
+    state = (conds.acc[0][held].clone(), conds.flags[held].clone(), conds.scores[:, held].clone())
+    assert float(state[1][slot, 0]) == 1.0
+    il.programs[COND].in_graph(-torch.ones(PAD, H), il.step.static)  # what the replayed graph runs at the tap
+    assert torch.equal(conds.acc[0][held], state[0]) and torch.equal(conds.flags[held], state[1])
+    assert torch.equal(conds.scores[:, held], state[2])
+
+
 def test_position_entries_weigh_exactly_the_rows_they_select_in_a_mixed_batch():
     v = torch.ones(1, H)
     where = {"last2": ("last_prompt", 2, 0), "first1": ("first_generated", 1, 0), "win": ("window", 1, 3)}
