@@ -2,7 +2,7 @@
 
 Each request that asks for a decision (`RequestEdits.decide`) holds a slot while it runs. A step's rows carry four
 int64 rows of facts at a fixed address (`rows`, filled by the host with the step's weights; rows past the step's
-point at the scratch slot, so padding and unconditioned rows write only there):
+point at the scratch slot, so padding and unconditioned rows sum and decide nothing a request reads):
 
     0  the row's slot                  every row of a deciding request (the gate reads its decision)
     1  the slot to accumulate into     the request's prompt rows until it has decided (reduce=mean sums them)
@@ -11,18 +11,20 @@ point at the scratch slot, so padding and unconditioned rows write only there):
 
 At a condition's tap, after the tap's edits, `decide` adds the prompt rows to their slot's sum (or keeps the last
 row), and on the prompt's last row scores the reduced vector and writes the decision (1.0 or 0.0) into `flags`.
-A gated edit's weight on a row is its weight times `flags[slot of the row, condition]` (`gate`): 0 before the
+A gated edit's weight on a row is its weight times `flags[slot of the row, condition]` (`weigh`): 0 before the
 decision (earlier chunks of a prompt, and taps up to the condition's in the forward that decides), the decision
 from then on; generated rows read the decision their prompt made and never decide again. The host zeroes a slot
 (outside any graph, before the step runs) when a request takes it, or starts its prompt over undecided (a request
 preempted mid-prompt and run again from its first token), so nothing of an earlier holder or run is read; a request
-run again after it decided keeps its decision and decides nothing more.
+run again after it decided keeps its decision and decides nothing more. A step's end points its summing and deciding
+rows back at the scratch slot (`settle`), so a graph replayed outside a step changes no slot.
 
 On a CUDA device with Triton, `decide` is two launches and `weigh` one (interleaver/condition_kernels.py); the
 torch form below is the same arithmetic, and runs elsewhere.
 """
 
 import warnings
+from dataclasses import replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -37,7 +39,9 @@ class Conditions:
     """The engine's conditions and every slot's running state, on the device."""
 
     def __init__(self, conditions: Sequence[Condition], slots: int, max_rows: int, device) -> None:
-        self.list: List[Condition] = [c.to(device) for c in conditions]
+        # Float32 and contiguous, as the kernels read them
+        self.list: List[Condition] = [replace(c, vector=c.vector.to(device, torch.float32).contiguous())
+                                      for c in conditions]
         self.scratch = slots
         self.acc = [torch.zeros(slots + 1, c.vector.shape[0], device=device) for c in self.list]
         self.scores = torch.zeros(len(self.list), slots + 1, device=device)
@@ -135,7 +139,7 @@ class Conditions:
     def settle(self) -> None:
         """End the step: no row sums or decides until the next step's rows are set, so a graph replayed outside a
         step (a warm-up or dummy batch, whose graphs hold the decide kernels) leaves every slot as it is. Only a
-        step where some prompt row decided wrote such rows: a decode step costs nothing here."""
+        step where some prompt row summed wrote such rows: a decode step costs nothing here."""
         if self.deciding:
             self.rows[1:3, : self._high].fill_(self.scratch)
             self.deciding = False
@@ -147,24 +151,37 @@ class Conditions:
             self.rows[3, end : self._high].fill_(1)
         self._high = max(end, 0)
 
-    def decide(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
-        """Condition `i` on the stream `hidden` (+ `residual`), `[rows, width]`, the rows the step's `rows`
-        describe."""
-        if self.kernels and _fits(hidden, residual, self.list[i].vector.shape[0], self.flags.device):
-            self._decide_fused(i, hidden, residual)
-            return
-        x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
-        c, acc = self.list[i], self.acc[i]
-        r = self.rows[:, : x.shape[0]]
-        if c.reduce == "mean":
-            acc.index_add_(0, r[1], x)
-            h = acc.index_select(0, r[2]) / r[3, :, None].to(x.dtype)
-        else:
-            acc.index_copy_(0, r[2], x)
-            h = acc.index_select(0, r[2])
-        s = select.score(h, c.vector, c.score)
-        self.scores[i].index_copy_(0, r[2], s)
-        self.flags[:, i].index_copy_(0, r[2], select.met(s, c.compare, c.threshold).to(self.flags.dtype))
+    def decide(self, indices: Sequence[int], hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
+        """Conditions `indices` (a tap's) on the stream `hidden` (+ `residual`), `[rows, width]`, the rows the
+        step's `rows` describe."""
+        x = None
+        for i in indices:
+            if self.kernels and self._fits(i, hidden, residual):
+                self._decide_fused(i, hidden, residual)
+                continue
+            if x is None:
+                x = hidden.float() if residual is None else torch.add(hidden.float(), residual)
+            c, acc = self.list[i], self.acc[i]
+            r = self.rows[:, : x.shape[0]]
+            if c.reduce == "mean":
+                acc.index_add_(0, r[1], x)
+                h = acc.index_select(0, r[2]) / r[3, :, None].to(x.dtype)
+            else:
+                acc.index_copy_(0, r[2], x)
+                h = acc.index_select(0, r[2])
+            s = select.score(h, c.vector, c.score)
+            self.scores[i].index_copy_(0, r[2], s)
+            self.flags[:, i].index_copy_(0, r[2], select.met(s, c.compare, c.threshold).to(self.flags.dtype))
+
+    def _fits(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+        """Whether the stream is what `warm` compiled the kernels for: on the state's device, `[rows, width]` with
+        rows the table holds, unit column stride and a 16-byte aligned start, a residual alike and of the same
+        dtype (any other would compile anew, which inside a graph capture may not happen)."""
+        if (hidden.device != self.flags.device or hidden.dim() != 2 or hidden.shape[1] != self.list[i].vector.shape[0]
+                or not 0 < hidden.shape[0] <= self.rows.shape[1] or hidden.dtype not in _DTYPES):
+            return False
+        return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.shape == hidden.shape and t.dtype == hidden.dtype
+                   for t in (hidden, residual) if t is not None)
 
     def _decide_fused(self, i: int, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
         c, acc = self.list[i], self.acc[i]
@@ -187,11 +204,11 @@ class Conditions:
         every row of `rows` points at the scratch slot (a new state's), so nothing is summed or decided."""
         device = self.flags.device
         for i, c in enumerate(self.list):
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                h = torch.zeros(2, c.vector.shape[0], device=device, dtype=dtype)
+            for dtype in _DTYPES:
+                h = torch.zeros(1, c.vector.shape[0], device=device, dtype=dtype)
                 for residual in (None, torch.zeros_like(h)):
                     self._decide_fused(i, h, residual)
-        self.weigh(torch.zeros(2, 1, device=device), self.gating([0], [0]))
+        self.weigh(torch.zeros(1, 1, device=device), self.gating([0], [0]))
 
     def gating(self, cols: Sequence[int], conds: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What `weigh` reads of a program whose weight columns `cols` are gated by conditions `conds`, on the
@@ -208,7 +225,7 @@ class Conditions:
         cols, conds, table = gating
         rows = w.shape[0]
         if (self.kernels and w.device == self.flags.device and w.dtype == torch.float32 and w.stride(1) == 1
-                and rows > 0):
+                and 0 < rows <= self.rows.shape[1]):
             out = torch.empty_like(w, memory_format=torch.contiguous_format)
             grid = (rows, -(-w.shape[1] // _COLUMNS))
             _kernels()[2][grid](w, out, self.rows, self.flags, table, self.scratch, w.shape[1], table.shape[0],
@@ -226,6 +243,7 @@ class Conditions:
 
 
 _COLUMNS = 64  # the gate kernel's columns a program
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations' dtypes the kernels are compiled for
 
 
 @lru_cache(maxsize=1)
@@ -237,10 +255,3 @@ def _kernels():
         return None
     return k.condition_sum, k.condition_score, k.condition_gate
 
-
-def _fits(hidden: torch.Tensor, residual: Optional[torch.Tensor], width: int, device: torch.device) -> bool:
-    """Whether the stream is the kernels': on the state's device, `[rows, width]` with unit column stride (and its
-    residual too)."""
-    if hidden.device != device or hidden.dim() != 2 or hidden.shape[1] != width or hidden.stride(1) != 1:
-        return False
-    return residual is None or (residual.shape == hidden.shape and residual.stride(1) == 1)

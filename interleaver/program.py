@@ -72,7 +72,8 @@ class TapProgram:
         gated = [(col(s), s.when) for s in stages if s.when is not None]
         if gated and conditions is None:
             raise ValueError(f"{location}: a stage under a condition, and no conditions given")
-        # (weight columns, each one's condition, ...): those columns are weighed by the row's decision
+        # What Conditions.weigh reads of the gated weight columns: each one's condition (the row's decision on it
+        # weighs the column)
         self._gate = None if not gated else conditions.gating([c for c, _ in gated], [w for _, w in gated])
         self._decides = ([] if conditions is None
                          else [i for i, c in enumerate(conditions.list) if c.location == location])
@@ -130,8 +131,7 @@ class TapProgram:
 
     def _decide(self, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
         """Decide the conditions read at this tap, on the stream after its edits."""
-        for i in self._decides:
-            self.conditions.decide(i, hidden, residual)
+        self.conditions.decide(self._decides, hidden, residual)
 
     @property
     def conditional(self) -> bool:

@@ -68,8 +68,7 @@ for dtype in (torch.bfloat16, torch.float32):
             for c in forms.values():
                 slots = c.slots_for(ids, [type("E", (), {"decide": decides[x]})() for x in ids])
                 c.set_rows(starts, counts, positions, plens, slots, num, stage)
-                for i in range(len(conds)):
-                    c.decide(i, h, r)
+                c.decide(range(len(conds)), h, r)
             t, f = forms[False], forms[True]
             live = sorted(set(t._slot.values()))
             for i in range(len(conds)):
@@ -79,6 +78,28 @@ for dtype in (torch.bfloat16, torch.float32):
             assert torch.equal(f.weigh(w, gating), t.weigh(w, gating)), k
             checked += 1
 met = int(forms[True].flags[:SLOTS].sum())
+
+# CAST's score ignores the scale of tanh(P h): where all of P h is small (a long stream nearly orthogonal to v),
+# tanh's relative error is the score's, and a score rounded below 0 would flip the decision.
+W2 = 4096
+v = torch.nn.functional.normalize(torch.randn(W2, generator=g, dtype=torch.float64), dim=0)
+u = torch.randn(W2, generator=g, dtype=torch.float64)
+u = torch.nn.functional.normalize(u - (u @ v) * v, dim=0)
+small = Condition("model.layers.0", v.float(), "last", "cast", "above", 0.0)
+for cos in (1e-3, -1e-3, 1e-6, -1e-6):
+    h = (10.0 * (cos * v + (1 - cos * cos) ** 0.5 * u)).float()[None].to(device)
+    read = {}
+    for kernels in (False, True):
+        c = Conditions([small], SLOTS, PAD, device)
+        c.kernels = kernels
+        slots = c.slots_for(["a"], [type("E", (), {"decide": True})()])
+        c.set_rows(np.array([0]), np.array([1]), np.array([0]), np.array([1]), slots, 1, stage)
+        c.decide([0], h)
+        read[kernels] = (float(c.scores[0, slots[0]]), float(c.flags[slots[0], 0]))
+    # cos(h, tanh(P h)) is about |cos(h, v)| (P h and v share a sign or differ in it together): above 0 holds
+    assert read[True][1] == read[False][1] == 1.0, (cos, read)
+    if abs(cos) > 1e-4:
+        assert abs(read[True][0] - read[False][0]) <= 1e-4 * abs(read[False][0]), (cos, read)
 print(f"kernels ok: {checked} steps, {met} of {SLOTS * len(conds)} slot decisions met")
 '''
 
