@@ -61,6 +61,10 @@ class RequestEdits:
     # The request's own condition, gating its own vectors: (location, direction as base64 little-endian f32, reduce,
     # score, compare, threshold); it becomes a condition of the worker that sees it first (InlineStages)
     inline_when: Optional[Tuple[str, str, str, str, str, float]] = None
+    # A scoring pass's two requests (conditions.py): the first, its prompt alone, keeps its decisions under `hold`
+    # after it ends; the second, prompt and continuation as one prompt, has its rows past `prompt_len` read them
+    hold: str = ""
+    held: str = ""
     _dense: Optional[Tuple[int, np.ndarray]] = field(default=None, repr=False, compare=False)
     _placed: Optional[list] = field(default=None, repr=False, compare=False)
 
@@ -77,6 +81,9 @@ class RequestEdits:
             out["decide"] = True
         if self.inline_when is not None:
             out["inline_when"] = list(self.inline_when)
+        for name in ("hold", "held"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
         return json.dumps(out, separators=(",", ":"))
 
     @classmethod
@@ -89,7 +96,8 @@ class RequestEdits:
         return cls([(int(s), float(w), str(t)) for s, w, t in d.get("entries", [])], d.get("prompt_len"),
                    list(d.get("capture", [])), str(d.get("key", "")),
                    [(str(loc), int(i), float(w), str(t), str(v)) for loc, i, w, t, v in d.get("inline", [])],
-                   bool(d.get("decide", False)), _when(d.get("inline_when")))
+                   bool(d.get("decide", False)), _when(d.get("inline_when")), str(d.get("hold", "")),
+                   str(d.get("held", "")))
 
     def strengths(self, n_stages: int) -> np.ndarray:
         """`[3, n_stages]` float32: this request's strength per stage on every row, on prompt rows only, and
@@ -328,6 +336,7 @@ class BatchEdits:
         self._placements: Optional[Placements] = None
         self.deciding = [i for i, e in enumerate(self.edits) if e is not None and e.decide]
         self.slots: Optional[np.ndarray] = None  # each request's condition slot (the worker's; conditions.py)
+        self.held: Optional[np.ndarray] = None  # the slot of the decisions its rows past the prompt read, if others
         self.plen = np.asarray(prompt_lens, dtype=np.int64).copy()
         steered = [i for i, e in enumerate(self.edits) if _steers(e)]
         self.steered = len(steered)
@@ -358,7 +367,7 @@ class BatchEdits:
         out._placements = None
         out.deciding = sorted({i for i in self.deciding if i < keep and i not in rows}
                               | {i for i, (e, _) in rows.items() if e is not None and e.decide})
-        out.slots = None
+        out.slots = out.held = None
         steered = [i for i, (e, _) in rows.items() if _steers(e)]
         gone = [i for i in rows if i < keep] + list(range(keep, len(self.edits)))
         out.steered = self.steered - sum(1 for i in gone if _steers(self.edits[i])) + len(steered)

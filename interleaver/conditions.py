@@ -4,7 +4,8 @@ Each request that asks for a decision (`RequestEdits.decide`) holds a slot while
 int64 rows of facts at a fixed address (`rows`, filled by the host with the step's weights; rows past the step's
 point at the scratch slot, so padding and unconditioned rows sum and decide nothing a request reads):
 
-    0  the row's slot                  every row of a deciding request (the gate reads its decision)
+    0  the row's slot                  every row of a deciding request (the gate reads its decision; a scoring
+                                       pass's continuation rows read the slot its prompt's decisions were kept in)
     1  the slot to accumulate into     the request's prompt rows until it has decided (reduce=mean sums them)
     2  the slot to decide              the prompt's last row, the first time it runs (score and decision written)
     3  the prompt length               the mean's divisor
@@ -54,6 +55,11 @@ class Conditions:
         self._free = list(range(slots - 1, -1, -1))
         self._fresh: List[int] = []  # slots taken since the last step: zeroed before it runs
         self._decided: set = set()  # slots whose prompt's last row has run
+        # A scoring pass's decisions (RequestEdits.hold, .held): name -> the slot kept after its request ended,
+        # and which request keeps or reads which name
+        self._kept: Dict[str, int] = {}
+        self._holds: Dict[str, str] = {}
+        self._reads: Dict[str, str] = {}
         self.kernels = _kernels() is not None and torch.device(device).type == "cuda"
         if self.kernels:
             try:
@@ -70,6 +76,7 @@ class Conditions:
             return
         self._slot, self._free, self._fresh = dict(old._slot), list(old._free), list(old._fresh)
         self._decided = set(old._decided)
+        self._kept, self._holds, self._reads = dict(old._kept), dict(old._holds), dict(old._reads)
         for i in range(n):
             self.acc[i].copy_(old.acc[i])
         self.scores[:n].copy_(old.scores[:n])
@@ -87,19 +94,49 @@ class Conditions:
                     raise RuntimeError(f"no condition slot left for request {rid!r} ({self.scratch} in use)")
                 slot = self._slot[rid] = self._free.pop()
                 self._fresh.append(slot)
+                if e.hold:
+                    self._holds[rid] = e.hold
             out[i] = slot
         return out
 
-    def release(self, rids) -> None:
-        for rid in rids:
-            slot = self._slot.pop(rid, None)
+    def held_for(self, rids: Sequence, edits: Sequence) -> Optional[np.ndarray]:
+        """Each request's slot of kept decisions its rows past the prompt read (`RequestEdits.held`; the scratch
+        slot where none), or None where no request reads any."""
+        if not self._kept:
+            return None
+        out = np.full(len(rids), self.scratch, dtype=np.int64)
+        for i, (rid, e) in enumerate(zip(rids, edits)):
+            slot = self._kept.get(e.held) if e is not None and e.held else None
             if slot is not None:
+                out[i] = slot
+                self._reads[rid] = e.held
+        return out
+
+    def release(self, rids) -> None:
+        """Free the slots of requests that ended: a request that holds its decisions keeps its slot under its
+        name, and the request that read a kept slot frees it."""
+        for rid in rids:
+            slot, name = self._slot.pop(rid, None), self._holds.pop(rid, None)
+            if slot is not None and name:
+                self._free_kept(name)  # a name kept again: the newer decisions
+                self._kept[name] = slot
+            elif slot is not None:
                 self._free.append(slot)
                 self._decided.discard(slot)
+            read = self._reads.pop(rid, None)
+            if read is not None:
+                self._free_kept(read)
+
+    def _free_kept(self, name: str) -> None:
+        slot = self._kept.pop(name, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._decided.discard(slot)
 
     def set_rows(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray, plen: np.ndarray,
-                 slots: np.ndarray, num_tokens: int, stage) -> None:
-        """Fill `rows` for a step (`slots`: each request's; `stage(arrays)`: the arrays on the device in one copy)."""
+                 slots: np.ndarray, num_tokens: int, stage, held: Optional[np.ndarray] = None) -> None:
+        """Fill `rows` for a step (`slots`: each request's; `stage(arrays)`: the arrays on the device in one copy;
+        `held`: each request's slot of kept decisions for its rows past the prompt, `held_for`'s)."""
         live = slots != self.scratch
         decided = np.isin(slots, list(self._decided))
         if live.any():
@@ -126,6 +163,9 @@ class Conditions:
         table[3] = 1
         at = starts[owner] + offset
         table[0, at] = slot
+        if held is not None:  # a scoring pass's continuation rows read the decisions its prompt made before
+            kept = held[owner]
+            table[0, at] = np.where((kept != self.scratch) & (pos >= plen_r), kept, slot)
         deciding = open_[owner]
         table[1, at] = np.where(deciding & (pos < plen_r), slot, self.scratch)
         table[2, at] = np.where(deciding & (pos == plen_r - 1), slot, self.scratch)

@@ -72,7 +72,7 @@ class StepRows:
         if self.conditions is not None:
             slots = batch.slots if batch.slots is not None else np.full(counts.size, self.conditions.scratch)
             self.conditions.set_rows(starts, counts, positions, batch.plen, slots, num_tokens,
-                                     lambda arrays: self._stage(arrays, device))
+                                     lambda arrays: self._stage(arrays, device), batch.held)
         for i in batch.capture:
             e = batch.edits[i]
             for loc in e.capture:

@@ -174,6 +174,7 @@ class _TapWorkerMixin:
             batch = last.replaced(n, rows)
         if self.steer_conditions is not None:
             batch.slots = self.steer_conditions.slots_for(rids, batch.edits)
+            batch.held = self.steer_conditions.held_for(rids, batch.edits)
         cache = self.steer_requests
         if len(cache) > 4 * max(n, 64):  # forget requests that have left the batch
             present = set(self.model_runner.requests)

@@ -243,15 +243,25 @@ class VLLMEngine(Engine):
         """Teacher-force each (prompt, continuation, plan, capture paths) job: per-row log-probs `[T, vocab]`
         (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits."""
         params, keys = [], []
-        for prompt_ids, _cont_ids, plan, capture in jobs:
+        if any(capture for *_, capture in jobs) and self.in_graph:
+            raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
+                             "to copy them out): score with captures on a replay engine")
+        for _ in jobs:
             self._keys += 1
-            key = f"score-{self._keys}"
-            keys.append(key)
-            if capture and self.in_graph:
-                raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
-                                 "to copy them out): score with captures on a replay engine")
+            keys.append(f"score-{self._keys}")
+        # Under a condition the continuation reads the decision its prompt made, at every tap, as generated tokens
+        # do; read as one prompt, its tokens would pass the taps up to the condition's before the decision. So the
+        # prompts run alone first, each keeping its decisions for its reading (RequestEdits.hold and held).
+        held = [bool(plan and plan.conditions()) for _, _, plan, _ in jobs]
+        if any(held):
+            first = [(ids, self._edits(plan, key=key, hold=key))
+                     for (ids, _, plan, _), key, h in zip(jobs, keys, held) if h]
+            self._push()
+            self._generate([ids for ids, _ in first], [self._params(self._wire(e), max_tokens=1, temperature=0.0,
+                                                                    detokenize=False) for _, e in first])
+        for (prompt_ids, _cont_ids, plan, capture), key, h in zip(jobs, keys, held):
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
-                                key=key)
+                                key=key, held=key if h else "")
             self._push()
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.

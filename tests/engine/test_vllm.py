@@ -5,6 +5,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from interleaver.clock import Clock
@@ -111,3 +112,52 @@ def test_closing_an_engine_empties_the_pinned_host_cache_where_cuda_runs(monkeyp
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA here: nothing at all
     engine_module.release_host_cache()
     assert len(calls) == 5
+
+
+def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decision_for_it(monkeypatch):
+    """score_many: each job whose plan carries a condition first runs its prompt alone (one token), keeping its
+    decisions under the job's key; its reading, prompt and continuation as one prompt, reads them (the tap worker's
+    side: tests/interleaver/test_conditions.py). Jobs without a condition are read in one pass, as before."""
+    from interleaver.bank import EditBank
+    from steer.config.schema import EditKind
+    from steer.edits.condition import Condition
+    from steer.edits.edit import compile_edit
+    from steer.edits.plan import Plan
+    from steer.edits.tap import Tap
+    from steer.engine.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    taps = [Tap(f"layer{i}", f"model.layers.{i}", True) for i in range(3)]
+    v = torch.nn.functional.normalize(torch.ones(1, 8), dim=1)
+    cond = Condition(taps[1].path, v[0], "mean", "cast", "above", 0.1)
+    gated, plain = Plan(), Plan()
+    gated.add(taps[1], compile_edit(EditKind.add, 2.0, v, when=cond))
+    plain.add(taps[2], compile_edit(EditKind.add, 2.0, v))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.bank, engine.taps, engine.in_graph, engine._pushed, engine._pushed_conditions = (
+        EditBank(), {t.path: t for t in taps}, False, 0, 0)
+    engine.stop_ids, engine._keys = {0}, 0
+    engine.llm = SimpleNamespace(collective_rpc=lambda name, args: None)
+    calls = []
+
+    class Read(Exception):
+        pass
+
+    def generate(prompts, params):
+        calls.append((prompts, [json.loads(p["extra_args"]["steer"]) if p.get("extra_args") else None
+                                for p in params], params))
+        if len(calls) == 2:
+            raise Read  # the reading's outputs are vLLM's: what is checked here is what was asked
+
+    monkeypatch.setattr(engine, "_generate", generate)
+    jobs = [([1, 2, 3], [4, 5], gated, ()), ([6, 7], [8], plain, ()), ([9, 10], [11], None, ()),
+            ([12], [13, 14], gated, ())]
+    with pytest.raises(Read):
+        engine.score_many(jobs)
+    (first, asked, params), (reading, read, _) = calls
+    assert first == [[1, 2, 3], [12]] and all(p["max_tokens"] == 1 for p in params)
+    assert [a["hold"] for a in asked] == ["score-1", "score-4"] and all(a["decide"] for a in asked)
+    assert reading == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
+    assert [r and r.get("held") for r in read] == ["score-1", None, None, "score-4"]
+    assert [r and r["prompt_len"] for r in read] == [3, 2, None, 1]
+    assert "hold" not in read[0] and read[0]["entries"] == asked[0]["entries"]  # the same stages, registered once

@@ -148,3 +148,24 @@ def test_positions_and_a_condition_under_chunked_prefill_equal_the_hf_engine(tin
         assert got[2] != got[3]  # one steered, one not
     finally:
         chunked.close()
+
+
+def test_a_reading_under_a_condition_equals_the_hf_engines(engines, tiny_spec, direction, hf, conditioned):
+    """A teacher-forced reading (score_many) reads prompt and continuation as one prompt. With a gated edit at the
+    condition's own tap (layer 1) and one after it (layer 2), the continuation's tokens read the prompt's decision
+    at both, as generated tokens do: vLLM's log-probs equal the HF engine's, which decides the prompt first, for
+    prompts that meet the condition and prompts that do not."""
+    p, jobs, met = conditioned
+    cond = p.conditions()[0]
+    both = plan(tiny_spec, 1, compile_edit(EditKind.add, 6.0, direction, when=cond))
+    both.add(resolve(TapConf(layer=2), tiny_spec), compile_edit(EditKind.add, 6.0, direction, when=cond))
+    reads = [(i, hf.generate(i, both, GEN, 0), both, ()) for i, _, _ in jobs]
+    got, want = engines["replay"].score_many(reads), hf.score_many(reads)
+    for g, w, m in zip(got, want, met):
+        assert g.logprobs.shape == w.logprobs.shape
+        torch.testing.assert_close(g.logprobs.cpu(), w.logprobs.cpu(), atol=2e-3, rtol=0, msg=f"met={m}")
+    # the continuation under the condition's own tap is edited where the prompt met it: not as read undecided
+    undecided = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, when=cond))
+    for (ids, cont, _, _), w, m in zip(reads, want, met):
+        apart = (w.logprobs - hf.score(ids, cont, undecided).logprobs)[len(ids):].abs().max()
+        assert (float(apart) > 0.05) == m, (m, float(apart))

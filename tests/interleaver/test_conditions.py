@@ -217,6 +217,41 @@ def test_the_worker_decides_per_request_and_frees_the_slot_and_its_own_condition
     assert len(w.steer_bank.conditions) == 1 and len(w.steer_conditions.list) == 1  # the request's own is gone
 
 
+def test_a_scoring_pass_reads_its_continuation_under_the_decision_its_prompt_made():
+    """A teacher-forced reading runs prompt and continuation as one prompt. Its prompt first runs alone and keeps
+    its decision (`hold`); in the reading (`held`) the continuation's rows read that decision at every tap, the
+    condition's own included, as generated rows do, while the prompt's rows decide again as any prompt does. The
+    kept slot is freed when the reading ends."""
+    from interleaver.tap_worker import CONDITIONS_KEY, STAGES_KEY
+    from interleaver.vllm_internals import tap_location
+    from stand_in import step, tap_worker
+
+    first = tap_location("layers.0")
+    axis, v = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 2.0, 3.0])
+    cond = Condition(tap_path(first), axis, "mean", "cosine", "above", 0.0)
+    gated = Edit(EditKind.add, v[None], when=cond)  # at the condition's own tap: after the decision's forward only
+    w = tap_worker({STAGES_KEY: [(0, first, 0, gated.to_dict(0))], CONDITIONS_KEY: [cond.to_dict()]},
+                   taps=(("layers.0", True), ("layers.1", True)))
+    runner, conds = w.model_runner, w.steer_conditions
+
+    def args(**kw):
+        return {"steer": RequestEdits([(0, 1.0, "both")], decide=True, **kw).to_args()}
+
+    yes, no = torch.ones(2, H), -torch.ones(2, H)
+    cont = torch.full((1, H), 0.5)
+    for prompt, met in ((yes, True), (no, False)):
+        out = step(runner, [("p", 2, 0, 2, args(hold="k"))], prompt)
+        torch.testing.assert_close(out, prompt)  # the prompt's rows pass the tap before the decision
+        out = step(runner, [("r", 3, 0, 3, args(held="k", prompt_len=2))], torch.cat([prompt, cont]), finished=["p"])
+        assert set(conds._kept) == {"k"} and set(conds._slot) == {"r"}
+        torch.testing.assert_close(out, torch.cat([prompt, cont + v if met else cont]))
+        step(runner, [("u", 1, 0, 1, None)], cont, finished=["r"])  # the reading ends: no slot held
+        assert not conds._kept and not conds._slot and len(conds._free) == conds.scratch
+    # without a kept decision the continuation's rows read their own, not yet made at this tap: unedited
+    out = step(runner, [("r2", 3, 0, 3, args(held="gone", prompt_len=2))], torch.cat([yes, cont]))
+    torch.testing.assert_close(out, torch.cat([yes, cont]))
+
+
 def test_a_request_run_again_from_its_start_keeps_a_decision_made_and_restarts_one_not_made():
     """vLLM recomputes a preempted request from its first token: one that decided keeps its decision (and decides
     nothing more, whatever its rows score now); one preempted mid-prompt sums its prompt anew."""
