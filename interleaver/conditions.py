@@ -1,6 +1,7 @@
 """Conditions decided on the device, per request, as data in the graph: no branch, no host read-back.
 
-Each request that asks for a decision (`RequestEdits.decide`) holds a slot while it runs. A step's rows carry four
+Each request that asks for a decision (`RequestEdits.decide`) holds a slot while it runs (a scoring pass's first
+request keeps it for the reading that follows, `RequestEdits.hold` and `held`). A step's rows carry four
 int64 rows of facts at a fixed address (`rows`, filled by the host with the step's weights; rows past the step's
 point at the scratch slot, so padding and unconditioned rows sum and decide nothing a request reads):
 
@@ -118,16 +119,17 @@ class Conditions:
         for rid in rids:
             slot, name = self._slot.pop(rid, None), self._holds.pop(rid, None)
             if slot is not None and name:
-                self._free_kept(name)  # a name kept again: the newer decisions
+                self.drop_kept(name)  # a name kept again: the newer decisions
                 self._kept[name] = slot
             elif slot is not None:
                 self._free.append(slot)
                 self._decided.discard(slot)
             read = self._reads.pop(rid, None)
             if read is not None:
-                self._free_kept(read)
+                self.drop_kept(read)
 
-    def _free_kept(self, name: str) -> None:
+    def drop_kept(self, name: str) -> None:
+        """Free the slot kept under `name`, if one is."""
         slot = self._kept.pop(name, None)
         if slot is not None:
             self._free.append(slot)

@@ -244,7 +244,8 @@ class _TapWorkerMixin:
             raise ValueError(f"condition at {sorted(stray)[0]!r}, which is not a tap of this engine: "
                              f"{sorted(self.steer_il.taps)}")
         runner, old = self.model_runner, self.steer_conditions
-        # Twice the running requests: a preempted request keeps its slot (and decision) while others run
+        # Twice the running requests: a preempted request keeps its slot (and decision) while others run, and a
+        # scoring pass's kept decision waits for its reading (the vLLM engine reads max_num_seqs jobs at a time)
         slots = 2 * int(getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 256)
         new = Conditions(conds, slots, runner.max_num_tokens, runner.device) if conds else None
         if old is not None and new is not None:  # the slots held and their decisions so far
@@ -305,6 +306,13 @@ class _TapWorkerMixin:
         for p in self.steer_il.programs.values():
             p.ran = {"fused": 0, "torch": 0}
         return out
+
+    def steer_drop_held(self, names) -> None:
+        """Free the condition slots kept under `names` (RequestEdits.hold) whose readings have ended or never
+        came (a failed scoring pass): a slot still held when its reading ends is freed then."""
+        if self.steer_conditions is not None:
+            for name in names:
+                self.steer_conditions.drop_kept(name)
 
     def steer_take_kept(self):
         """Hand back (and forget) the tap rows kept for scoring requests: {location: {key: [rows, ...]}}, as

@@ -84,6 +84,8 @@ class VLLMEngine(Engine):
         )
         self._keys = 0
         self._clock = Clock()  # host time building SamplingParams (host_profile's "params")
+        # A reading under a condition holds two of the worker's 2 * max_num_seqs condition slots (score_many)
+        self._readings_at_once = conf.max_num_seqs
 
     def _additional_config(self, conf: VllmConf, taps: Sequence[Tap], declare: Sequence[Plan]) -> dict:
         """What the tap worker reads when it loads the model: the taps, and the declared edits of an in-graph
@@ -241,27 +243,48 @@ class VLLMEngine(Engine):
 
     def score_many(self, jobs: Sequence[ScoreJob]) -> List[Scores]:
         """Teacher-force each (prompt, continuation, plan, capture paths) job: per-row log-probs `[T, vocab]`
-        (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits."""
-        params, keys = [], []
+        (row t predicts token t + 1) and each captured tap's `[T, hidden]` value after its edits.
+
+        Under a condition the continuation reads the decision its prompt made, at every tap, as generated tokens
+        do; read as one prompt, its tokens would pass the taps up to the condition's before the decision. So each
+        conditioned prompt first runs alone for one token and keeps its decisions for its reading
+        (RequestEdits.hold and held), in rounds of at most max_num_seqs jobs: a kept decision and its reading hold
+        two of the worker's 2 * max_num_seqs condition slots."""
         if any(capture for *_, capture in jobs) and self.in_graph:
             raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
                              "to copy them out): score with captures on a replay engine")
-        for _ in jobs:
-            self._keys += 1
-            keys.append(f"score-{self._keys}")
-        # Under a condition the continuation reads the decision its prompt made, at every tap, as generated tokens
-        # do; read as one prompt, its tokens would pass the taps up to the condition's before the decision. So the
-        # prompts run alone first, each keeping its decisions for its reading (RequestEdits.hold and held).
-        held = [bool(plan and plan.conditions()) for _, _, plan, _ in jobs]
-        if any(held):
-            first = [(ids, self._edits(plan, key=key, hold=key))
-                     for (ids, _, plan, _), key, h in zip(jobs, keys, held) if h]
-            self._push()
+        if not any(plan and plan.conditions() for _, _, plan, _ in jobs):
+            return self._read(jobs, [""] * len(jobs))
+        out: List[Scores] = []
+        for start in range(0, len(jobs), self._readings_at_once):
+            out += self._read_deciding_first(jobs[start : start + self._readings_at_once])
+        return out
+
+    def _read_deciding_first(self, jobs: Sequence[ScoreJob]) -> List[Scores]:
+        """`score_many` for jobs some of which carry a condition: their prompts alone first, then every reading."""
+        holds = [f"hold-{self._keys + 1 + i}" if plan and plan.conditions() else ""
+                 for i, (_, _, plan, _) in enumerate(jobs)]
+        # Every plan registered and shipped before any decision is kept: a refusal leaves nothing held
+        first = [(ids, self._edits(plan, hold=h)) for (ids, _, plan, _), h in zip(jobs, holds) if h]
+        for _, _, plan, _ in jobs:
+            self._edits(plan)
+        self._push()
+        try:
             self._generate([ids for ids, _ in first], [self._params(self._wire(e), max_tokens=1, temperature=0.0,
                                                                     detokenize=False) for _, e in first])
-        for (prompt_ids, _cont_ids, plan, capture), key, h in zip(jobs, keys, held):
+            return self._read(jobs, holds)
+        finally:  # the readings have ended (or failed): no decision stays held
+            self.llm.collective_rpc("steer_drop_held", args=([h for h in holds if h],))
+
+    def _read(self, jobs: Sequence[ScoreJob], held: Sequence[str]) -> List[Scores]:
+        """Each job read in one pass, its rows past the prompt reading the decisions kept under `held` (if any)."""
+        params, keys = [], []
+        for (prompt_ids, _cont_ids, plan, capture), h in zip(jobs, held):
+            self._keys += 1
+            key = f"score-{self._keys}"
+            keys.append(key)
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
-                                key=key, held=key if h else "")
+                                key=key, held=h)
             self._push()
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.

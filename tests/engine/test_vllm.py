@@ -5,10 +5,10 @@ import os
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from interleaver.clock import Clock
+from steer.engine import vllm as vllm_engine
 from steer.engine.vllm import _dense, rank_zero, set_environment
 from steer.config.schema import VllmConf
 
@@ -116,8 +116,10 @@ def test_closing_an_engine_empties_the_pinned_host_cache_where_cuda_runs(monkeyp
 
 def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decision_for_it(monkeypatch):
     """score_many: each job whose plan carries a condition first runs its prompt alone (one token), keeping its
-    decisions under the job's key; its reading, prompt and continuation as one prompt, reads them (the tap worker's
-    side: tests/interleaver/test_conditions.py). Jobs without a condition are read in one pass, as before."""
+    decisions under a name its reading reads (the tap worker's side: tests/interleaver/test_conditions.py), in
+    rounds of at most max_num_seqs jobs (a kept decision and its reading hold two of the worker's 2 * max_num_seqs
+    slots), every plan registered before a decision is kept and every kept one dropped after its round. Jobs
+    without a condition are read in one pass, as before."""
     from interleaver.bank import EditBank
     from steer.config.schema import EditKind
     from steer.edits.condition import Condition
@@ -136,28 +138,34 @@ def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decisio
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.bank, engine.taps, engine.in_graph, engine._pushed, engine._pushed_conditions = (
         EditBank(), {t.path: t for t in taps}, False, 0, 0)
-    engine.stop_ids, engine._keys = {0}, 0
-    engine.llm = SimpleNamespace(collective_rpc=lambda name, args: None)
-    calls = []
-
-    class Read(Exception):
-        pass
+    engine.stop_ids, engine._keys, engine._readings_at_once = {0}, 0, 3
+    engine.llm = SimpleNamespace(collective_rpc=lambda name, args=(): rpcs.append((name, *args)) or [{}],
+                                 llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 4)))
+    monkeypatch.setattr(vllm_engine, "_dense", lambda logprobs, skip, vocab: torch.zeros(1, vocab))
+    calls, rpcs = [], []
+    reply = SimpleNamespace(prompt_logprobs=None, outputs=[SimpleNamespace(logprobs=None)])
 
     def generate(prompts, params):
         calls.append((prompts, [json.loads(p["extra_args"]["steer"]) if p.get("extra_args") else None
-                                for p in params], params))
-        if len(calls) == 2:
-            raise Read  # the reading's outputs are vLLM's: what is checked here is what was asked
+                                for p in params], [p["max_tokens"] for p in params]))
+        rpcs.append(("generate",))
+        return [reply] * len(prompts)
 
     monkeypatch.setattr(engine, "_generate", generate)
     jobs = [([1, 2, 3], [4, 5], gated, ()), ([6, 7], [8], plain, ()), ([9, 10], [11], None, ()),
             ([12], [13, 14], gated, ())]
-    with pytest.raises(Read):
-        engine.score_many(jobs)
-    (first, asked, params), (reading, read, _) = calls
-    assert first == [[1, 2, 3], [12]] and all(p["max_tokens"] == 1 for p in params)
-    assert [a["hold"] for a in asked] == ["score-1", "score-4"] and all(a["decide"] for a in asked)
-    assert reading == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]]
-    assert [r and r.get("held") for r in read] == ["score-1", None, None, "score-4"]
-    assert [r and r["prompt_len"] for r in read] == [3, 2, None, 1]
+    assert len(engine.score_many(jobs)) == 4
+    (first, asked, one), (reading, read, _), (first2, asked2, _), (reading2, read2, _) = calls
+    assert first == [[1, 2, 3]] and one == [1] and asked[0]["hold"] == "hold-1" and asked[0]["decide"]
+    assert reading == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11]]  # a round of three, conditioned or not
+    assert [r and r.get("held") for r in read] == ["hold-1", None, None]
+    assert [r and r["prompt_len"] for r in read] == [3, 2, None]
     assert "hold" not in read[0] and read[0]["entries"] == asked[0]["entries"]  # the same stages, registered once
+    assert first2 == [[12]] and asked2[0]["hold"] == "hold-4" and reading2 == [[12, 13, 14]]
+    assert read2[0]["held"] == "hold-4" and read2[0]["prompt_len"] == 1
+    # every plan shipped before the first decision was kept; each round's kept decisions dropped after its reading
+    names = [r[0] for r in rpcs]
+    assert names[0] == "steer_set_stages" and names.count("steer_set_stages") == 1
+    assert [r for r in rpcs if r[0] == "steer_drop_held"] == [("steer_drop_held", ["hold-1"]),
+                                                              ("steer_drop_held", ["hold-4"])]
+    assert names.index("steer_drop_held") > names.index("steer_take_kept")

@@ -250,6 +250,12 @@ def test_a_scoring_pass_reads_its_continuation_under_the_decision_its_prompt_mad
     # without a kept decision the continuation's rows read their own, not yet made at this tap: unedited
     out = step(runner, [("r2", 3, 0, 3, args(held="gone", prompt_len=2))], torch.cat([yes, cont]))
     torch.testing.assert_close(out, torch.cat([yes, cont]))
+    # a decision kept for a reading that never came is dropped by name (the engine does so after every round)
+    step(runner, [("p2", 2, 0, 2, args(hold="k2"))], yes, finished=["r2"])
+    step(runner, [("u2", 1, 0, 1, None)], cont, finished=["p2"])
+    assert set(conds._kept) == {"k2"}
+    w.steer_drop_held(["k2", "never"])
+    assert not conds._kept and not conds._slot and len(conds._free) == conds.scratch
 
 
 def test_a_request_run_again_from_its_start_keeps_a_decision_made_and_restarts_one_not_made():
