@@ -24,6 +24,7 @@ import sys
 import numpy as np
 import torch
 
+from interleaver.bank import RequestEdits
 from interleaver.conditions import Conditions
 from interleaver.edit import Condition
 
@@ -66,7 +67,7 @@ for dtype in (torch.bfloat16, torch.float32):
             r = torch.randn(PAD, W, generator=g).to(dtype).to(device) if residual else None
             w = torch.randn(PAD, 6, generator=g).to(device)
             for c in forms.values():
-                slots = c.slots_for(ids, [type("E", (), {"decide": decides[x]})() for x in ids])
+                slots = c.slots_for(ids, [RequestEdits(decide=decides[x]) for x in ids])
                 c.set_rows(starts, counts, positions, plens, slots, num, stage)
                 c.decide(range(len(conds)), h, r)
             t, f = forms[False], forms[True]
@@ -92,7 +93,7 @@ for cos in (1e-3, -1e-3, 1e-6, -1e-6):
     for kernels in (False, True):
         c = Conditions([small], SLOTS, PAD, device)
         c.kernels = kernels
-        slots = c.slots_for(["a"], [type("E", (), {"decide": True})()])
+        slots = c.slots_for(["a"], [RequestEdits(decide=True)])
         c.set_rows(np.array([0]), np.array([1]), np.array([0]), np.array([1]), slots, 1, stage)
         c.decide([0], h)
         read[kernels] = (float(c.scores[0, slots[0]]), float(c.flags[slots[0], 0]))
