@@ -164,8 +164,9 @@ class Conditions:
         table = np.full((4, num_tokens), self.scratch, dtype=np.int64)
         table[3] = 1
         at = starts[owner] + offset
-        table[0, at] = slot
-        if held is not None:  # a scoring pass's continuation rows read the decisions its prompt made before
+        if held is None:
+            table[0, at] = slot
+        else:  # a scoring pass's continuation rows read the decisions its prompt made before
             kept = held[owner]
             table[0, at] = np.where((kept != self.scratch) & (pos >= plen_r), kept, slot)
         deciding = open_[owner]
@@ -246,11 +247,19 @@ class Conditions:
         every row of `rows` points at the scratch slot (a new state's), so nothing is summed or decided."""
         device = self.flags.device
         for i, c in enumerate(self.list):
+            # Triton's compiled kernels are the process's: a variant warmed once (a replay engine makes a new state
+            # whenever a request brings a condition of its own) is not launched again
+            variant = (str(device), c.vector.shape[0], c.reduce, c.score, c.compare)
+            if variant in _WARMED:
+                continue
             for dtype in _DTYPES:
                 h = torch.zeros(1, c.vector.shape[0], device=device, dtype=dtype)
                 for residual in (None, torch.zeros_like(h)):
                     self._decide_fused(i, h, residual)
-        self.weigh(torch.zeros(1, 1, device=device), self.gating([0], [0]))
+            _WARMED.add(variant)
+        if (str(device), "gate") not in _WARMED:
+            self.weigh(torch.zeros(1, 1, device=device), self.gating([0], [0]))
+            _WARMED.add((str(device), "gate"))
 
     def gating(self, cols: Sequence[int], conds: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What `weigh` reads of a program whose weight columns `cols` are gated by conditions `conds`, on the
@@ -286,6 +295,7 @@ class Conditions:
 
 _COLUMNS = 64  # the gate kernel's columns a program
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activations' dtypes the kernels are compiled for
+_WARMED: set = set()  # the kernel variants `warm` has compiled in this process
 
 
 @lru_cache(maxsize=1)

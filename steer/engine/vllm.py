@@ -254,35 +254,38 @@ class VLLMEngine(Engine):
             raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
                              "to copy them out): score with captures on a replay engine")
         if not any(plan and plan.conditions() for _, _, plan, _ in jobs):
-            return self._read(jobs, [""] * len(jobs))
+            return self._read(jobs, self._new_keys(len(jobs)), [""] * len(jobs))
         out: List[Scores] = []
         for start in range(0, len(jobs), self._readings_at_once):
             out += self._read_deciding_first(jobs[start : start + self._readings_at_once])
         return out
 
+    def _new_keys(self, n: int) -> List[str]:
+        """Names for `n` scoring requests, unique in this engine (their captures and kept decisions go by them)."""
+        self._keys += n
+        return [f"score-{k}" for k in range(self._keys - n + 1, self._keys + 1)]
+
     def _read_deciding_first(self, jobs: Sequence[ScoreJob]) -> List[Scores]:
         """`score_many` for jobs some of which carry a condition: their prompts alone first, then every reading."""
-        holds = [f"hold-{self._keys + 1 + i}" if plan and plan.conditions() else ""
-                 for i, (_, _, plan, _) in enumerate(jobs)]
-        # Every plan registered and shipped before any decision is kept: a refusal leaves nothing held
+        keys = self._new_keys(len(jobs))
+        holds = [key if plan and plan.conditions() else "" for (_, _, plan, _), key in zip(jobs, keys)]
         first = [(ids, self._edits(plan, hold=h)) for (ids, _, plan, _), h in zip(jobs, holds) if h]
-        for _, _, plan, _ in jobs:
-            self._edits(plan)
+        for (_, _, plan, _), h in zip(jobs, holds):
+            if not h:  # every plan registered and shipped before any decision is kept: a refusal leaves none held
+                self._edits(plan)
         self._push()
         try:
             self._generate([ids for ids, _ in first], [self._params(self._wire(e), max_tokens=1, temperature=0.0,
                                                                     detokenize=False) for _, e in first])
-            return self._read(jobs, holds)
+            return self._read(jobs, keys, holds)
         finally:  # the readings have ended (or failed): no decision stays held
             self.llm.collective_rpc("steer_drop_held", args=([h for h in holds if h],))
 
-    def _read(self, jobs: Sequence[ScoreJob], held: Sequence[str]) -> List[Scores]:
-        """Each job read in one pass, its rows past the prompt reading the decisions kept under `held` (if any)."""
-        params, keys = [], []
-        for (prompt_ids, _cont_ids, plan, capture), h in zip(jobs, held):
-            self._keys += 1
-            key = f"score-{self._keys}"
-            keys.append(key)
+    def _read(self, jobs: Sequence[ScoreJob], keys: Sequence[str], held: Sequence[str]) -> List[Scores]:
+        """Each job read in one pass under its key, its rows past the prompt reading the decisions kept under
+        `held` (if any)."""
+        params = []
+        for (prompt_ids, _cont_ids, plan, capture), key, h in zip(jobs, keys, held):
             edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
                                 key=key, held=h)
             self._push()

@@ -156,16 +156,16 @@ def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decisio
             ([12], [13, 14], gated, ())]
     assert len(engine.score_many(jobs)) == 4
     (first, asked, one), (reading, read, _), (first2, asked2, _), (reading2, read2, _) = calls
-    assert first == [[1, 2, 3]] and one == [1] and asked[0]["hold"] == "hold-1" and asked[0]["decide"]
+    assert first == [[1, 2, 3]] and one == [1] and asked[0]["hold"] == "score-1" and asked[0]["decide"]
     assert reading == [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11]]  # a round of three, conditioned or not
-    assert [r and r.get("held") for r in read] == ["hold-1", None, None]
+    assert [r and r.get("held") for r in read] == ["score-1", None, None]
     assert [r and r["prompt_len"] for r in read] == [3, 2, None]
     assert "hold" not in read[0] and read[0]["entries"] == asked[0]["entries"]  # the same stages, registered once
-    assert first2 == [[12]] and asked2[0]["hold"] == "hold-4" and reading2 == [[12, 13, 14]]
-    assert read2[0]["held"] == "hold-4" and read2[0]["prompt_len"] == 1
+    assert first2 == [[12]] and asked2[0]["hold"] == "score-4" and reading2 == [[12, 13, 14]]
+    assert read2[0]["held"] == "score-4" and read2[0]["prompt_len"] == 1
     # every plan shipped before the first decision was kept; each round's kept decisions dropped after its reading
     names = [r[0] for r in rpcs]
     assert names[0] == "steer_set_stages" and names.count("steer_set_stages") == 1
-    assert [r for r in rpcs if r[0] == "steer_drop_held"] == [("steer_drop_held", ["hold-1"]),
-                                                              ("steer_drop_held", ["hold-4"])]
+    assert [r for r in rpcs if r[0] == "steer_drop_held"] == [("steer_drop_held", ["score-1"]),
+                                                              ("steer_drop_held", ["score-4"])]
     assert names.index("steer_drop_held") > names.index("steer_take_kept")
