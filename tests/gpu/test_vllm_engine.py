@@ -138,7 +138,10 @@ def test_edits_in_graph_equal_replay_mode(graph, tiny_spec, taps, direction, hf)
 def _equals_replay(engine, graph, hf, plans, jobs) -> None:
     """`engine` gives the replay engine's tokens for the mixed batch and a prompt longer than any graph, and its
     log-probs for a steered and an unsteered request."""
-    assert engine.generate_many(jobs, GEN) == graph.generate_many(jobs, GEN)
+    got, want = engine.generate_many(jobs, GEN), graph.generate_many(jobs, GEN)
+    # Where they part: each such job's first tokens here, in the replay engine, alone here, and on the HF engine
+    assert got == want, [(k, g[:4], w[:4], engine.generate(*jobs[k][:2], GEN, 0)[:4],
+                          hf.generate(*jobs[k][:2], GEN, 0)[:4]) for k, (g, w) in enumerate(zip(got, want)) if g != w]
     long = hf.encode("The weather today is wonderful and bright, and we smiled. " * 60)[:400]
     assert engine.generate(long, plans[1], GEN, 0) == graph.generate(long, plans[1], GEN, 0)
     for p in (plans[0], None):
