@@ -13,6 +13,7 @@ import gc
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -253,42 +254,50 @@ class VLLMEngine(Engine):
         if any(capture for *_, capture in jobs) and self.in_graph:
             raise ValueError("an engine with its edits in the graph keeps no tap values (no eager break "
                              "to copy them out): score with captures on a replay engine")
-        if not any(plan and plan.conditions() for _, _, plan, _ in jobs):
-            return self._read(jobs, self._new_keys(len(jobs)), [""] * len(jobs))
+        base = self._registered(jobs)
+        if not any(e.decide for e in base):
+            return self._read(jobs, base, self._new_keys(len(jobs)), [""] * len(jobs))
         out: List[Scores] = []
         for start in range(0, len(jobs), self._readings_at_once):
-            out += self._read_deciding_first(jobs[start : start + self._readings_at_once])
+            end = start + self._readings_at_once
+            out += self._read_deciding_first(jobs[start:end], base[start:end])
         return out
+
+    def _registered(self, jobs: Sequence[ScoreJob]) -> List[RequestEdits]:
+        """Each job's edits, every plan registered once (jobs of one plan share its entries) and shipped before
+        any request runs: a refusal leaves no decision held."""
+        made = {}
+        for _, _, plan, _ in jobs:
+            if plan and id(plan) not in made:
+                made[id(plan)] = self._edits(plan)
+        self._push()
+        return [made[id(plan)] if plan else self._edits(None) for _, _, plan, _ in jobs]
 
     def _new_keys(self, n: int) -> List[str]:
         """Names for `n` scoring requests, unique in this engine (their captures and kept decisions go by them)."""
         self._keys += n
         return [f"score-{k}" for k in range(self._keys - n + 1, self._keys + 1)]
 
-    def _read_deciding_first(self, jobs: Sequence[ScoreJob]) -> List[Scores]:
+    def _read_deciding_first(self, jobs: Sequence[ScoreJob], base: Sequence[RequestEdits]) -> List[Scores]:
         """`score_many` for jobs some of which carry a condition: their prompts alone first, then every reading."""
         keys = self._new_keys(len(jobs))
-        holds = [key if plan and plan.conditions() else "" for (_, _, plan, _), key in zip(jobs, keys)]
-        first = [(ids, self._edits(plan, hold=h)) for (ids, _, plan, _), h in zip(jobs, holds) if h]
-        for (_, _, plan, _), h in zip(jobs, holds):
-            if not h:  # every plan registered and shipped before any decision is kept: a refusal leaves none held
-                self._edits(plan)
-        self._push()
+        holds = [key if e.decide else "" for e, key in zip(base, keys)]
+        first = [(ids, replace(e, hold=h)) for (ids, *_), e, h in zip(jobs, base, holds) if h]
         try:
             self._generate([ids for ids, _ in first], [self._params(self._wire(e), max_tokens=1, temperature=0.0,
                                                                     detokenize=False) for _, e in first])
-            return self._read(jobs, keys, holds)
+            return self._read(jobs, base, keys, holds)
         finally:  # the readings have ended (or failed): no decision stays held
             self.llm.collective_rpc("steer_drop_held", args=([h for h in holds if h],))
 
-    def _read(self, jobs: Sequence[ScoreJob], keys: Sequence[str], held: Sequence[str]) -> List[Scores]:
-        """Each job read in one pass under its key, its rows past the prompt reading the decisions kept under
-        `held` (if any)."""
+    def _read(self, jobs: Sequence[ScoreJob], base: Sequence[RequestEdits], keys: Sequence[str],
+              held: Sequence[str]) -> List[Scores]:
+        """Each job read in one pass under its key (`base`: its registered edits), its rows past the prompt reading
+        the decisions kept under `held` (if any)."""
         params = []
-        for (prompt_ids, _cont_ids, plan, capture), key, h in zip(jobs, keys, held):
-            edits = self._edits(plan, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture],
-                                key=key, held=h)
-            self._push()
+        for (prompt_ids, _cont_ids, _plan, capture), e, key, h in zip(jobs, base, keys, held):
+            edits = replace(e, prompt_len=len(prompt_ids), capture=[tap_location(p) for p in capture], key=key,
+                            held=h)
             # Flat, undecoded log-probs: a full-vocabulary row as Python dicts of decoded tokens costs more than
             # the forward pass.
             params.append(self._params(self._wire(edits), max_tokens=1, temperature=0.0, prompt_logprobs=-1,
