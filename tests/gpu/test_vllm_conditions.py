@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from gpu_common import GEN, PROMPTS, vllm_engine
+from gpu_common import GEN, LOGPROB_ATOL, PROMPTS, vllm_engine
 from helpers import plan
 from steer.config.schema import EditKind, TapConf, Tokens
 from steer.edits.condition import Condition
@@ -173,7 +173,11 @@ def test_a_reading_under_a_condition_equals_the_hf_engines(engines, tiny_spec, d
     table = [(m, apart(g, w, len(r[0])), apart(gp, wp, len(r[0])), apart(g, gp, len(r[0])), apart(w, wp, len(r[0])))
              for g, w, gp, wp, m, r in zip(got, want, got_plain, want_plain, met, reads)]
     assert all(g.logprobs.shape == w.logprobs.shape for g, w in zip(got, want))
-    assert all(max(t[1]) <= 2e-3 for t in table), table
+    # The engines' kernels round apart most on a prompt's first rows, whose log-probs over the whole vocabulary
+    # reach -30 and below: steered, they part by no more than they do unsteered (doubled), or LOGPROB_ATOL
+    assert all(s <= max(LOGPROB_ATOL, 2 * u) for t in table for s, u in zip(t[1], t[2])), table
+    # vLLM's own continuation is edited exactly where the prompt met the condition
+    assert all((t[3][1] > 0.05) == t[0] for t in table), table
     # the continuation under the condition's own tap is edited where the prompt met it: not as read undecided
     undecided = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, when=cond))
     for (ids, cont, _, _), w, m in zip(reads, want, met):
