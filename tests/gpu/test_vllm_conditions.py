@@ -173,8 +173,9 @@ def test_a_reading_under_a_condition_equals_the_hf_engines(engines, tiny_spec, d
     table = [(m, apart(g, w, len(r[0])), apart(gp, wp, len(r[0])), apart(g, gp, len(r[0])), apart(w, wp, len(r[0])))
              for g, w, gp, wp, m, r in zip(got, want, got_plain, want_plain, met, reads)]
     assert all(g.logprobs.shape == w.logprobs.shape for g, w in zip(got, want))
-    # The engines' kernels round apart most on a prompt's first rows, whose log-probs over the whole vocabulary
-    # reach -30 and below: steered, they part by no more than they do unsteered (doubled), or LOGPROB_ATOL
+    # Every row is compared over the whole vocabulary, whose log-probs reach -20 on this model, and the engines'
+    # float32 kernels round apart in proportion: steered, they part by no more than they do unsteered (doubled),
+    # or LOGPROB_ATOL
     assert all(s <= max(LOGPROB_ATOL, 2 * u) for t in table for s, u in zip(t[1], t[2])), table
     # vLLM's own continuation is edited exactly where the prompt met the condition
     assert all((t[3][1] > 0.05) == t[0] for t in table), table
