@@ -184,11 +184,7 @@ class VLLMEngine(Engine):
         # before it starts. They share its extra_args string too, which vLLM's per-request deep copy copies for free
         # (RequestEdits.to_args).
         t0 = time.perf_counter()
-        shared = {}
-        for plan in plans:
-            if plan and id(plan) not in shared:
-                shared[id(plan)] = self._wire(self._edits(plan))
-        self._push()
+        shared = {k: self._wire(e) for k, e in self._register(plans).items()}
         seeds = seeds if seeds is not None else [None] * len(plans)
         # One SamplingParams per (plan, seed), as vLLM's own generate shares one among a batch: its input processor
         # clones each request's, and building one is about 16 us (1-4 ms before a 64-256 request batch started)
@@ -263,14 +259,19 @@ class VLLMEngine(Engine):
             out += self._read_deciding_first(jobs[start:end], base[start:end])
         return out
 
-    def _registered(self, jobs: Sequence[ScoreJob]) -> List[RequestEdits]:
-        """Each job's edits, every plan registered once (jobs of one plan share its entries) and shipped before
-        any request runs: a refusal leaves no decision held."""
+    def _register(self, plans: Sequence[Optional[Plan]]) -> dict:
+        """id(plan) -> its edits, for each distinct plan (None: unsteered, skipped), registered once and the stage
+        list shipped before any request runs: requests of one plan share its entries, and a refusal ships nothing."""
         made = {}
-        for _, _, plan, _ in jobs:
+        for plan in plans:
             if plan and id(plan) not in made:
                 made[id(plan)] = self._edits(plan)
         self._push()
+        return made
+
+    def _registered(self, jobs: Sequence[ScoreJob]) -> List[RequestEdits]:
+        """Each job's edits (`_register`'s): shipped before any request runs, so a refusal leaves no decision held."""
+        made = self._register([plan for _, _, plan, _ in jobs])
         return [made[id(plan)] if plan else self._edits(None) for _, _, plan, _ in jobs]
 
     def _new_keys(self, n: int) -> List[str]:
