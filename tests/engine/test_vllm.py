@@ -13,6 +13,21 @@ from steer.engine.vllm import _dense, rank_zero, set_environment
 from steer.config.schema import VllmConf
 
 
+def bare_engine(monkeypatch, taps, rpc, **llm):
+    """A VLLMEngine with nothing of vLLM behind it: SamplingParams a dict of its fields, every collective_rpc handed
+    to `rpc(name, args)`, `llm` more of the LLM's attributes, and `taps` its taps."""
+    from interleaver.bank import EditBank
+    from steer.engine.vllm import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.bank, engine.taps, engine.in_graph, engine.stop_ids = EditBank(), {t.path: t for t in taps}, False, {0}
+    engine._pushed = engine._pushed_conditions = engine._keys = 0
+    engine._clock = Clock()
+    engine.llm = SimpleNamespace(collective_rpc=rpc, **llm)
+    return engine
+
+
 def test_flat_logprobs_become_dense_rows():
     # vLLM's FlatLogprobs: position 0 of a prompt has none; a position lists the scored token first, then every
     # token by rank (so the scored one twice).
@@ -34,15 +49,11 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
     """sampling_params registers a plan once however many requests carry it (registering hashes every edit's
     vectors: per request it was the bench's host cost before each batch), and every request gets the entries it
     would get alone."""
-    import sys
-
-    from interleaver.bank import EditBank
     from steer.bench import workload
     from steer.engine.vllm import VLLMEngine
     from steer.edits.plan import Plan
     from steer.edits.tap import Tap
 
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
     ablate, add = (workload.scenario(name, 16, 4, 1, 0).edits[0] for name in ("ablate_all", "add"))
     taps = [Tap(f"layer{i}", f"model.layers.{i}", True) for i in range(4)]
     every, one, again = Plan(), Plan(), Plan()
@@ -50,10 +61,8 @@ def test_requests_sharing_a_plan_share_its_entries(monkeypatch):
         every.add(t, ablate)
     one.add(taps[2], add)
     again.add(taps[2], add)
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.bank, engine.taps, engine.in_graph, engine._pushed = EditBank(), {t.path: t for t in taps}, False, 0
-    engine.stop_ids, engine._clock, pushed = {0}, Clock(), []
-    engine.llm = SimpleNamespace(collective_rpc=lambda name, args: pushed.append(args[0]))
+    pushed = []
+    engine = bare_engine(monkeypatch, taps, lambda name, args: pushed.append(args[0]))
     registered = []
     monkeypatch.setattr(engine, "_edits", lambda plan, f=engine._edits: registered.append(plan) or f(plan))
 
@@ -120,27 +129,21 @@ def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decisio
     rounds of at most max_num_seqs jobs (a kept decision and its reading hold two of the worker's 2 * max_num_seqs
     slots), every plan registered before a decision is kept and every kept one dropped after its round. Jobs
     without a condition are read in one pass, as before."""
-    from interleaver.bank import EditBank
     from steer.config.schema import EditKind
     from steer.edits.condition import Condition
     from steer.edits.edit import compile_edit
     from steer.edits.plan import Plan
     from steer.edits.tap import Tap
-    from steer.engine.vllm import VLLMEngine
 
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
     taps = [Tap(f"layer{i}", f"model.layers.{i}", True) for i in range(3)]
     v = torch.nn.functional.normalize(torch.ones(1, 8), dim=1)
     cond = Condition(taps[1].path, v[0], "mean", "cast", "above", 0.1)
     gated, plain = Plan(), Plan()
     gated.add(taps[1], compile_edit(EditKind.add, 2.0, v, when=cond))
     plain.add(taps[2], compile_edit(EditKind.add, 2.0, v))
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.bank, engine.taps, engine.in_graph, engine._pushed, engine._pushed_conditions = (
-        EditBank(), {t.path: t for t in taps}, False, 0, 0)
-    engine.stop_ids, engine._keys, engine._readings_at_once = {0}, 0, 3
-    engine.llm = SimpleNamespace(collective_rpc=lambda name, args=(): rpcs.append((name, *args)) or [{}],
-                                 llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 4)))
+    engine = bare_engine(monkeypatch, taps, lambda name, args=(): rpcs.append((name, *args)) or [{}],
+                         llm_engine=SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 4)))
+    engine._readings_at_once = 3
     monkeypatch.setattr(vllm_engine, "_dense", lambda logprobs, skip, vocab: torch.zeros(1, vocab))
     calls, rpcs = [], []
     reply = SimpleNamespace(prompt_logprobs=None, outputs=[SimpleNamespace(logprobs=None)])
