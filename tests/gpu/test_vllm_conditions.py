@@ -153,8 +153,8 @@ def test_positions_and_a_condition_under_chunked_prefill_equal_the_hf_engine(tin
 def test_a_reading_under_a_condition_equals_the_hf_engines(engines, tiny_spec, direction, hf, conditioned):
     """A teacher-forced reading (score_many) reads prompt and continuation as one prompt. With a gated edit at the
     condition's own tap (layer 1) and one after it (layer 2), the continuation's tokens read the prompt's decision
-    at both, as generated tokens do: vLLM's log-probs equal the HF engine's, which decides the prompt first, for
-    prompts that meet the condition and prompts that do not."""
+    at both, as generated tokens do: vLLM's log-probs equal the HF engine's (which decides the prompt first) up to
+    the two engines' own rounding, for prompts that meet the condition and prompts that do not."""
     p, jobs, met = conditioned
     cond = p.conditions()[0]
     both = plan(tiny_spec, 1, compile_edit(EditKind.add, 6.0, direction, when=cond))
@@ -182,5 +182,5 @@ def test_a_reading_under_a_condition_equals_the_hf_engines(engines, tiny_spec, d
     # the continuation under the condition's own tap is edited where the prompt met it: not as read undecided
     undecided = plan(tiny_spec, 2, compile_edit(EditKind.add, 6.0, direction, when=cond))
     for (ids, cont, _, _), w, m in zip(reads, want, met):
-        apart = (w.logprobs - hf.score(ids, cont, undecided).logprobs)[len(ids):].abs().max()
-        assert (float(apart) > 0.05) == m, (m, float(apart))
+        moved = (w.logprobs - hf.score(ids, cont, undecided).logprobs)[len(ids):].abs().max()
+        assert (float(moved) > 0.05) == m, (m, float(moved))
