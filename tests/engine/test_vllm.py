@@ -109,18 +109,44 @@ def test_closing_an_engine_empties_the_pinned_host_cache_where_cuda_runs(monkeyp
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("host"), raising=False)
+    monkeypatch.setattr(engine_module, "_cores_here", 1)
     engine = engine_module.VLLMEngine.__new__(engine_module.VLLMEngine)
-    engine.llm = object()
+    engine.llm, engine._core_here = object(), True
     engine.close()
     assert calls == ["shutdown", "empty_cache", "synchronize", "host"] and engine.llm is None
+    assert engine_module._cores_here == 0  # its core, which ran here, is no longer counted
     engine.close()  # closed: nothing more
-    assert len(calls) == 4
+    assert len(calls) == 4 and engine_module._cores_here == 0
     monkeypatch.delattr(torch._C, "_host_emptyCache")  # a torch without it: nothing to empty, no error
     engine_module.release_host_cache()
     assert calls[4:] == ["synchronize"]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA here: nothing at all
     engine_module.release_host_cache()
     assert len(calls) == 5
+
+
+def test_an_engine_empties_the_host_cache_before_it_starts_only_behind_a_core_that_ran_here(monkeypatch):
+    """An engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) leaves pinned blocks that trip the next
+    capture here: the next engine empties the cache first while one is still counted (running, dropped without
+    close, or failed to start), and leaves it as it is where none ran here."""
+    from steer.engine import vllm as engine_module
+
+    calls = []
+    envs = SimpleNamespace(VLLM_ENABLE_V1_MULTIPROCESSING=True)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(envs=envs))
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
+    monkeypatch.setattr(engine_module, "release_host_cache", lambda: calls.append("host"))
+    monkeypatch.setattr(engine_module, "_cores_here", 0)
+    assert engine_module.before_start() is False and calls == []  # a core of its own; none ran here
+    envs.VLLM_ENABLE_V1_MULTIPROCESSING = False
+    assert engine_module.before_start() is True and calls == []  # the first core here: nothing to empty
+    assert engine_module.before_start() is True and calls == ["host"]  # behind one still running here
+    engine_module.end_core_here()
+    engine_module.end_core_here()
+    envs.VLLM_ENABLE_V1_MULTIPROCESSING = True
+    assert engine_module.before_start() is False and calls == ["host"]  # both closed
+    engine_module.end_core_here()  # a close too many counts nothing below none
+    assert engine_module._cores_here == 0
 
 
 def test_a_reading_under_a_condition_runs_its_prompt_first_and_keeps_the_decision_for_it(monkeypatch):
