@@ -330,9 +330,8 @@ _cores_here = 0
 def before_start() -> bool:
     """Before an engine starts vLLM: empty the pinned host cache where an engine core that ran in this process left
     its blocks (still running, dropped without close, or failed to start), and count the new engine's core if it
-    runs in this process too; says whether it does. Where none ran here the cache stays as it is: on an H100 (vLLM
-    0.26, torch 2.11) an in-process engine started just after emptying it gave its first steered request another
-    first token than the same engine in a process of its own, and the same tokens where nothing emptied it."""
+    runs in this process too; says whether it does. Where none ran here there is nothing of a core's to empty, and
+    the cache stays as it is (docs/perf-log.md has what an in-process start behind an emptied cache gave)."""
     global _cores_here
     import vllm.envs
 
